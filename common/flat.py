@@ -1,0 +1,72 @@
+"""Flat parameter vectors: one fp32 tensor per model state.
+
+Deltas, aggregates and outer steps all work on a single contiguous fp32
+vector that concatenates a model's parameters in name-sorted order.  The
+layout is a pure function of the model's parameter names and shapes, so two
+processes that build the same preset agree on every offset.
+
+Invariants: parameters are ordered by name (byte-wise); each occupies
+``[offset, offset + numel)``; tied parameters appear once (under the name
+``named_parameters`` reports first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hypertrain.common.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    """Names, shapes and offsets of a model's parameters in the flat vector."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ParamLayout:
+        named = sorted(model.named_parameters())
+        offsets, total = [], 0
+        for _, p in named:
+            offsets.append(total)
+            total += p.numel()
+        return cls(
+            names=tuple(n for n, _ in named),
+            shapes=tuple(tuple(p.shape) for _, p in named),
+            offsets=tuple(offsets),
+            numel=total,
+        )
+
+    def _params(self, model: nn.Module) -> list[torch.Tensor]:
+        params = dict(model.named_parameters())
+        if sorted(params) != list(self.names):
+            raise ConfigError("flat layout: model parameters do not match the layout")
+        return [params[n] for n in self.names]
+
+    def flatten(self, model: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the model's parameters into a flat fp32 vector (``out`` if given)."""
+        flat = torch.empty(self.numel, dtype=torch.float32) if out is None else out
+        for p, off in zip(self._params(model), self.offsets, strict=True):
+            flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        return flat
+
+    @torch.no_grad()
+    def load(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """Copy a flat vector into the model's parameters (in place)."""
+        if flat.numel() != self.numel:
+            raise ConfigError(f"flat layout: vector of {flat.numel()} != {self.numel} parameters")
+        for p, off in zip(self._params(model), self.offsets, strict=True):
+            p.copy_(flat[off : off + p.numel()].view(p.shape))
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``flat`` per parameter name (no copy)."""
+        return {
+            n: flat[off : off + int(torch.Size(s).numel())].view(s)
+            for n, s, off in zip(self.names, self.shapes, self.offsets, strict=True)
+        }

@@ -1,0 +1,150 @@
+"""Inner optimizers, the WSD learning-rate schedule and LAWA averaging.
+
+- ``adamw``: torch AdamW on every parameter; weight decay only on 2-D matrices.
+- ``muon``: ``torch.optim.Muon`` for the 2-D hidden matrices of the blocks
+  (attention and MLP weights), AdamW for the rest (embeddings, LayerNorms).
+  Muon uses ``adjust_lr_fn="match_rms_adamw"`` so one learning rate serves both.
+- WSD: linear warmup, a stable plateau, then a linear decay over the final
+  ``decay_fraction`` of the steps down to ``min_lr_ratio``.
+- LAWA: the mean of the last k checkpoints (flat vectors), summed in a fixed
+  order in fp32 (S3 step 3).
+
+Invariants: the schedule is a pure function of the step; the optimizer's
+state_dict round-trips through torch.save exactly; nothing reads a clock.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hypertrain.common.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InnerConfig:
+    """Inner optimizer and its schedule."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon (Muon for 2-D hidden matrices, AdamW for the rest)."""
+    lr: float = 3e-3
+    """Peak learning rate (both optimizers; Muon matches AdamW's RMS)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on 2-D matrices (0 on gains, biases, embeddings)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr."""
+    decay_fraction: float = 0.2
+    """Final fraction of the run with linear decay (WSD); 0 disables decay."""
+    min_lr_ratio: float = 0.1
+    """lr at the very end of the decay, as a fraction of the peak."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip per island step; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "muon"):
+            raise ConfigError(f"inner: unknown optimizer {self.name!r} (adamw|muon)")
+        if not self.lr > 0:
+            raise ConfigError(f"inner: lr must be > 0, got {self.lr}")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ConfigError(f"inner: decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        if self.warmup_steps < 0:
+            raise ConfigError("inner: warmup_steps must be >= 0")
+
+
+def wsd_factor(step: int, total_steps: int, cfg: InnerConfig) -> float:
+    """Learning-rate multiplier for the 0-based ``step`` of a ``total_steps`` run."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_steps = int(round(cfg.decay_fraction * total_steps))
+    decay_start = total_steps - decay_steps
+    if decay_steps == 0 or step < decay_start:
+        return 1.0
+    frac = (step - decay_start + 1) / decay_steps
+    return 1.0 - (1.0 - cfg.min_lr_ratio) * min(frac, 1.0)
+
+
+def _is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2 and name.startswith("blocks.")
+
+
+class InnerOptimizer:
+    """One or two torch optimizers behind one step / state_dict interface."""
+
+    def __init__(self, model: nn.Module, cfg: InnerConfig) -> None:
+        self.cfg = cfg
+        named = sorted(model.named_parameters())
+        self.params = [p for _, p in named]
+        betas = (cfg.beta1, cfg.beta2)
+        matrices = [p for n, p in named if _is_hidden_matrix(n, p)]
+        others = [p for n, p in named if not _is_hidden_matrix(n, p)]
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if cfg.name == "muon":
+            self.optimizers.append(
+                torch.optim.Muon(
+                    matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                    adjust_lr_fn="match_rms_adamw",
+                )
+            )
+            groups: list[dict[str, Any]] = [{"params": others, "weight_decay": 0.0}]
+        else:
+            groups = [
+                {"params": matrices, "weight_decay": cfg.weight_decay},
+                {"params": others, "weight_decay": 0.0},
+            ]
+        # foreach=False: the single-tensor path has one fixed op order on every machine.
+        self.optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=False))
+
+    def set_lr_factor(self, factor: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = self.cfg.lr * factor
+
+    def step(self) -> None:
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=False)
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """A deep copy: torch's state_dict aliases the live buffers, and a snapshot
+        that keeps changing under its holder is no snapshot."""
+        return copy.deepcopy([opt.state_dict() for opt in self.optimizers])
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != len(self.optimizers):
+            raise ConfigError("inner: optimizer state does not match the optimizer kind")
+        for opt, st in zip(self.optimizers, copy.deepcopy(states), strict=True):
+            opt.load_state_dict(st)
+
+
+class LAWA:
+    """Latest-weight averaging over the last ``k`` checkpoints (flat fp32 vectors)."""
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ConfigError(f"lawa: k must be >= 1, got {k}")
+        self.k = k
+        self.snapshots: deque[torch.Tensor] = deque(maxlen=k)
+
+    def add(self, flat: torch.Tensor) -> None:
+        self.snapshots.append(flat.detach().clone())
+
+    def average(self) -> torch.Tensor:
+        """Fixed-order (oldest first) fp32 mean of the kept snapshots."""
+        if not self.snapshots:
+            raise ConfigError("lawa: no checkpoints to average")
+        acc = torch.zeros_like(self.snapshots[0])
+        for snap in self.snapshots:
+            acc.add_(snap)
+        return acc.div_(len(self.snapshots))
