@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from hypertrain.common.errors import ConfigError
+from torch import nn
 
 
 @dataclass(frozen=True, slots=True)

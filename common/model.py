@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from hypertrain.common.errors import ConfigError
+from torch import nn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,9 +46,7 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model: {name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_head:
-            raise ConfigError(
-                f"model: n_head {self.n_head} does not divide d_model {self.d_model}"
-            )
+            raise ConfigError(f"model: n_head {self.n_head} does not divide d_model {self.d_model}")
 
 
 # Named presets.  tiny: milliseconds per step on one CPU core (tests, `hypertrain up`).

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import nn
-
 from hypertrain.common.errors import ConfigError
+from torch import nn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +61,7 @@ def wsd_factor(step: int, total_steps: int, cfg: InnerConfig) -> float:
     """Learning-rate multiplier for the 0-based ``step`` of a ``total_steps`` run."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    decay_steps = int(round(cfg.decay_fraction * total_steps))
+    decay_steps = round(cfg.decay_fraction * total_steps)
     decay_start = total_steps - decay_steps
     if decay_steps == 0 or step < decay_start:
         return 1.0
@@ -88,7 +87,9 @@ class InnerOptimizer:
         if cfg.name == "muon":
             self.optimizers.append(
                 torch.optim.Muon(
-                    matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                    matrices,
+                    lr=cfg.lr,
+                    weight_decay=cfg.weight_decay,
                     adjust_lr_fn="match_rms_adamw",
                 )
             )

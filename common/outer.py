@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
-
 from hypertrain.common.errors import ConfigError
 
 OuterName = Literal["nesterov", "average", "sparseloco"]
@@ -43,7 +42,9 @@ class OuterConfig:
 
     def __post_init__(self) -> None:
         if self.name not in ("nesterov", "average", "sparseloco"):
-            raise ConfigError(f"outer: unknown optimizer {self.name!r} (nesterov|average|sparseloco)")
+            raise ConfigError(
+                f"outer: unknown optimizer {self.name!r} (nesterov|average|sparseloco)"
+            )
         if not self.eta > 0:
             raise ConfigError(f"outer: eta must be > 0, got {self.eta}")
         if not 0 <= self.mu < 1:

@@ -1,8 +1,9 @@
 """Model presets, seeded init, flat layout, digests, WSD schedule and LAWA."""
 
+import itertools
+
 import pytest
 import torch
-
 from hypertrain.common.digest import state_digest, tensor_digest
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
@@ -75,7 +76,7 @@ def test_wsd_schedule_shape() -> None:
     f = [wsd_factor(s, 100, cfg) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == 1.0
     assert all(x == 1.0 for x in f[10:80])
-    assert all(a > b for a, b in zip(f[80:], f[81:], strict=False))
+    assert all(a > b for a, b in itertools.pairwise(f[80:]))
     assert f[99] == pytest.approx(0.1)
 
 
