@@ -1,0 +1,46 @@
+"""The fp32 reference codec: the values themselves, lossless.
+
+Payload: the ``n`` float32 values of the flattened tensor, little-endian.
+
+Invariants: ``decode(encode(x))`` equals ``x`` bit for bit (signed zeros
+included); NaN/inf are rejected on encode and on decode, so a decoded tensor
+is always finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hypertrain.common.codec.base import SLICE, Buffer, Codec, Mode, tensor_view
+from hypertrain.common.errors import CodecError
+
+
+class Fp32Codec(Codec):
+    """Raw fp32 values (see the module docstring)."""
+
+    lossless = True
+
+    def _encode_raw(self, flat: torch.Tensor, raw: memoryview) -> None:
+        dst = tensor_view(raw, torch.float32, 0, flat.numel())
+        for start in range(0, flat.numel(), SLICE):
+            part = flat[start : start + SLICE]
+            # Checked per slice while it is in cache, before it is copied out.
+            if not bool(torch.isfinite(part).all()):
+                raise CodecError("fp32 encode: input holds NaN or inf")
+            dst[start : start + SLICE].copy_(part)
+
+    def _prepare(self, raw: Buffer, numel: int) -> Buffer:
+        src = tensor_view(raw, torch.float32, 0, numel)
+        for start in range(0, numel, SLICE):
+            if not bool(torch.isfinite(src[start : start + SLICE]).all()):
+                raise CodecError("fp32 payload holds NaN or inf")
+        return raw
+
+    def _apply(self, raw: Buffer, out: torch.Tensor, mode: Mode) -> None:
+        src = tensor_view(raw, torch.float32, 0, out.numel())
+        if mode == "set":
+            out.copy_(src)
+        elif mode == "add":
+            out.add_(src)
+        else:
+            out.sub_(src)
