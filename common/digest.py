@@ -20,6 +20,7 @@ import os
 import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -41,7 +42,8 @@ def blob_digest(data: bytes | memoryview) -> str:
 
 def _raw(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def _leaf(buf: memoryview) -> bytes:
@@ -51,7 +53,8 @@ def _leaf(buf: memoryview) -> bytes:
 def _roots(tensors: list[torch.Tensor], parallel: bool) -> list[bytes]:
     """Hash-tree roots of several tensors; all their chunks go to one pool map."""
     raws = [_raw(t) for t in tensors]
-    spans, chunks = [], []
+    spans: list[tuple[int, int]] = []
+    chunks: list[memoryview] = []
     for raw in raws:
         first = len(chunks)
         chunks.extend(raw[i : i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES))

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hypertrain.common.errors import ConfigError
 from torch import nn
+
+from hypertrain.common.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from hypertrain.common.errors import ConfigError
 from torch import nn
+
+from hypertrain.common.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from hypertrain.common.errors import ConfigError
 from torch import nn
+
+from hypertrain.common.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

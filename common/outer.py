@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
+
 from hypertrain.common.errors import ConfigError
 
 OuterName = Literal["nesterov", "average", "sparseloco"]

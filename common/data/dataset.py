@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from hypertrain.common.data.build import prepare
 from hypertrain.common.data.manifest import DTYPES, MANIFEST_NAME, Manifest, read_manifest
 from hypertrain.common.errors import DataError

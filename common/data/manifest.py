@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from hypertrain.common.errors import DataError
 
 FORMAT = "hypertrain-tokens"

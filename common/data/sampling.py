@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from hypertrain.common.data.dataset import TokenDataset
 from hypertrain.common.errors import ConfigError, DataError
 

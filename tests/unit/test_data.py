@@ -15,10 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-import hypertrain.common.data.build as build_mod
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hypertrain.common.data.build as build_mod
 from hypertrain import data_cmd
 from hypertrain.common.data import (
     MANIFEST_NAME,
@@ -33,8 +36,6 @@ from hypertrain.common.data import (
     windows_digest,
 )
 from hypertrain.common.errors import ConfigError, DataError
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # ---------------------------------------------------------------- helpers
 

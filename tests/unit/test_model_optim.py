@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+
 from hypertrain.common.digest import state_digest, tensor_digest
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout

@@ -4,6 +4,7 @@ import io
 
 import pytest
 import torch
+
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.outer import NesterovOuter, OuterConfig, make_outer
 

@@ -1,0 +1,190 @@
+"""The run configuration, shared by daemons, in-process runs and the simulator.
+
+One frozen dataclass tree; loaded from TOML (``RunConfig.from_toml``) or a
+dict, overridden field by field (``with_overrides``), and serialized
+canonically (``to_dict``) for the tape and for run ids.
+
+Invariants: every field is validated in ``__post_init__`` and a bad value
+raises ConfigError naming the field; nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypertrain.common.codec import parse_codec_spec
+from hypertrain.common.errors import ConfigError, HypertrainError
+from hypertrain.common.model import preset
+from hypertrain.common.optim import InnerConfig
+from hypertrain.common.outer import OuterConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TopologyConfig:
+    """Islands, regions and the two sync intervals (S1)."""
+
+    regions: tuple[str, ...] = ("eu", "us")
+    """Region names; aggregation order is their sorted order."""
+    islands_per_region: int = 2
+    """n_r: islands in each region (N = len(regions) * n_r)."""
+    h_r: int = 5
+    """Regional sync interval in inner steps."""
+    h_g: int = 10
+    """Global sync interval in inner steps; a multiple of h_r (K = h_g / h_r)."""
+    tau: int = 0
+    """Merge delay: a merge for sync step s is applied at s + tau (0 <= tau < h_r)."""
+
+    def __post_init__(self) -> None:
+        if not self.regions or len(set(self.regions)) != len(self.regions):
+            raise ConfigError(f"topology: regions must be distinct and non-empty: {self.regions}")
+        for r in self.regions:
+            if not r or not all(c.isalnum() or c in "_." for c in r):
+                raise ConfigError(f"topology: region name {r!r} must be alphanumeric")
+        if self.islands_per_region < 1:
+            raise ConfigError("topology: islands_per_region must be >= 1")
+        if self.h_r < 1 or self.h_g < 1 or self.h_g % self.h_r:
+            raise ConfigError(f"topology: h_g ({self.h_g}) must be a multiple of h_r ({self.h_r})")
+        if not 0 <= self.tau < self.h_r:
+            raise ConfigError(f"topology: tau must satisfy 0 <= tau < h_r, got {self.tau}")
+
+    @property
+    def n_islands(self) -> int:
+        return len(self.regions) * self.islands_per_region
+
+    def islands_of(self, region: str) -> tuple[str, ...]:
+        return tuple(f"{region}-{k}" for k in range(self.islands_per_region))
+
+    def island_ids(self) -> tuple[str, ...]:
+        """All island ids, grouped by sorted region; the index is the data slice."""
+        return tuple(i for r in sorted(self.regions) for i in self.islands_of(r))
+
+    def region_of(self, island: str) -> str:
+        region, _, _ = island.rpartition("-")
+        if region not in self.regions or island not in self.islands_of(region):
+            raise ConfigError(f"topology: {island!r} is not an island of this run")
+        return region
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """Everything that changes the numbers of a run."""
+
+    run_id: str = "local"
+    """Name of the run; every message and tape entry carries it."""
+    model: str = "tiny"
+    """Model preset (common/model.py PRESETS)."""
+    seed: int = 0
+    """Fixes the initialization and the sample stream."""
+    steps: int = 200
+    """Inner steps per island; a multiple of topology.h_g."""
+    batch_per_island: int = 8
+    """b: sequences per island per step (global batch = N * b)."""
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    regional_codec: str = "int8"
+    """Codec of island -> relay deltas (with error feedback at the islands)."""
+    global_codec: str = "fp32"
+    """Codec of relay -> aggregator deltas (with error feedback at the relays)."""
+    ef_beta: float = 1.0
+    """Error-feedback decay at the senders (1.0 keeps the whole residual)."""
+    data: str | None = None
+    """Prepared dataset directory; None = the built-in corpus."""
+    holdout_windows: int = 512
+    """Held-out windows evaluated (the first n of the registered 512; S6)."""
+    threads: int = 1
+    """Intra-op threads per island.  CPU GEMM results depend on the thread
+    count, so it is part of the config: equal threads give equal bits."""
+
+    def __post_init__(self) -> None:
+        preset(self.model)
+        for name in ("run_id",):
+            value = getattr(self, name)
+            if not value or not all(c.isalnum() or c in "-_." for c in value):
+                raise ConfigError(f"run: {name} {value!r} must be non-empty [A-Za-z0-9._-]")
+        if self.steps < 1 or self.steps % self.topology.h_g:
+            raise ConfigError(
+                f"run: steps ({self.steps}) must be a positive multiple of h_g ({self.topology.h_g})"
+            )
+        if self.batch_per_island < 1 or self.threads < 1:
+            raise ConfigError("run: batch_per_island and threads must be >= 1")
+        if not 1 <= self.holdout_windows <= 512:
+            raise ConfigError(
+                f"run: holdout_windows must be in [1, 512], got {self.holdout_windows}"
+            )
+        if not 0 < self.ef_beta <= 1:
+            raise ConfigError(f"run: ef_beta must be in (0, 1], got {self.ef_beta}")
+        for name in ("regional_codec", "global_codec"):
+            try:
+                parse_codec_spec(getattr(self, name))
+            except HypertrainError as e:
+                raise ConfigError(f"run: {name}: {e}") from None
+        if self.outer.name == "sparseloco" and not self.global_codec.startswith("sparseloco"):
+            raise ConfigError(
+                "run: the sparseloco outer optimizer needs a sparseloco global_codec "
+                "(its top-k with error feedback runs at the senders)"
+            )
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"run: unknown config key(s): {', '.join(unknown)}")
+        try:
+            if "topology" in d:
+                topo = dict(d["topology"])
+                if "regions" in topo:
+                    topo["regions"] = tuple(topo["regions"])
+                d["topology"] = TopologyConfig(**topo)
+            if "inner" in d:
+                d["inner"] = InnerConfig(**d["inner"])
+            if "outer" in d:
+                d["outer"] = OuterConfig(**d["outer"])
+            return cls(**d)
+        except TypeError as e:  # unknown nested key, wrong arity
+            raise ConfigError(f"run: {e}") from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        try:
+            with open(path, "rb") as f:
+                return cls.from_dict(tomllib.load(f).get("run", {}))
+        except OSError as e:
+            raise ConfigError(f"config {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config {path}: invalid TOML: {e}") from None
+
+    def with_overrides(self, **changes: Any) -> RunConfig:
+        """A copy with top-level fields, or dotted nested ones (``"topology.h_r"``), replaced."""
+        d = self.to_dict()
+        for key, value in changes.items():
+            *parents, leaf = key.split(".")
+            node = d
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return RunConfig.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["topology"]["regions"] = list(self.topology.regions)
+        return d
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the config."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    @property
+    def global_batch(self) -> int:
+        return self.topology.n_islands * self.batch_per_island

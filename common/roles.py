@@ -1,0 +1,153 @@
+"""The three roles' numerical work: island, region (relay) and global (aggregator).
+
+These classes hold each role's state and do every computation the algorithm
+of docs/protocol.md (architecture.md, "The algorithm, precisely") prescribes;
+they do no I/O and make no timing decisions.  The in-process reference run
+calls them directly; the daemons call the very same methods from their
+servicers, which is what makes the two bit-identical.
+
+Invariants:
+- An island's ``base`` and its relay's ``base`` are updated with the same op
+  sequence (``sub_`` of the committed regional mean; ``copy_`` of the new global
+  parameters), so they stay bit-identical without being sent.
+- Merges are applied at a pinned step (sync_step + tau), never on arrival.
+- Error-feedback state lives with the sender (island for the regional codec,
+  relay for the global codec).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hypertrain.common.aggregate import Commitment, aggregate
+from hypertrain.common.codec import ErrorFeedback, make_codec
+from hypertrain.common.config import RunConfig
+from hypertrain.common.data import SampleStream
+from hypertrain.common.errors import HypertrainError
+from hypertrain.common.flat import ParamLayout
+from hypertrain.common.model import GPT, build_model, preset
+from hypertrain.common.optim import InnerOptimizer, wsd_factor
+from hypertrain.common.outer import make_outer
+
+
+def initial_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
+    """The run's starting global parameters (a pure function of model and seed)."""
+    model = build_model(cfg.model, seed=cfg.seed)
+    layout = ParamLayout.of(model)
+    return layout, layout.flatten(model)
+
+
+class IslandCore:
+    """One island: a model replica with its inner optimizer and its data slice."""
+
+    def __init__(
+        self, cfg: RunConfig, island_id: str, stream: SampleStream, theta0: torch.Tensor
+    ) -> None:
+        topo = cfg.topology
+        self.cfg = cfg
+        self.island_id = island_id
+        self.region = topo.region_of(island_id)
+        self.data_index = topo.island_ids().index(island_id)
+        self.stream = stream
+        self.model: GPT = build_model(preset(cfg.model), seed=cfg.seed)
+        self.layout = ParamLayout.of(self.model)
+        self.layout.load(self.model, theta0)
+        self.base = theta0.clone()
+        self.optimizer = InnerOptimizer(self.model, cfg.inner)
+        self.codec = make_codec(cfg.regional_codec)
+        self.feedback = ErrorFeedback(self.codec, self.layout.numel, beta=cfg.ef_beta)
+        self.step = 0
+        self.snapshots: dict[int, torch.Tensor] = {}  # sync_step -> theta (tau > 0)
+
+    def train_step(self) -> float:
+        """One inner step on this island's slice of the global batch at ``self.step``."""
+        windows = self.stream.replica_batch(self.step, self.data_index, self.cfg.topology.n_islands)
+        self.optimizer.set_lr_factor(wsd_factor(self.step, self.cfg.steps, self.cfg.inner))
+        self.optimizer.zero_grad()
+        loss = self.model.loss(windows)
+        loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        return float(loss.detach())
+
+    def params(self) -> torch.Tensor:
+        return self.layout.flatten(self.model)
+
+    def sync(self) -> bytes:
+        """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
+        with error feedback.  With tau > 0 it also snapshots theta for the overlap rule."""
+        theta = self.params()
+        if self.cfg.topology.tau:
+            self.snapshots[self.step] = theta.clone()
+        return self.feedback.encode(self.base - theta)
+
+    def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
+        """Apply the merge of ``sync_step``; must be called at step ``sync_step + tau``.
+
+        ``kind`` "regional": ``payload`` is the committed regional mean, base <- base - mean.
+        ``kind`` "global": ``payload`` is theta_{g+1}, base <- theta_{g+1}.
+        The island then takes base, plus (tau > 0) the progress made during the overlap.
+        """
+        merge_step = sync_step + self.cfg.topology.tau
+        if self.step != merge_step:
+            raise HypertrainError(
+                f"island {self.island_id}: merge of sync step {sync_step} is pinned to step "
+                f"{merge_step}, island is at step {self.step}"
+            )
+        if kind == "regional":
+            self.base.sub_(payload)
+        elif kind == "global":
+            self.base.copy_(payload)
+        else:
+            raise HypertrainError(f"island {self.island_id}: unknown merge kind {kind!r}")
+        snapshot = self.snapshots.pop(sync_step, None)
+        # tau > 0: merged state plus the local progress made during the overlap.
+        merged = self.base if snapshot is None else self.base + (self.params() - snapshot)
+        self.layout.load(self.model, merged)
+
+
+class RegionCore:
+    """A relay's numerical state: the global parameters, the regional base, the relay's EF."""
+
+    def __init__(self, cfg: RunConfig, region: str, theta0: torch.Tensor) -> None:
+        self.cfg = cfg
+        self.region = region
+        self.members = cfg.topology.islands_of(region)
+        self.codec = make_codec(cfg.regional_codec)
+        self.global_codec = make_codec(cfg.global_codec)
+        self.theta = theta0.clone()
+        self.base = theta0.clone()
+        self.feedback = ErrorFeedback(self.global_codec, theta0.numel(), beta=cfg.ef_beta)
+
+    def merge(self, inputs: dict[str, bytes]) -> tuple[torch.Tensor, Commitment]:
+        """Fixed-order mean of the islands' deltas; the regional base moves by it."""
+        mean, commitment = aggregate(inputs, self.codec, tuple(self.base.shape))
+        self.base.sub_(mean)
+        return mean, commitment
+
+    def encode_global_delta(self) -> bytes:
+        """``D_r = theta_g - b_r`` through the global codec with the relay's error feedback."""
+        return self.feedback.encode(self.theta - self.base)
+
+    def set_global(self, theta: torch.Tensor) -> None:
+        self.theta.copy_(theta)
+        self.base.copy_(theta)
+
+
+class GlobalCore:
+    """The aggregator's numerical state: global parameters and the outer optimizer."""
+
+    def __init__(self, cfg: RunConfig, theta0: torch.Tensor) -> None:
+        self.cfg = cfg
+        self.codec = make_codec(cfg.global_codec)
+        self.theta = theta0.clone()
+        self.outer = make_outer(cfg.outer)
+
+    def step(self, inputs: dict[str, bytes]) -> Commitment:
+        """Fixed-order mean over regions, then one outer step on ``theta`` in place."""
+        regions = set(self.cfg.topology.regions)
+        if set(inputs) != regions:
+            raise HypertrainError(f"global step: inputs from {sorted(inputs)} != {sorted(regions)}")
+        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape))
+        self.outer.step(self.theta, mean)
+        return commitment

@@ -1,0 +1,146 @@
+"""The ``hypertrain`` command line.
+
+    hypertrain run --local                 # in-process reference run on the built-in default
+    hypertrain run --local --preset proxy --regions eu,us,ap --h-r 5 --h-g 30
+    hypertrain data prepare [PATH ...]     # text files/folders -> token shards
+
+Exit codes: 0 success, 2 bad input (one line on stderr naming the problem),
+1 an unexpected failure (traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hypertrain import data_cmd
+from hypertrain.common.errors import HypertrainError
+
+# Flags of `run` that override RunConfig fields: flag -> (dotted field, type).
+RUN_FLAGS: dict[str, tuple[str, Any]] = {
+    "--run-id": ("run_id", str),
+    "--preset": ("model", str),
+    "--seed": ("seed", int),
+    "--steps": ("steps", int),
+    "--batch": ("batch_per_island", int),
+    "--islands-per-region": ("topology.islands_per_region", int),
+    "--h-r": ("topology.h_r", int),
+    "--h-g": ("topology.h_g", int),
+    "--tau": ("topology.tau", int),
+    "--regional-codec": ("regional_codec", str),
+    "--global-codec": ("global_codec", str),
+    "--outer": ("outer.name", str),
+    "--eta": ("outer.eta", float),
+    "--mu": ("outer.mu", float),
+    "--inner": ("inner.name", str),
+    "--lr": ("inner.lr", float),
+    "--data": ("data", str),
+    "--threads": ("threads", int),
+}
+
+
+def add_run_config_flags(p: argparse.ArgumentParser) -> None:
+    """The shared run-config flags: ``--config FILE`` plus one flag per field above."""
+    p.add_argument("--config", type=Path, help="TOML file with a [run] table")
+    p.add_argument("--regions", help="comma-separated region names (default eu,us)")
+    for flag, (dest, typ) in RUN_FLAGS.items():
+        p.add_argument(flag, type=typ, dest=dest.replace(".", "__"), help=f"overrides {dest}")
+
+
+def run_config_from_args(args: argparse.Namespace) -> Any:
+    from hypertrain.common.config import RunConfig
+
+    cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
+    changes: dict[str, Any] = {}
+    for dest, _ in RUN_FLAGS.values():
+        value = getattr(args, dest.replace(".", "__"))
+        if value is not None:
+            changes[dest] = value
+    if args.regions:
+        changes["topology.regions"] = [r.strip() for r in args.regions.split(",")]
+    return cfg.with_overrides(**changes) if changes else cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if not args.local:
+        print(
+            "hypertrain run: error: only --local is available (daemons: hypertrain up)",
+            file=sys.stderr,
+        )
+        return 2
+    from hypertrain.common.reference import run_reference
+
+    cfg = run_config_from_args(args)
+    topo = cfg.topology
+    print(
+        f"reference run {cfg.run_id}: {topo.n_islands} islands in {len(topo.regions)} regions "
+        f"({','.join(topo.regions)}), preset {cfg.model}, {cfg.steps} steps, "
+        f"H_r={topo.h_r} H_g={topo.h_g} tau={topo.tau}, codecs {cfg.regional_codec}/"
+        f"{cfg.global_codec}, outer {cfg.outer.name}, inner {cfg.inner.name}",
+        flush=True,
+    )
+
+    def show(e: dict[str, Any]) -> None:
+        print(
+            f"round {e['round']:3d}  step {e['step']:5d}  train {e['train_loss']:.4f}  "
+            f"held-out {e['heldout_loss']:.4f}",
+            flush=True,
+        )
+
+    res = run_reference(cfg, on_event=show)
+    ratio = res.fp32_bytes / res.bytes_per_sync
+    busy = res.seconds_train + res.seconds_sync
+    print(
+        f"held-out loss {res.initial_loss:.4f} -> {res.final_loss:.4f}; "
+        f"{res.bytes_per_sync / 1024:.1f} KiB per island per sync ({ratio:.1f}x smaller than fp32); "
+        f"sync overhead {100 * res.seconds_sync / busy:.1f}% of train+sync time"
+    )
+    print(f"final state digest {res.final_digest}")
+    if args.json:
+        summary = {
+            "config": cfg.to_dict(),
+            "initial_loss": res.initial_loss,
+            "final_loss": res.final_loss,
+            "final_digest": res.final_digest,
+            "bytes_per_sync": res.bytes_per_sync,
+            "fp32_bytes": res.fp32_bytes,
+            "seconds_train": res.seconds_train,
+            "seconds_sync": res.seconds_sync,
+            "seconds_eval": res.seconds_eval,
+            "rounds": res.rounds,
+        }
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hypertrain", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train (in-process reference run with --local)")
+    run.add_argument("--local", action="store_true", help="all roles in this process")
+    run.add_argument("--json", type=Path, help="write a summary JSON here")
+    add_run_config_flags(run)
+    run.set_defaults(func=cmd_run)
+    data_cmd.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except HypertrainError as e:
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
