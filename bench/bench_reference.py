@@ -27,9 +27,9 @@ def main() -> int:
     ap.add_argument("--codec", default="int8", help="regional codec")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    cfg = RunConfig(model="proxy", steps=args.steps, regional_codec=args.codec).with_overrides(
-        **{"topology.h_r": 5, "topology.h_g": 10}
-    )
+    cfg = RunConfig(
+        model="proxy", steps=args.steps, regional_codec=args.codec, batch_per_island=8
+    ).with_overrides(**{"topology.h_r": 5, "topology.h_g": 10})
     res = run_reference(cfg)
     busy = res.seconds_train + res.seconds_sync
     share = res.seconds_sync / busy

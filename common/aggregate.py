@@ -28,6 +28,9 @@ from hypertrain.common.codec import Codec
 from hypertrain.common.digest import blob_digest, tensor_digest
 from hypertrain.common.errors import HypertrainError
 
+Blob = bytes | bytearray | memoryview
+"""Encoded bytes as received (the transport fills a bytearray)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Commitment:
@@ -56,14 +59,14 @@ class Commitment:
         return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def fixed_order_sum(inputs: Mapping[str, bytes], codec: Codec, out: torch.Tensor) -> None:
+def fixed_order_sum(inputs: Mapping[str, Blob], codec: Codec, out: torch.Tensor) -> None:
     """``out`` (zeroed by the caller) += decoded inputs, in sorted member order."""
     for member in sorted(inputs):
         codec.decode_accumulate(inputs[member], out)
 
 
 def aggregate(
-    inputs: Mapping[str, bytes], codec: Codec, shape: tuple[int, ...]
+    inputs: Mapping[str, Blob], codec: Codec, shape: tuple[int, ...]
 ) -> tuple[torch.Tensor, Commitment]:
     """Fixed-order fp32 mean of the decoded ``inputs`` and its commitment."""
     if not inputs:

@@ -33,9 +33,9 @@ class TopologyConfig:
     """Region names; aggregation order is their sorted order."""
     islands_per_region: int = 2
     """n_r: islands in each region (N = len(regions) * n_r)."""
-    h_r: int = 5
+    h_r: int = 10
     """Regional sync interval in inner steps."""
-    h_g: int = 10
+    h_g: int = 20
     """Global sync interval in inner steps; a multiple of h_r (K = h_g / h_r)."""
     tau: int = 0
     """Merge delay: a merge for sync step s is applied at s + tau (0 <= tau < h_r)."""
@@ -83,7 +83,7 @@ class RunConfig:
     """Fixes the initialization and the sample stream."""
     steps: int = 200
     """Inner steps per island; a multiple of topology.h_g."""
-    batch_per_island: int = 8
+    batch_per_island: int = 32
     """b: sequences per island per step (global batch = N * b)."""
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)

@@ -35,7 +35,7 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def blob_digest(data: bytes | memoryview) -> str:
+def blob_digest(data: bytes | bytearray | memoryview) -> str:
     """sha256 hex of raw bytes: the content address of an encoded blob."""
     return hashlib.sha256(data).hexdigest()
 

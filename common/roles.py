@@ -17,9 +17,11 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from hypertrain.common.aggregate import Commitment, aggregate
+from hypertrain.common.aggregate import Blob, Commitment, aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
@@ -105,6 +107,17 @@ class IslandCore:
         merged = self.base if snapshot is None else self.base + (self.params() - snapshot)
         self.layout.load(self.model, merged)
 
+    def finish(self, theta: torch.Tensor) -> None:
+        """End of the run: take the final global parameters (no steps follow, no overlap)."""
+        self.base.copy_(theta)
+        self.snapshots.clear()
+        self.layout.load(self.model, self.base)
+
+
+def round_of_step(cfg: RunConfig, sync_step: int) -> int:
+    """The global round (0-based) a sync step belongs to."""
+    return (sync_step - 1) // cfg.topology.h_g
+
 
 class RegionCore:
     """A relay's numerical state: the global parameters, the regional base, the relay's EF."""
@@ -119,7 +132,7 @@ class RegionCore:
         self.base = theta0.clone()
         self.feedback = ErrorFeedback(self.global_codec, theta0.numel(), beta=cfg.ef_beta)
 
-    def merge(self, inputs: dict[str, bytes]) -> tuple[torch.Tensor, Commitment]:
+    def merge(self, inputs: Mapping[str, Blob]) -> tuple[torch.Tensor, Commitment]:
         """Fixed-order mean of the islands' deltas; the regional base moves by it."""
         mean, commitment = aggregate(inputs, self.codec, tuple(self.base.shape))
         self.base.sub_(mean)
@@ -143,7 +156,7 @@ class GlobalCore:
         self.theta = theta0.clone()
         self.outer = make_outer(cfg.outer)
 
-    def step(self, inputs: dict[str, bytes]) -> Commitment:
+    def step(self, inputs: Mapping[str, Blob]) -> Commitment:
         """Fixed-order mean over regions, then one outer step on ``theta`` in place."""
         regions = set(self.cfg.topology.regions)
         if set(inputs) != regions:

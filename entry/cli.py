@@ -19,50 +19,7 @@ from typing import Any
 
 from hypertrain import data_cmd
 from hypertrain.common.errors import HypertrainError
-
-# Flags of `run` that override RunConfig fields: flag -> (dotted field, type).
-RUN_FLAGS: dict[str, tuple[str, Any]] = {
-    "--run-id": ("run_id", str),
-    "--preset": ("model", str),
-    "--seed": ("seed", int),
-    "--steps": ("steps", int),
-    "--batch": ("batch_per_island", int),
-    "--islands-per-region": ("topology.islands_per_region", int),
-    "--h-r": ("topology.h_r", int),
-    "--h-g": ("topology.h_g", int),
-    "--tau": ("topology.tau", int),
-    "--regional-codec": ("regional_codec", str),
-    "--global-codec": ("global_codec", str),
-    "--outer": ("outer.name", str),
-    "--eta": ("outer.eta", float),
-    "--mu": ("outer.mu", float),
-    "--inner": ("inner.name", str),
-    "--lr": ("inner.lr", float),
-    "--data": ("data", str),
-    "--threads": ("threads", int),
-}
-
-
-def add_run_config_flags(p: argparse.ArgumentParser) -> None:
-    """The shared run-config flags: ``--config FILE`` plus one flag per field above."""
-    p.add_argument("--config", type=Path, help="TOML file with a [run] table")
-    p.add_argument("--regions", help="comma-separated region names (default eu,us)")
-    for flag, (dest, typ) in RUN_FLAGS.items():
-        p.add_argument(flag, type=typ, dest=dest.replace(".", "__"), help=f"overrides {dest}")
-
-
-def run_config_from_args(args: argparse.Namespace) -> Any:
-    from hypertrain.common.config import RunConfig
-
-    cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
-    changes: dict[str, Any] = {}
-    for dest, _ in RUN_FLAGS.values():
-        value = getattr(args, dest.replace(".", "__"))
-        if value is not None:
-            changes[dest] = value
-    if args.regions:
-        changes["topology.regions"] = [r.strip() for r in args.regions.split(",")]
-    return cfg.with_overrides(**changes) if changes else cfg
+from hypertrain.runflags import add_run_config_flags, run_config_from_args
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -125,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", type=Path, help="write a summary JSON here")
     add_run_config_flags(run)
     run.set_defaults(func=cmd_run)
+    up = sub.add_parser("up", help="the whole system as separate processes on loopback")
+    up.add_argument("--run-dir", help="run folder (default runs/<run_id>-<UTC time>)")
+    up.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    add_run_config_flags(up)
+    up.set_defaults(func=lambda a: __import__("hypertrain.up", fromlist=["cmd_up"]).cmd_up(a))
     data_cmd.register(sub)
     return parser
 

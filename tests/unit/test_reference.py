@@ -15,7 +15,7 @@ from hypertrain.common.reference import open_dataset, run_reference
 
 def _small(**changes: object) -> RunConfig:
     base = RunConfig(steps=40, holdout_windows=64).with_overrides(
-        **{"topology.h_r": 5, "topology.h_g": 10}
+        **{"topology.h_r": 5, "topology.h_g": 10, "batch_per_island": 8}
     )
     return base.with_overrides(**changes) if changes else base
 

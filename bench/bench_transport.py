@@ -1,0 +1,280 @@
+"""gRPC transport throughput, as ratios to a plain TCP socket measured in the same run.
+
+    .venv/bin/python bench/bench_transport.py                       # 256 MiB, table on stdout
+    .venv/bin/python bench/bench_transport.py --sweep --json experiments/results/bench_transport.json
+    .venv/bin/python bench/bench_transport.py --size-mib 32 --repeat 2   # a smoke run
+
+Baseline: the same bytes over a loopback TCP socket, ``sendall`` from a thread and
+``recv_into`` a preallocated buffer, best of N.  Figures, each best of N after a warm-up:
+
+- push/bare: the client streams ``delta_chunks`` (hypertrain.wire stubs); the server
+  only counts the bytes.  What gRPC itself costs.
+- push/memory: the server runs ``receive_delta`` without spooling (copy + sha256).
+- push/spool (figure a, the relay's path): ``receive_delta`` with a spool dir (sha256
+  and file write overlapped with the transfer, fsync) then ``publish``; timed until
+  the client has the ack, so the blob is durable.  Target >= 0.3.
+- push/spool-serial: the same with hashing and writing done inline by the handler
+  thread, to show what the overlap buys.
+- merge (figure b): the server streams ``merge_chunks`` of an fp32 tensor, the client
+  runs ``receive_merge`` (fills a fresh tensor, checks the tensor digest).  Target >= 0.35.
+- merge/reuse: the same into one tensor kept across calls (``out=``), as an island
+  that keeps its receive buffer does.
+
+The server runs in a child process (as a relay does: the sender's Python never shares
+a GIL with the receiver), on the same machine, so both ends share its cores, as the
+two threads of the TCP baseline do.  ``--sweep`` repeats push/spool and merge for
+chunk sizes 256 KiB .. 4 MiB.  Timings are wall clock on a possibly shared machine;
+the JSON records sizes and repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TARGETS = {"push/spool": 0.3, "merge": 0.35}
+SWEEP_KIB = [256, 512, 1024, 2048, 4096]
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> float:
+    """Best wall time of ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def tcp_once(data: bytes, buf: bytearray) -> None:
+    """Send ``data`` over a fresh loopback connection into ``buf``."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        sender = threading.Thread(
+            target=lambda: socket.create_connection(("127.0.0.1", port)).sendall(data)
+        )
+        sender.start()
+        conn, _ = srv.accept()
+        view, got = memoryview(buf), 0
+        with conn:
+            while got < len(data):
+                n = conn.recv_into(view[got : got + (4 << 20)])
+                if n == 0:
+                    raise RuntimeError("tcp baseline: connection closed early")
+                got += n
+        sender.join()
+
+
+# -- the server process ---------------------------------------------------------------
+def serve(conn: Connection, size: int, chunk_bytes: int, work_dir: str) -> None:
+    """Child process: a Relay server with bench modes chosen by ``TransferHeader.codec``."""
+    from hypertrain.common.digest import tensor_digest
+    from hypertrain.v1 import hypertrain_pb2 as pb
+    from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
+    from hypertrain.wire import chunks, spool
+    from hypertrain.wire.server import add_servicer, bind, make_server
+
+    torch.manual_seed(0)
+    theta = torch.randn(size // 4)
+    header = pb.MergeHeader(kind="global", numel=theta.numel(), digest=tensor_digest(theta))
+    spool_dir, dest = Path(work_dir, "spool"), Path(work_dir, "published")
+    spool_dir.mkdir(exist_ok=True)
+
+    class Bench(pb_grpc.RelayServicer):
+        def PushDelta(self, parts: Iterator[Any], context: Any) -> Any:
+            it = iter(parts)
+            first = next(it)
+            mode = first.header.codec
+            stream = itertools.chain([first], it)
+            if mode == "bare":
+                n = sum(len(p) for p in it if not isinstance(p, pb.DeltaChunk))
+                return pb.PushAck(digest=str(n))
+            spool.OVERLAP = mode != "serial-spool"
+            got = chunks.receive_delta(
+                stream, max_size=size, spool_dir=None if mode == "memory" else spool_dir
+            )
+            if got.spool_path is not None:
+                (dest / got.digest).unlink(
+                    missing_ok=True
+                )  # time a real publish, not the idempotent one
+                chunks.publish(got, dest)
+            return pb.PushAck(digest=got.digest)
+
+        def FetchMerge(self, request: Any, context: Any) -> Iterator[Any]:
+            yield from chunks.merge_chunks(header, theta, chunk_bytes=chunk_bytes)
+
+    server = make_server()
+    add_servicer(Bench(), server, "Relay")
+    address = bind(server, "127.0.0.1:0")
+    server.start()
+    conn.send(address)
+    conn.recv()  # any message: stop
+    server.stop(0)
+
+
+class Server:
+    """A bench server in a child process (spawned: no forked gRPC state)."""
+
+    def __init__(self, size: int, chunk_bytes: int, work_dir: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=serve, args=(child, size, chunk_bytes, work_dir), daemon=True
+        )
+        self.proc.start()
+        if not self.conn.poll(120):
+            self.proc.kill()
+            raise RuntimeError("bench server did not start (see its traceback above)")
+        self.address: str = self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(30)
+
+
+# -- the figures --------------------------------------------------------------------
+def grpc_figures(
+    data: bytes, chunk_bytes: int, repeats: int, work_dir: str, modes: list[str]
+) -> dict[str, float]:
+    """Seconds per transfer of each figure, for one chunk size."""
+    from hypertrain.v1 import hypertrain_pb2 as pb
+    from hypertrain.wire import chunks
+    from hypertrain.wire.client import connect, fetch_merge, relay_stub
+
+    digest = hashlib.sha256(data).hexdigest()
+    server = Server(len(data), chunk_bytes, work_dir)
+    out: dict[str, float] = {}
+    try:
+        stub = relay_stub(connect(server.address))
+        for mode in modes:
+            if mode.startswith("merge"):
+                keep = torch.empty(len(data) // 4) if mode == "merge/reuse" else None
+
+                def fetch(keep: torch.Tensor | None = keep) -> None:
+                    fetch_merge(stub.FetchMerge, pb.MergeRequest(kind="global"), out=keep)
+
+                out[mode] = best_of(fetch, repeats)
+                continue
+            header = pb.TransferHeader(size=len(data), digest=digest, codec=mode.split("/")[1])
+
+            def push(header: Any = header) -> None:
+                ack = stub.PushDelta(chunks.delta_chunks(header, data, chunk_bytes=chunk_bytes))
+                assert ack.digest in (digest, str(len(data))), ack
+
+            out[mode] = best_of(push, repeats)
+    finally:
+        server.close()
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'figure':<26}{'MB/s':>9}{'ratio':>8}{'target':>8}  result"]
+    for r in rows:
+        target = f"{r['target']:.2f}" if r["target"] else "-"
+        verdict = ("PASS" if r["ratio"] >= r["target"] else "FAIL") if r["target"] else ""
+        lines.append(f"{r['figure']:<26}{r['mb_s']:>9.0f}{r['ratio']:>8.3f}{target:>8}  {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per figure (best is kept)")
+    ap.add_argument(
+        "--chunk-kib", type=int, default=None, help="default: hypertrain.wire.chunks.CHUNK_BYTES"
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also try chunk sizes " + ", ".join(f"{k} KiB" for k in SWEEP_KIB),
+    )
+    ap.add_argument("--dir", default=None, help="spool/publish folder (default: a temp folder)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from hypertrain.wire.chunks import CHUNK_BYTES
+
+    size = args.size_mib << 20
+    chunk = (args.chunk_kib << 10) if args.chunk_kib else CHUNK_BYTES
+    data = os.urandom(size)
+    buf = bytearray(size)
+    base = best_of(lambda: tcp_once(data, buf), args.repeat)
+    mb = size / 1e6
+    rows: list[dict[str, Any]] = [
+        {"figure": "tcp baseline", "mb_s": mb / base, "ratio": 1.0, "target": None}
+    ]
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-transport-") as work:
+        modes = [
+            "push/bare",
+            "push/memory",
+            "push/spool",
+            "push/serial-spool",
+            "merge",
+            "merge/reuse",
+        ]
+        for mode, secs in grpc_figures(data, chunk, args.repeat, work, modes).items():
+            rows.append(
+                {
+                    "figure": mode,
+                    "mb_s": mb / secs,
+                    "ratio": base / secs,
+                    "target": TARGETS.get(mode),
+                }
+            )
+        sweep: list[dict[str, Any]] = []
+        if args.sweep:
+            for kib in SWEEP_KIB:
+                for mode, secs in grpc_figures(
+                    data, kib << 10, args.repeat, work, ["push/spool", "merge"]
+                ).items():
+                    sweep.append(
+                        {
+                            "figure": f"{mode} @{kib}KiB",
+                            "chunk_kib": kib,
+                            "mb_s": mb / secs,
+                            "ratio": base / secs,
+                            "target": TARGETS.get(mode),
+                        }
+                    )
+    print(
+        f"# {args.size_mib} MiB, chunk {chunk >> 10} KiB, best of {args.repeat}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}"
+    )
+    print(table(rows))
+    if sweep:
+        print("\n# chunk-size sweep")
+        print(table(sweep))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "size_mib": args.size_mib,
+            "repeat": args.repeat,
+            "chunk_kib": chunk >> 10,
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "figures": rows,
+            "sweep": sweep,
+        }
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    failed = [r["figure"] for r in rows if r["target"] and r["ratio"] < r["target"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""``hypertrain up``: the whole system as separate processes on loopback.
+
+Starts one aggregator, one relay per region and every island as separate OS
+processes (``python -m hypertrain.<role>``) bound to 127.0.0.1 port 0, shows
+live progress from their logs, and ends with a summary.  It stops every
+process it started when the run ends, when it is interrupted, and when any of
+them fails (showing that process's last log lines); it exits non-zero then.
+
+Run folder (``--run-dir``, default ``runs/<run_id>-<UTC time>``): ``run.toml``
+(the resolved config), ``logs/<daemon>.log``, ``aggregator/`` (state.pt and
+published inputs), ``relay-<region>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.roles import initial_parameters
+from hypertrain.procs import Child, child_env, python_module
+from hypertrain.runflags import run_config_from_args
+
+ISLAND_NICE = 5
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def config_toml(cfg: RunConfig) -> str:
+    """The ``[run]`` table of ``cfg`` as TOML (nested tables for topology/inner/outer)."""
+    flat, nested = [], []
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, dict):
+            nested.append(
+                f"\n[run.{key}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in value.items())
+            )
+        elif value is not None:
+            flat.append(f"{key} = {toml_value(value)}\n")
+    return "[run]\n" + "".join(flat) + "".join(nested)
+
+
+class Progress:
+    """Collects daemon events; prints one line per global round."""
+
+    def __init__(self, cfg: RunConfig, quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.quiet = quiet
+        self.lock = threading.Lock()
+        self.evals: dict[int, float] = {}
+        self.done: dict[str, dict[str, str]] = {}
+        self.final_digest: str | None = None
+        self.rounds = cfg.steps // cfg.topology.h_g
+        self.t0 = time.monotonic()
+
+    def on_event(self, source: str, e: dict[str, str]) -> None:
+        with self.lock:
+            kind = e["event"]
+            if kind == "eval":
+                step = int(e["step"])
+                self.evals[step] = float(e["heldout_loss"])
+                if not self.quiet:
+                    r = int(e["round"]) + 1
+                    label = "start" if step == 0 else f"round {r:3d}/{self.rounds}"
+                    print(
+                        f"  {label:>14s}  step {step:5d}  held-out loss {self.evals[step]:.4f}"
+                        f"  ({time.monotonic() - self.t0:5.1f}s)",
+                        flush=True,
+                    )
+            elif kind == "done":
+                self.done[e["island"]] = e
+            elif kind == "final":
+                self.final_digest = e["digest"]
+
+
+def start_cluster(
+    cfg: RunConfig, run_dir: Path, progress: Progress, extra_env: dict[str, str] | None = None
+) -> list[Child]:
+    """Start aggregator, relays and islands; returns them in start order."""
+    conf = run_dir / "run.toml"
+    logs = run_dir / "logs"
+    env = child_env() | (extra_env or {})
+    children: list[Child] = []
+
+    def spawn(name: str, module: str, *args: str, nice: int = 0) -> Child:
+        argv = python_module(module, "--config", str(conf), *args)
+        child = Child(name, argv, logs / f"{name}.log", progress.on_event, env, nice=nice)
+        children.append(child)
+        return child
+
+    agg = spawn(
+        "aggregator",
+        "hypertrain.aggregator",
+        "--listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        str(run_dir / "aggregator"),
+    )
+    agg_addr = agg.wait_listening()
+    relays = {}
+    for region in sorted(cfg.topology.regions):
+        relays[region] = spawn(
+            f"relay-{region}",
+            "hypertrain.relay",
+            "--region",
+            region,
+            "--aggregator",
+            agg_addr,
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(run_dir / f"relay-{region}"),
+        )
+    addrs = {r: c.wait_listening() for r, c in relays.items()}
+    for island in cfg.topology.island_ids():
+        region, _, index = island.rpartition("-")
+        # On one shared host the islands' training saturates every core; a lower
+        # priority lets relays and the aggregator answer at once (each sync waits on them).
+        spawn(
+            f"island-{island}",
+            "hypertrain.island",
+            *("--region", region, "--index", index, "--relay", addrs[region]),
+            nice=ISLAND_NICE,
+        )
+    return children
+
+
+def supervise(
+    children: list[Child], poll_s: float = 0.2, deadline_s: float | None = None
+) -> Child | None:
+    """Wait until every child exits 0 (None) or one fails (that child).
+
+    With ``deadline_s``, a run still going after that long raises TimeoutError."""
+    t_end = None if deadline_s is None else time.monotonic() + deadline_s
+    while True:
+        if t_end is not None and time.monotonic() > t_end:
+            raise TimeoutError(f"run still going after {deadline_s:.0f}s")
+        running = False
+        for child in children:
+            code = child.proc.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                return child
+        if not running:
+            return None
+        time.sleep(poll_s)
+
+
+def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> tuple[str, bool]:
+    layout, _ = initial_parameters(cfg)
+    fp32 = 4 * layout.numel
+    done = progress.done
+    digests = {e["digest"] for e in done.values()}
+    per_sync = sum(int(e["bytes_per_sync"]) for e in done.values()) / max(len(done), 1)
+    blocked = max((float(e["blocked_share"]) for e in done.values()), default=0.0)
+    first = progress.evals.get(0, float("nan"))
+    last = progress.evals.get(cfg.steps, float("nan"))
+    agree = len(digests) == 1 and progress.final_digest in digests
+    lines = [
+        f"held-out loss {first:.4f} -> {last:.4f} over {cfg.steps} steps in {wall:.1f}s",
+        f"bytes per island per sync {per_sync / 1024:.1f} KiB ({cfg.regional_codec}; "
+        f"{fp32 / max(per_sync, 1):.1f}x smaller than fp32 {fp32 / 1024:.1f} KiB)",
+        f"islands blocked on sync: at most {100 * blocked:.1f}% of their wall time",
+        f"final state digest {progress.final_digest} "
+        + ("(all islands and the aggregator agree)" if agree else f"(DISAGREE: {sorted(digests)})"),
+        f"state and published inputs: {run_dir}/aggregator, {run_dir}/relay-*; logs: {run_dir}/logs",
+    ]
+    return "\n".join(lines), agree
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cfg = run_config_from_args(args)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    run_dir = Path(args.run_dir or f"runs/{cfg.run_id}-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.toml").write_text(config_toml(cfg))
+    topo = cfg.topology
+    print(
+        f"hypertrain up: {topo.n_islands} islands in {len(topo.regions)} regions "
+        f"({','.join(sorted(topo.regions))}), preset {cfg.model}, {cfg.steps} steps, H_r={topo.h_r} "
+        f"H_g={topo.h_g} tau={topo.tau}, {cfg.regional_codec}/{cfg.global_codec}, outer "
+        f"{cfg.outer.name}; run folder {run_dir}",
+        flush=True,
+    )
+    progress = Progress(cfg, quiet=args.quiet)
+    children: list[Child] = []
+    t0 = time.monotonic()
+    try:
+        children = start_cluster(cfg, run_dir, progress)
+        (run_dir / "processes.txt").write_text(
+            "".join(f"{c.name} {c.proc.pid}\n" for c in children)
+        )
+        print(
+            f"  started {len(children)} processes; aggregator at {children[0].address}", flush=True
+        )
+        failed = supervise(children)
+    except KeyboardInterrupt:
+        print("hypertrain up: interrupted; stopping every process", file=sys.stderr)
+        return 130
+    except RuntimeError as e:  # a daemon died before announcing its address
+        print(f"hypertrain up: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for child in reversed(children):
+            child.stop()
+    if failed is not None:
+        print(f"hypertrain up: error: {failed.failure_message()}", file=sys.stderr)
+        print("hypertrain up: stopped every other process", file=sys.stderr)
+        return 1
+    text, agree = summary(cfg, progress, run_dir, time.monotonic() - t0)
+    print(text, flush=True)
+    return 0 if agree else 1

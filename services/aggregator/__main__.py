@@ -1,0 +1,42 @@
+"""hypertrain-aggregator (``python -m hypertrain.aggregator``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hypertrain.aggregator.server import AggregatorService
+from hypertrain.common.errors import HypertrainError
+from hypertrain.wire.daemon import daemon_parser, fail, load_run_config, section, setting
+from hypertrain.wire.server import (
+    Shutdown,
+    add_servicer,
+    announce,
+    bind,
+    make_server,
+    run_until_signal,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = daemon_parser("aggregator", "Hold the global state; apply the outer optimizer.")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_run_config(args)
+        table = section(args, "aggregator")
+        state_dir = Path(setting(args, table, "state_dir") or "aggregator")
+        shutdown = Shutdown()
+        service = AggregatorService(cfg, state_dir, shutdown)
+        server = make_server()
+        add_servicer(service, server, "Aggregator")
+        address = bind(server, setting(args, table, "listen", "127.0.0.1:0"))
+    except (HypertrainError, ValueError) as e:
+        return fail("aggregator", str(e))
+    server.start()
+    announce("aggregator", address)
+    return run_until_signal(server, on_stop=service.close, shutdown=shutdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""hypertrain-aggregator: the global state and the outer optimizer.
+
+    hypertrain-aggregator --listen 127.0.0.1:0 --state-dir agg [--config run.toml]
+
+RPCs (service Aggregator):
+- PushRegional: a relay streams its committed regional delta for a global
+  round; the sans-I/O AggregatorMachine verifies it; it is kept under its
+  digest in ``<state-dir>/published/``.  When every region has delivered, the
+  fixed-order (sorted region) mean goes through the outer optimizer, and the
+  new state is written durably (``state.pt``: temp file, fsync, rename).
+- FetchGlobal: blocks until the round of a sync step is applied, streams theta.
+- Status.
+
+Held-out loss is evaluated on a background thread after each round (it never
+delays the round) and logged as ``event=eval``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.data import HOLDOUT_WINDOWS, holdout_windows
+from hypertrain.common.digest import state_digest
+from hypertrain.common.model import build_model, evaluate, preset
+from hypertrain.common.protocol import AggregatorMachine, Committed, Delta, Publish
+from hypertrain.common.reference import open_dataset
+from hypertrain.common.roles import initial_parameters
+from hypertrain.relay.server import MergeBoard
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
+from hypertrain.wire.daemon import atomic_write, log_event
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.protocol_codes import STATUS
+from hypertrain.wire.server import Shutdown, maps_errors
+
+
+class Evaluator:
+    """Held-out loss of each new global state, on its own thread and model."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        mcfg = preset(cfg.model)
+        holdout = holdout_windows(open_dataset(cfg), mcfg.seq_len, n=HOLDOUT_WINDOWS, seed=cfg.seed)
+        self.windows = holdout.windows[: cfg.holdout_windows]
+        self.model = build_model(mcfg, seed=cfg.seed)
+        self.layout, _ = initial_parameters(cfg)
+        self.jobs: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="eval", daemon=True)
+        self.thread.start()
+
+    def submit(self, round_: int, step: int, theta: torch.Tensor) -> None:
+        self.jobs.put((round_, step, theta))
+
+    def _run(self) -> None:
+        # Held-out loss is for people, not for the run: at the lowest CPU priority
+        # (per thread on Linux) it never steals time from islands on a shared host.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while (job := self.jobs.get()) is not None:
+            round_, step, theta = job
+            self.layout.load(self.model, theta)
+            loss = evaluate(self.model, self.windows)
+            log_event(
+                "eval", role="aggregator", round=round_, step=step, heldout_loss=round(loss, 6)
+            )
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
+
+class AggregatorService:
+    """The Aggregator servicer: validate and translate; the AggregatorMachine decides."""
+
+    def __init__(self, cfg: RunConfig, state_dir: Path, shutdown: Shutdown) -> None:
+        self.cfg = cfg
+        self.layout, theta0 = initial_parameters(cfg)
+        self.numel = theta0.numel()
+        self.machine = AggregatorMachine(cfg, theta0)
+        self.state_dir = state_dir
+        self.published = state_dir / "published"
+        self.spool = state_dir / "spool"
+        for d in (self.published, self.spool):
+            d.mkdir(parents=True, exist_ok=True)
+        self.shutdown = shutdown
+        self.board = MergeBoard(cfg, shutdown)
+        self.final_fetches: set[str] = set()
+        self.t_first = 0.0
+        self.t_received = 0.0
+        self.max_size = 4 * self.numel + (1 << 16)
+        self.evaluator = Evaluator(cfg)
+        self.evaluator.submit(-1, 0, theta0.clone())
+
+    @maps_errors
+    def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
+        t_start = time.perf_counter()
+        rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
+        self.t_received = time.perf_counter()
+        self.t_first = self.t_first or t_start
+        h = rx.header
+        delta = Delta(h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data)
+        with self.board.cond:
+            decision, effects = self.machine.on_regional(delta)
+            if not decision.accepted or decision.duplicate:
+                discard(rx)
+                if not decision.accepted:
+                    raise WireError(STATUS[decision.code], decision.reason)
+                return pb.PushAck(digest=rx.digest, duplicate=True)
+            for effect in effects:
+                if isinstance(effect, Publish):
+                    publish(rx, self.published)
+                elif isinstance(effect, Committed):
+                    self._persist(effect)
+            self.board.cond.notify_all()
+        return pb.PushAck(digest=rx.digest)
+
+    @maps_errors
+    def FetchGlobal(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        if request.run_id != self.cfg.run_id:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"wrong run {request.run_id!r}")
+        if request.requester not in self.machine.level.members:
+            raise WireError(
+                grpc.StatusCode.PERMISSION_DENIED, f"{request.requester!r} is not a region"
+            )
+        merge = self.board.wait(self.machine.merge_for, request.sync_step, context)
+        yield from merge_chunks(self.board.header(merge), merge.payload)
+        if request.sync_step == self.cfg.steps:
+            with self.board.cond:
+                self.final_fetches.add(request.requester)
+                if self.final_fetches >= set(self.machine.level.members):
+                    self.shutdown.request("run complete: every relay has the final state")
+
+    @maps_errors
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        with self.board.cond:
+            return pb.StatusReply(
+                run_id=self.cfg.run_id,
+                role="aggregator",
+                round=self.machine.round,
+                last_step=self.machine.level.open_step - self.cfg.topology.h_g,
+                state_digest=state_digest(self.layout.unflatten(self.machine.core.theta)),
+                done=self.machine.done,
+                config_digest=self.cfg.digest,
+            )
+
+    def _persist(self, c: Committed) -> None:
+        """Write the new global state durably, log the round, queue the held-out eval."""
+        theta = self.machine.core.theta
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "config_digest": self.cfg.digest,
+                "round": c.round,
+                "sync_step": c.sync_step,
+                "theta": theta,
+                "outer": self.machine.core.outer.state_dict(),
+            },
+            buf,
+        )
+        atomic_write(self.state_dir / "state.pt", buf.getvalue())
+        digest = state_digest(self.layout.unflatten(theta))
+        now = time.perf_counter()
+        log_event(
+            "round",
+            wait_s=round(self.t_received - self.t_first, 4),
+            apply_s=round(now - self.t_received, 4),
+            role="aggregator",
+            round=c.round,
+            step=c.sync_step,
+            members=",".join(c.commitment.members),
+            bytes=c.input_bytes,
+            state=digest[:16],
+        )
+        if c.sync_step == self.cfg.steps:
+            log_event("final", role="aggregator", step=c.sync_step, digest=digest)
+        self.evaluator.submit(c.round, c.sync_step, c.payload)
+        self.t_first = 0.0
+
+    def close(self) -> None:
+        self.evaluator.close()
+        with self.board.cond:
+            self.board.cond.notify_all()

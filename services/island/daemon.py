@@ -1,0 +1,149 @@
+"""hypertrain-island: one model replica that trains and syncs through its region's relay.
+
+    hypertrain-island --region eu --index 0 --relay 127.0.0.1:7071 [--config run.toml]
+
+Each step: one inner step (IslandCore.train_step).  At every sync step s
+(a multiple of H_r) the island encodes its delta with error feedback and
+pushes it to the relay on a background thread, so training can go on; at
+step s + tau it fetches the merge of s (regional mean, or new global
+parameters at a multiple of H_g; the fetch blocks until the relay has it)
+and applies it with IslandCore.apply_merge.  The merge step never depends on
+timing.  After the last step the final global parameters are fetched and
+loaded (no steps follow, so there is no overlap progress to keep).
+
+SIGTERM / Ctrl-C stop the island between steps, never inside a merge.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import FrameType
+
+import torch
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.data import SampleStream
+from hypertrain.common.digest import blob_digest, state_digest
+from hypertrain.common.model import preset
+from hypertrain.common.reference import open_dataset
+from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.daemon import log_event
+from hypertrain.wire.peers import Peer
+
+
+class Island:
+    """The island's driver: training loop, pushes and pinned merges."""
+
+    def __init__(self, cfg: RunConfig, island_id: str, relay: Peer) -> None:
+        torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.island_id = island_id
+        self.relay = relay
+        mcfg = preset(cfg.model)
+        stream = SampleStream(open_dataset(cfg), mcfg.seq_len, cfg.global_batch, cfg.seed)
+        _, theta0 = initial_parameters(cfg)
+        self.core = IslandCore(cfg, island_id, stream, theta0)
+        self.numel = theta0.numel()
+        self.codec = str(self.core.codec.spec)
+        self.stop = threading.Event()
+        self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        self.blocked_s = 0.0
+        self.bytes_sent = 0
+        self.syncs = 0
+
+    def _push(self, step: int, blob: bytes) -> pb.PushAck:
+        header = pb.TransferHeader(
+            run_id=self.cfg.run_id,
+            round=round_of_step(self.cfg, step),
+            sync_step=step,
+            sender=self.island_id,
+            digest=blob_digest(blob),
+            size=len(blob),
+            codec=self.codec,
+        )
+        return self.relay.push(header, blob, self.stop.is_set)
+
+    def _fetch(self, step: int, kind: str) -> torch.Tensor:
+        request = pb.MergeRequest(
+            run_id=self.cfg.run_id, requester=self.island_id, sync_step=step, kind=kind
+        )
+        header, payload = self.relay.fetch(request, self.numel, self.stop.is_set)
+        if header.sync_step != step or header.kind != kind:
+            raise RuntimeError(f"relay sent the {header.kind} merge of step {header.sync_step}")
+        return payload
+
+    def run(self) -> str:
+        """Train to the end; returns the final state digest."""
+        cfg, topo = self.cfg, self.cfg.topology
+        pending: tuple[int, str, Future[pb.PushAck]] | None = None
+        t_start = time.perf_counter()
+        losses: list[float] = []
+        for step in range(1, cfg.steps + 1):
+            if self.stop.is_set():
+                raise KeyboardInterrupt
+            losses.append(self.core.train_step())
+            if pending is None and step % topo.h_r == 0:
+                blob = self.core.sync()
+                kind = "global" if step % topo.h_g == 0 else "regional"
+                pending = (step, kind, self.pusher.submit(self._push, step, blob))
+                self.bytes_sent += len(blob)
+                self.syncs += 1
+            if pending is not None and step == pending[0] + topo.tau and step < cfg.steps:
+                sync_step, kind, pushed = pending
+                t0 = time.perf_counter()
+                pushed.result()
+                t1 = time.perf_counter()
+                payload = self._fetch(sync_step, kind)
+                t2 = time.perf_counter()
+                self.blocked_s += t2 - t0
+                self.core.apply_merge(kind, payload, sync_step)
+                pending = None
+                log_event(
+                    "sync",
+                    role="island",
+                    island=self.island_id,
+                    step=sync_step,
+                    kind=kind,
+                    train_loss=round(sum(losses) / len(losses), 5),
+                    bytes=len(blob),
+                    blocked_s=round(self.blocked_s, 4),
+                    push_wait_s=round(t1 - t0, 4),
+                    fetch_s=round(t2 - t1, 4),
+                )
+                losses.clear()
+        assert pending is not None and pending[0] == cfg.steps
+        t0 = time.perf_counter()
+        pending[2].result()
+        theta = self._fetch(cfg.steps, "global")
+        self.blocked_s += time.perf_counter() - t0
+        self.core.finish(theta)
+        digest = state_digest(self.core.layout.unflatten(self.core.params()))
+        wall = time.perf_counter() - t_start
+        log_event(
+            "done",
+            role="island",
+            island=self.island_id,
+            digest=digest,
+            bytes_per_sync=self.bytes_sent // max(self.syncs, 1),
+            syncs=self.syncs,
+            blocked_s=round(self.blocked_s, 4),
+            wall_s=round(wall, 3),
+            blocked_share=round(self.blocked_s / wall, 5),
+        )
+        return digest
+
+    def install_signals(self) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self.stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pusher.shutdown(wait=True, cancel_futures=True)
+        self.relay.close()

@@ -1,0 +1,235 @@
+"""hypertrain-relay: serves the islands of one region.
+
+    hypertrain-relay --region eu --aggregator 127.0.0.1:7070 --listen 127.0.0.1:0 [--config run.toml]
+
+RPCs (proto/hypertrain/v1/hypertrain.proto, service Relay):
+- PushDelta: an island streams its encoded delta; it is verified (sha256,
+  codec, shape, run, round, step, membership) by the sans-I/O RelayMachine,
+  kept under its digest in ``<state-dir>/published/`` and counted once.
+- FetchMerge: blocks until the merge of a sync step exists (the regional mean,
+  or the aggregator's new global parameters), then streams it as fp32.
+- Status.
+
+At every global sync step the relay forwards its committed regional delta to
+the aggregator (a background thread, so PushDelta answers at once) and fetches
+the new global parameters.  The relay forwards; it never sums across regions.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import blob_digest, tensor_digest
+from hypertrain.common.protocol import Committed, Delta, Forward, Publish, RelayMachine
+from hypertrain.common.roles import initial_parameters
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
+from hypertrain.wire.daemon import log_event
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.peers import Peer
+from hypertrain.wire.protocol_codes import STATUS
+from hypertrain.wire.server import Shutdown, maps_errors
+
+WAIT_SLICE_S = 0.5
+
+
+def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
+    return pb.MergeHeader(
+        run_id=cfg.run_id,
+        round=merge.round,
+        sync_step=merge.sync_step,
+        merge_step=merge.merge_step,
+        kind=merge.kind,
+        digest=tensor_digest(merge.payload),
+        numel=merge.payload.numel(),
+        commitment=json.dumps(merge.commitment.to_dict(), sort_keys=True, separators=(",", ":")),
+        members=list(merge.commitment.members),
+    )
+
+
+class MergeBoard:
+    """Committed merges with their wire headers, and a condition to wait on them."""
+
+    def __init__(self, cfg: RunConfig, shutdown: Shutdown) -> None:
+        self.cfg = cfg
+        self.shutdown = shutdown
+        self.cond = threading.Condition()
+        self.headers: dict[int, pb.MergeHeader] = {}
+
+    def wait(self, lookup: Any, sync_step: int, context: grpc.ServicerContext) -> Committed:
+        """Block (under ``cond``) until ``lookup(sync_step)`` exists; abort if the call ends."""
+        with self.cond:
+            while True:
+                merge = lookup(sync_step)
+                if merge is not None:
+                    return merge
+                if self.shutdown.requested:
+                    raise WireError(grpc.StatusCode.UNAVAILABLE, "shutting down")
+                if not context.is_active():
+                    raise WireError(grpc.StatusCode.CANCELLED, "caller went away")
+                self.cond.wait(WAIT_SLICE_S)
+
+    def header(self, merge: Committed) -> pb.MergeHeader:
+        h = self.headers.get(merge.sync_step)
+        if h is None or h.kind != merge.kind:
+            h = self.headers[merge.sync_step] = merge_header(self.cfg, merge)
+            for old in sorted(self.headers)[:-8]:
+                del self.headers[old]
+        return h
+
+
+class RelayService:
+    """The Relay servicer: validate and translate; the RelayMachine decides."""
+
+    def __init__(
+        self, cfg: RunConfig, region: str, state_dir: Path, aggregator: Peer, shutdown: Shutdown
+    ) -> None:
+        self.cfg = cfg
+        self.region = region
+        _, theta0 = initial_parameters(cfg)
+        self.numel = theta0.numel()
+        self.machine = RelayMachine(cfg, region, theta0)
+        self.published = state_dir / "published"
+        self.spool = state_dir / "spool"
+        for d in (self.published, self.spool):
+            d.mkdir(parents=True, exist_ok=True)
+        self.aggregator = aggregator
+        self.shutdown = shutdown
+        self.board = MergeBoard(cfg, shutdown)
+        self.forwards: queue.Queue[Forward | None] = queue.Queue()
+        self.final_fetches: set[str] = set()
+        self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
+        self.forwarder.start()
+        # An encoded delta is never larger than fp32 plus the header: bound what we accept.
+        self.max_size = 4 * self.numel + (1 << 16)
+
+    # -- RPCs -----------------------------------------------------------------------
+    @maps_errors
+    def PushDelta(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
+        rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
+        h = rx.header
+        delta = Delta(h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data)
+        with self.board.cond:
+            decision, effects = self.machine.on_delta(delta)
+            if not decision.accepted or decision.duplicate:
+                discard(rx)
+                if not decision.accepted:
+                    raise WireError(STATUS[decision.code], decision.reason)
+                return pb.PushAck(digest=rx.digest, duplicate=True)
+            for effect in effects:
+                if isinstance(effect, Publish):
+                    publish(rx, self.published)
+                elif isinstance(effect, Committed):
+                    self._log_commit(effect)
+                elif isinstance(effect, Forward):
+                    self.forwards.put(effect)
+            self.board.cond.notify_all()
+        return pb.PushAck(digest=rx.digest)
+
+    @maps_errors
+    def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        if request.run_id != self.cfg.run_id:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"wrong run {request.run_id!r}")
+        if request.requester not in self.machine.level.members:
+            raise WireError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{request.requester!r} is not an island of {self.region}",
+            )
+        merge = self.board.wait(self.machine.merge_for, request.sync_step, context)
+        if merge.kind != request.kind:
+            raise WireError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the merge of step {request.sync_step} is {merge.kind}, not {request.kind}",
+            )
+        header = self.board.header(merge)
+        yield from merge_chunks(header, merge.payload)
+        if merge.kind == "global" and request.sync_step == self.cfg.steps:
+            with self.board.cond:
+                self.final_fetches.add(request.requester)
+                if self.final_fetches >= set(self.machine.level.members):
+                    self.shutdown.request("run complete: every island has the final merge")
+
+    @maps_errors
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        with self.board.cond:
+            return pb.StatusReply(
+                run_id=self.cfg.run_id,
+                role=f"relay/{self.region}",
+                round=self.machine.level.open_step // self.cfg.topology.h_g,
+                last_step=self.machine.level.open_step - self.cfg.topology.h_r,
+                state_digest=tensor_digest(self.machine.core.base),
+                done=self.machine.done,
+                config_digest=self.cfg.digest,
+            )
+
+    # -- forwarding to the aggregator -----------------------------------------------
+    def _forward_loop(self) -> None:
+        while True:
+            fwd = self.forwards.get()
+            if fwd is None:
+                return
+            try:
+                self._forward(fwd)
+            except Exception as e:  # the run cannot go on without the aggregator
+                log_event("error", role="relay", region=self.region, message=str(e))
+                self.shutdown.request(f"forwarding failed: {e}")
+                return
+
+    def _forward(self, fwd: Forward) -> None:
+        t0 = time.perf_counter()
+        header = pb.TransferHeader(
+            run_id=self.cfg.run_id,
+            round=fwd.round,
+            sync_step=fwd.sync_step,
+            sender=self.region,
+            digest=blob_digest(fwd.data),
+            size=len(fwd.data),
+            codec=fwd.codec,
+        )
+        stop = lambda: self.shutdown.requested  # noqa: E731
+        self.aggregator.push(header, fwd.data, stop)
+        request = pb.MergeRequest(
+            run_id=self.cfg.run_id, requester=self.region, sync_step=fwd.sync_step, kind="global"
+        )
+        agg_header, theta = self.aggregator.fetch(request, self.numel, stop)
+        with self.board.cond:
+            self.machine.on_global(fwd.sync_step, theta)
+            self.board.headers[fwd.sync_step] = (
+                agg_header  # islands get the aggregator's commitment
+            )
+            self.board.cond.notify_all()
+        log_event(
+            "global",
+            role="relay",
+            region=self.region,
+            round=fwd.round,
+            step=fwd.sync_step,
+            bytes=len(fwd.data),
+            seconds=round(time.perf_counter() - t0, 4),
+        )
+
+    def _log_commit(self, c: Committed) -> None:
+        log_event(
+            "round",
+            role="relay",
+            region=self.region,
+            round=c.round,
+            step=c.sync_step,
+            members=",".join(c.commitment.members),
+            bytes=c.input_bytes,
+            commit=c.commitment.digest[:16],
+        )
+
+    def close(self) -> None:
+        self.forwards.put(None)
+        with self.board.cond:
+            self.board.cond.notify_all()

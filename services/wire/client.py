@@ -1,0 +1,153 @@
+"""Client side: connect to a daemon, stubs with the chunk codec, pushes, fetches, retries.
+
+    channel = connect("127.0.0.1:41237")                 # waits until ready, or WireError(UNAVAILABLE)
+    relay = relay_stub(channel)
+    ack = retrying(lambda: push_delta(relay.PushDelta, header, blob), attempts=5, backoff=0.5)
+    header, theta = fetch_merge(relay.FetchMerge, request, numel=model_numel)
+
+Invariants:
+
+- Channels use ``options.CHANNEL_OPTIONS``, the same limits and keepalive as servers.
+- The stubs have the generated stubs' methods and wire format; only the streaming chunk
+  messages use the zero-copy codec (``frames.py``), so ``delta_chunks`` and
+  ``merge_chunks`` parts can be sent as they are.
+- ``retrying`` retries UNAVAILABLE only: every other status is an answer (the push was
+  rejected), not a transport failure.  The callable must rebuild its request
+  iterator on each attempt (a stream is consumed by the first try).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
+from hypertrain.wire import frames
+from hypertrain.wire.chunks import delta_chunks, receive_merge
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.options import CHANNEL_OPTIONS
+
+log = logging.getLogger("hypertrain.wire")
+T = TypeVar("T")
+_CHUNKS = (pb.DeltaChunk, pb.MergeChunk)
+
+
+def connect(address: str, timeout: float = 30.0) -> grpc.Channel:
+    """An insecure channel to "HOST:PORT", once it is ready; WireError(UNAVAILABLE) if not."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise WireError(
+            grpc.StatusCode.UNAVAILABLE, f"cannot reach {address}: not ready after {timeout:g} s"
+        ) from None
+    return channel
+
+
+def _fast_stub(stub: Any, channel: grpc.Channel, service: str) -> Any:
+    """Replace the generated multicallables of ``stub`` by ones with the chunk codec."""
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    for method in desc.methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        kind = {
+            (False, False): channel.unary_unary,
+            (True, False): channel.stream_unary,
+            (False, True): channel.unary_stream,
+            (True, True): channel.stream_stream,
+        }[(method.client_streaming, method.server_streaming)]
+        setattr(
+            stub,
+            method.name,
+            kind(
+                f"/{desc.full_name}/{method.name}",
+                request_serializer=frames.encode
+                if request in _CHUNKS
+                else request.SerializeToString,
+                response_deserializer=frames.decoder(response)
+                if response in _CHUNKS
+                else response.FromString,
+                _registered_method=True,
+            ),
+        )
+    return stub
+
+
+def relay_stub(channel: grpc.Channel) -> pb_grpc.RelayStub:
+    """A Relay stub whose PushDelta takes ``delta_chunks`` parts, FetchMerge yields parts."""
+    return _fast_stub(pb_grpc.RelayStub(channel), channel, "Relay")
+
+
+def aggregator_stub(channel: grpc.Channel) -> pb_grpc.AggregatorStub:
+    """An Aggregator stub, PushRegional / FetchGlobal with the chunk codec."""
+    return _fast_stub(pb_grpc.AggregatorStub(channel), channel, "Aggregator")
+
+
+def push_delta(
+    push: Callable[..., pb.PushAck],
+    header: pb.TransferHeader,
+    data: frames.Data,
+    *,
+    timeout: float | None = None,
+) -> pb.PushAck:
+    """Stream one delta through ``push`` (``stub.PushDelta`` / ``stub.PushRegional``)."""
+    return push(delta_chunks(header, data), timeout=timeout)
+
+
+def fetch_merge(
+    fetch: Callable[..., Any],
+    request: pb.MergeRequest,
+    *,
+    numel: int | None = None,
+    out: torch.Tensor | None = None,
+    timeout: float | None = None,
+) -> tuple[pb.MergeHeader, torch.Tensor]:
+    """Call ``fetch`` (``stub.FetchMerge`` / ``stub.FetchGlobal``); ``receive_merge`` it."""
+    call = fetch(request, timeout=timeout)
+    try:
+        return receive_merge(call, numel=numel, out=out)
+    except BaseException:
+        call.cancel()  # stop the server's stream on a rejected or interrupted download
+        raise
+
+
+def _unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, WireError):
+        return exc.code == grpc.StatusCode.UNAVAILABLE
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def retrying(
+    call: Callable[[], T],
+    *,
+    attempts: int = 5,
+    backoff: float = 0.5,
+    max_backoff: float = 30.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``call()``, retried on UNAVAILABLE up to ``attempts`` times in all.
+
+    Waits ``backoff * 2**i`` seconds (at most ``max_backoff``) before retry ``i + 1``;
+    the last UNAVAILABLE error and every other error propagate unchanged.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    for attempt in range(attempts):
+        try:
+            return call()
+        except (grpc.RpcError, WireError) as exc:
+            if not _unavailable(exc) or attempt == attempts - 1:
+                raise
+            delay = min(max_backoff, backoff * 2**attempt)
+            log.warning(
+                "unavailable (attempt %d of %d), retrying in %.1f s", attempt + 1, attempts, delay
+            )
+            sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,99 @@
+"""What every daemon shares: logfmt log lines, config loading, durable small files.
+
+Log lines go to stdout, one per event, as logfmt so that both a person and
+``hypertrain up`` read them::
+
+    event=round role=relay region=eu round=3 step=40 members=eu-0,eu-1 bytes=242688
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import ConfigError
+from hypertrain.runflags import add_run_config_flags, run_config_from_args
+
+_LOG_LOCK = threading.Lock()
+
+
+def _fmt(value: object) -> str:
+    text = str(value)  # floats: shortest round-trip repr, so logs carry exact values
+    if not text or any(c in text for c in ' "='):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
+def log_event(event: str, **fields: object) -> None:
+    """Print one logfmt line (``event=... k=v``) to stdout and flush it."""
+    line = " ".join([f"event={event}"] + [f"{k}={_fmt(v)}" for k, v in fields.items()])
+    with _LOG_LOCK:
+        print(line, flush=True)
+
+
+def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
+    """An argument parser with ``--config``, the run-config flags, ``--listen`` and ``--state-dir``."""
+    p = argparse.ArgumentParser(prog=f"hypertrain-{role}", description=doc)
+    add_run_config_flags(p)
+    p.add_argument("--listen", help="HOST:PORT to serve on (port 0: any free port)")
+    p.add_argument("--state-dir", type=Path, help="where state, logs and published inputs go")
+    return p
+
+
+def section(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The ``[name]`` table of the ``--config`` TOML file (daemon settings), or {}."""
+    if not args.config:
+        return {}
+    try:
+        with open(args.config, "rb") as f:
+            table = tomllib.load(f).get(name, {})
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config {args.config}: {e}") from None
+    if not isinstance(table, dict):
+        raise ConfigError(f"config {args.config}: [{name}] must be a table")
+    return table
+
+
+def setting(args: argparse.Namespace, table: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A flag if given, else the config table's value, else ``default``."""
+    value = getattr(args, key, None)
+    if value is not None:
+        return value
+    return table.get(key, default)
+
+
+def load_run_config(args: argparse.Namespace) -> RunConfig:
+    return run_config_from_args(args)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def fail(role: str, message: str, code: int = 2) -> int:
+    """Print ``hypertrain-<role>: error: <message>`` to stderr; return ``code``."""
+    print(f"hypertrain-{role}: error: {message}", file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,58 @@
+"""Transport errors and the one table that maps exceptions to gRPC status codes.
+
+``WireError(code, message)`` is what the wire layer raises when a stream breaks its
+contract (no header first, wrong byte count, digest mismatch, too large) or a peer
+cannot be reached.  It carries the ``grpc.StatusCode`` the servicer must answer with,
+so the daemons never pick codes themselves.
+
+Invariants:
+
+- ``status_of`` is the only place where an exception becomes a status code; the
+  servicer decorator (``server.maps_errors``) and the tests use it.
+- Only our own exception types are mapped.  Any other exception is a bug in the
+  daemon, not the caller's fault, and stays UNKNOWN (gRPC's default) with its traceback
+  in the daemon's log.
+
+The table, with the caller-visible meaning of each code:
+
+=====================  ==================================================================
+INVALID_ARGUMENT       the stream disagrees with its own header (no header first, a second
+                       header, more or fewer bytes than ``header.size``), a malformed
+                       header, or the core rejected the content (``HypertrainError``:
+                       ``ConfigError``, ``CodecError``, ``DataError``).  Do not retry.
+DATA_LOSS              the bytes arrived but their sha256 / tensor digest is not the one
+                       the header announced: corrupted in transit.  Resending may work.
+RESOURCE_EXHAUSTED     the announced size is over the receiver's ``max_size``.
+FAILED_PRECONDITION,   raised by the daemons themselves (wrong run, wrong round, already
+ALREADY_EXISTS, ...    committed) as ``WireError(code, message)``; passed through as is.
+UNAVAILABLE            a peer is not reachable (``client.connect``); the only retried code.
+INTERNAL               the receiver failed locally (spool write error).
+=====================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from hypertrain.common.errors import HypertrainError
+
+
+class WireError(Exception):
+    """A transfer or call failed with a definite gRPC status; ``message`` names the problem."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status a servicer answers ``exc`` with, or None when ``exc`` is not ours (a bug)."""
+    if isinstance(exc, WireError):
+        return exc.code, exc.message
+    if isinstance(exc, HypertrainError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return None

@@ -1,0 +1,253 @@
+"""Daemon bootstrap shared by the relay, the aggregator and the island's endpoint.
+
+    server = make_server()
+    add_servicer(RelayService(...), server, "Relay")        # not add_RelayServicer_to_server
+    address = bind(server, args.listen)                      # "127.0.0.1:0" -> "127.0.0.1:41237"
+    server.start()
+    announce("relay", address)                               # stdout: hypertrain-relay listening on 127.0.0.1:41237
+    return run_until_signal(server, on_stop=relay.close, shutdown=shutdown)
+
+The announce line is the one stdout line a daemon prints about its address, flushed at
+once, matching ``ANNOUNCE_RE``:
+
+    hypertrain-<role> listening on <host>:<port>
+
+``<role>`` is lowercase letters, digits and dashes; ``<host>`` is what was asked for
+(an IPv6 literal keeps its brackets, ``[::1]``) and ``<port>`` is the real bound port.
+Launchers and tests start a daemon with ``--listen 127.0.0.1:0`` and read this line.
+
+Servicer methods stay short: decorate them with ``maps_errors`` and raise
+``WireError`` / ``HypertrainError``; ``errors.status_of`` turns them into statuses.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import inspect
+import logging
+import re
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from types import FrameType
+from typing import Any, NoReturn, TypeVar, cast
+
+import grpc
+
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire import frames
+from hypertrain.wire.errors import status_of
+from hypertrain.wire.options import SERVER_OPTIONS
+
+log = logging.getLogger("hypertrain.wire")
+
+#: The announce line (see the module docstring); groups role, address, host, port.
+ANNOUNCE_RE = re.compile(
+    r"^hypertrain-(?P<role>[a-z][a-z0-9-]*) listening on "
+    r"(?P<address>(?P<host>\[[0-9A-Fa-f:.%a-z]+\]|[^\s:\[\]]+):(?P<port>[0-9]{1,5}))$"
+)
+_ROLE = re.compile(r"[a-z][a-z0-9-]*")
+_CHUNKS = (pb.DeltaChunk, pb.MergeChunk)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def make_server(max_workers: int = 16) -> grpc.Server:
+    """A gRPC server with hypertrain's options (``options.SERVER_OPTIONS``); not started.
+
+    ``max_workers`` bounds concurrent RPCs: each in-flight push or a blocked FetchMerge
+    holds one thread.
+    """
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc")
+    return grpc.server(pool, options=SERVER_OPTIONS, maximum_concurrent_rpcs=None)
+
+
+def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
+    """Register ``servicer`` for ``service`` ("Relay", "Aggregator") of the .proto.
+
+    Same methods and wire format as the generated ``add_<Service>Servicer_to_server``,
+    with the zero-copy chunk codec (``frames.py``) for DeltaChunk and MergeChunk: a
+    streaming request then yields ``DeltaChunk`` headers and memoryview data parts
+    (give it to ``receive_delta``), and a streaming response may yield memoryviews
+    (what ``merge_chunks`` produces).
+    """
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    handlers = {}
+    for method in desc.methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=frames.decoder(request)
+            if request in _CHUNKS
+            else request.FromString,
+            response_serializer=frames.encode
+            if response in _CHUNKS
+            else response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(desc.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(desc.full_name, handlers)
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """Split "HOST:PORT" ("[v6]:PORT" for IPv6); ValueError with an example if malformed."""
+    host, sep, port = listen.rpartition(":")
+    example = "expected HOST:PORT, e.g. 127.0.0.1:0, 0.0.0.0:7070 or [::1]:7070"
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"bad listen address {listen!r}: {example}")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" in bare and bare == host:
+        raise ValueError(f"bad listen address {listen!r}: put an IPv6 host in brackets, [::1]:7070")
+    if not bare or any(c in bare for c in "[] /"):
+        raise ValueError(f"bad listen address {listen!r}: {example}")
+    return host, int(port)
+
+
+def _why_not(host: str, port: int) -> str:
+    """The OS's reason a plain socket cannot bind there (gRPC's own error says little)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve host {host!r} ({exc.strerror})"
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                return f"{exc.strerror or errno.errorcode.get(exc.errno or 0, exc)}"
+    return "gRPC refused the address"
+
+
+def bind(server: grpc.Server, listen: str) -> str:
+    """Add an insecure port for "HOST:PORT" (port 0: any free one); the bound "HOST:PORT"."""
+    host, port = parse_listen(listen)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise ValueError(f"cannot listen on {listen!r}: {_why_not(host, port)}")
+    return f"{host}:{bound}"
+
+
+def announce(role: str, address: str) -> None:
+    """Print ``hypertrain-<role> listening on <address>`` to stdout and flush it."""
+    line = f"hypertrain-{role} listening on {address}"
+    if not _ROLE.fullmatch(role) or not ANNOUNCE_RE.fullmatch(line):
+        raise ValueError(f"cannot announce role {role!r} at {address!r}: not a parseable line")
+    print(line, flush=True)
+
+
+class Shutdown:
+    """A stop request: set by a signal or by the daemon itself when its run is done."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+
+    def request(self, reason: str) -> None:
+        """Ask the daemon to stop; the first reason is kept (and logged)."""
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until requested (True) or ``timeout`` seconds pass (False)."""
+        return self._event.wait(timeout)
+
+
+def run_until_signal(
+    server: grpc.Server,
+    on_stop: Callable[[], None] | None = None,
+    grace: float = 5.0,
+    *,
+    shutdown: Shutdown | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT or ``shutdown.request``; then ``on_stop``, drain, return 0.
+
+    Signal handlers are installed only when called from the main thread (elsewhere,
+    e.g. in tests, stop it with ``shutdown``) and restored before draining, so a second
+    Ctrl-C interrupts a slow drain.  ``server.stop(grace)`` lets calls in flight finish
+    for ``grace`` seconds, then cancels them.
+    """
+    stop = shutdown if shutdown is not None else Shutdown()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.request(f"signal {signal.Signals(signum).name}")
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        while not stop.wait(0.5):  # short waits: the main thread must run signal handlers
+            pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    log.info("stopping: %s", stop.reason)
+    try:
+        if on_stop is not None:
+            on_stop()
+    finally:
+        server.stop(grace).wait()
+    return 0
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the RPC with ``code`` and ``message`` (``context.abort`` raises)."""
+    context.abort(code, message)
+    raise AssertionError("grpc context.abort returned")  # pragma: no cover
+
+
+def _reject(method: Callable[..., Any], context: grpc.ServicerContext, exc: Exception) -> None:
+    status = status_of(exc)
+    if status is None:
+        return  # not ours: a bug; gRPC logs it and answers UNKNOWN
+    log.warning("%s rejected: %s: %s", method.__qualname__, status[0].name, status[1])
+    abort(context, *status)
+
+
+def maps_errors(method: F) -> F:
+    """Decorate a servicer method: ``WireError`` / ``HypertrainError`` become statuses.
+
+    Works for unary and streaming methods (server-streaming generators included); the
+    last positional argument must be the ``grpc.ServicerContext``.
+    """
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(*args: Any) -> Iterator[Any]:
+            try:
+                yield from method(*args)
+            except Exception as exc:
+                _reject(method, args[-1], exc)
+                raise
+
+        return cast(F, stream)
+
+    @functools.wraps(method)
+    def unary(*args: Any) -> Any:
+        try:
+            return method(*args)
+        except Exception as exc:
+            _reject(method, args[-1], exc)
+            raise
+
+    return cast(F, unary)

@@ -1,0 +1,245 @@
+"""The receive side's sink: copy, hash and spool chunks on a worker thread.
+
+``Sink`` owns the one preallocated buffer of a transfer, its incremental sha256 and,
+when spooling, a temp file.  The gRPC handler thread only pulls chunks and hands them
+over through a bounded queue, so the network, the copy, the hash (hashlib drops the GIL
+for large buffers) and the file write overlap instead of adding up.  Measured on the
+2-core box (bench/bench_transport.py), this is what keeps the spooled receive path
+close to bare gRPC streaming.
+
+Durability: while writing, the sink asks the kernel to start writeback every
+``WRITEBACK_BYTES`` (``sync_file_range``, Linux; a no-op elsewhere), so the final
+``fsync`` in ``commit`` waits for the tail only, not for the whole payload.
+
+Files on disk: ``<spool_dir>/.incoming-*.part`` while a transfer is in flight;
+``publish_file`` turns one into ``<dest_dir>/<digest>`` with a hard link (atomic,
+never replaces an existing file) and removes the temp name, then fsyncs ``dest_dir``.
+``spool_dir`` and ``dest_dir`` must be on the same filesystem.
+
+Invariants: memory is the buffer plus at most ``depth`` chunks in the queue; a sink
+that fails or is aborted removes its temp file; the worker never blocks the handler
+forever (after an error it keeps draining the queue until told to stop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.frames import Data
+
+#: Start writeback of the spool file every this many bytes.
+WRITEBACK_BYTES = 16 << 20
+#: Chunks that may wait in each worker's queue.
+DEPTH = 8
+#: Run hashing / copying / writing on worker threads (False: inline in the handler
+#: thread; only the benchmark turns it off, to measure what the overlap buys).
+OVERLAP = True
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing [offset, offset + length) to disk; never blocks on it."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def failure(error: BaseException) -> WireError:
+    """The status a transfer ends with when a local worker failed (disk full, ...)."""
+    return WireError(grpc.StatusCode.INTERNAL, f"receiver failed to store the transfer: {error}")
+
+
+class Worker:
+    """One thread fed through a bounded queue: ``fn(offset, data)`` per chunk, in order.
+
+    ``put`` blocks while ``depth`` chunks wait (backpressure on the gRPC handler) and
+    raises ``error`` once ``fn`` failed; ``stop`` waits for the queued chunks.
+    """
+
+    def __init__(self, name: str, fn: Callable[[int, Data], None], depth: int) -> None:
+        self.fn = fn
+        self.error: BaseException | None = None
+        self.queue: queue.Queue[tuple[int, Data] | None] = queue.Queue(depth)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # keep draining so that put() never blocks forever
+            try:
+                self.fn(*item)
+            except BaseException as exc:  # reported to the handler by put/finish
+                self.error = exc
+
+    def put(self, offset: int, data: Data) -> None:
+        if self.error is not None:
+            raise failure(self.error)
+        self.queue.put((offset, data))
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
+
+class Sink:
+    """Hashes chunks in order and stores them in ``buffer`` or a spool file, on workers.
+
+    Without ``spool_dir`` the chunks are copied into a preallocated buffer (allocated
+    uninitialized: its pages are first touched by the copy worker, not up front).
+    With ``spool_dir`` they are written to a temp file only; after ``commit``,
+    ``buffer`` is a private memory map of that file (its pages are the page cache the
+    write just filled: no second copy of the payload in memory, and no descriptor
+    kept open per transfer).
+    """
+
+    def __init__(self, size: int, spool_dir: Path | None, *, depth: int = DEPTH) -> None:
+        self.size = size
+        self.path: Path | None = None
+        self.buffer: memoryview = memoryview(b"")
+        self._hash = hashlib.sha256()
+        self._fd = -1
+        self._written = 0
+        self._synced = 0
+        stages = [("wire-hash", self._hash_chunk)]
+        if spool_dir is not None:
+            fd, name = tempfile.mkstemp(dir=spool_dir, prefix=".incoming-", suffix=".part")
+            self._fd, self.path = fd, Path(name)
+            stages.append(("wire-spool", self._write_chunk))
+        elif size:
+            self.buffer = torch.empty(size, dtype=torch.uint8).numpy().data
+            stages.append(("wire-copy", self._copy_chunk))
+        self._stages = [Worker(name, fn, depth) for name, fn in stages] if OVERLAP else []
+        self._inline = [] if OVERLAP else [fn for _, fn in stages]
+
+    def put(self, offset: int, data: Data) -> None:
+        """Queue one chunk; blocks while ``depth`` chunks wait (the handler's backpressure)."""
+        for fn in self._inline:
+            fn(offset, data)
+        for stage in self._stages:
+            stage.put(offset, data)
+
+    def finish(self) -> str:
+        """Wait for every queued chunk; the sha256 hex of everything put, in order."""
+        self._stop()
+        for stage in self._stages:
+            if stage.error is not None:
+                raise failure(stage.error)
+        return self._hash.hexdigest()
+
+    def commit(self) -> None:
+        """fsync the temp file and map it as ``buffer`` (after ``finish``); it stays at ``path``."""
+        if self._fd < 0:
+            return
+        try:
+            os.fsync(self._fd)
+            if self.size and self.path is not None:
+                # A private map (copy-on-write: writes never reach the file) that keeps
+                # no file descriptor open, unlike mmap.mmap on Python < 3.13.
+                mapped = torch.from_file(str(self.path), shared=False, size=self.size, dtype=torch.uint8)
+                self.buffer = mapped.numpy().data
+        except (OSError, RuntimeError) as exc:
+            self.abort()
+            raise WireError(grpc.StatusCode.INTERNAL, f"spool fsync failed: {exc}") from exc
+        os.close(self._fd)
+        self._fd = -1
+
+    def abort(self) -> None:
+        """Stop the workers, close and remove the temp file; safe to call twice."""
+        self._stop()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self.path = None
+
+    def _stop(self) -> None:
+        for stage in self._stages:
+            stage.stop()
+
+    def _hash_chunk(self, offset: int, data: Data) -> None:
+        self._hash.update(data)
+
+    def _copy_chunk(self, offset: int, data: Data) -> None:
+        self.buffer[offset : offset + len(data)] = data
+
+    def _write_chunk(self, offset: int, data: Data) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self._written += len(data)
+        if self._written - self._synced >= WRITEBACK_BYTES:
+            start_writeback(self._fd, self._synced, self._written - self._synced)
+            self._synced = self._written
+
+
+def publish_file(temp: Path, digest: str, dest_dir: Path) -> Path:
+    """Move a committed temp file to ``dest_dir/digest``; keep an existing file of that name."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / digest
+    # os.link is atomic and never replaces; two equal pushes may race here.  Same name
+    # = same sha256 = same bytes, so the file already there stays.
+    with contextlib.suppress(FileExistsError):
+        os.link(temp, dest)
+    temp.unlink()
+    fsync_dir(dest_dir)
+    return dest
+
+
+def write_file(data: Data, digest: str, dest_dir: Path) -> Path:
+    """Durably write in-memory bytes to ``dest_dir/digest`` (the no-spool path of publish)."""
+    dest = dest_dir / digest
+    if dest.exists():
+        return dest
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=dest_dir, prefix=".incoming-", suffix=".part")
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(name)
+        raise
+    os.close(fd)
+    return publish_file(Path(name), digest, dest_dir)

@@ -1,0 +1,55 @@
+"""Integration fixtures: real daemons as OS processes on loopback, always reaped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hypertrain.common.config import RunConfig
+from hypertrain.procs import Child, child_env, python_module
+from hypertrain.up import Progress, config_toml, start_cluster, supervise
+
+
+class Cluster:
+    """Starts daemons for one run config in a temp folder; stops them all at teardown."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.toml").write_text(config_toml(cfg))
+        self.progress = Progress(cfg, quiet=True)
+        self.children: list[Child] = []
+
+    def spawn(self, name: str, module: str, *args: str) -> Child:
+        argv = python_module(module, "--config", str(self.run_dir / "run.toml"), *args)
+        child = Child(
+            name, argv, self.run_dir / "logs" / f"{name}.log", self.progress.on_event, child_env()
+        )
+        self.children.append(child)
+        return child
+
+    def run_all(self, timeout_s: float = 300) -> Child | None:
+        """Start the whole cluster and wait for it; returns a failed child or None."""
+        self.children.extend(start_cluster(self.cfg, self.run_dir, self.progress))
+        return supervise(self.children, deadline_s=timeout_s)
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop(grace=5)
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path) -> Iterator[object]:
+    made: list[Cluster] = []
+
+    def make(cfg: RunConfig, name: str = "run") -> Cluster:
+        c = Cluster(cfg, tmp_path / name)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()

@@ -1,0 +1,157 @@
+"""Bad deltas sent by a test client to a real relay process: each gets its status, none counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from hypertrain.common.aggregate import aggregate
+from hypertrain.common.codec import make_codec
+from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import blob_digest
+from hypertrain.common.roles import initial_parameters
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.client import connect, fetch_merge, push_delta, relay_stub
+
+CFG = RunConfig.from_dict(
+    {
+        "steps": 20,
+        "holdout_windows": 16,
+        "topology": {"regions": ["eu"], "islands_per_region": 2, "h_r": 5, "h_g": 10},
+    }
+)
+CODEC = make_codec(CFG.regional_codec)
+NUMEL = initial_parameters(CFG)[0].numel
+
+
+def _blob(seed: int, numel: int = NUMEL, codec: object = CODEC) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return codec.encode(torch.randn(numel, generator=g) * 1e-3)  # type: ignore[attr-defined]
+
+
+def _header(data: bytes, **changes: object) -> pb.TransferHeader:
+    fields: dict[str, object] = dict(
+        run_id=CFG.run_id,
+        round=0,
+        sync_step=5,
+        sender="eu-0",
+        digest=blob_digest(data),
+        size=len(data),
+        codec=str(CODEC.spec),
+    )
+    fields.update(changes)
+    return pb.TransferHeader(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path]]:
+    from tests.integration.conftest import Cluster
+
+    cluster = Cluster(CFG, tmp_path_factory.mktemp("bad-input"))
+    try:
+        agg = cluster.spawn(
+            "aggregator",
+            "hypertrain.aggregator",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(cluster.run_dir / "aggregator"),
+        )
+        rel = cluster.spawn(
+            "relay-eu",
+            "hypertrain.relay",
+            "--region",
+            "eu",
+            "--aggregator",
+            agg.wait_listening(),
+            "--state-dir",
+            str(cluster.run_dir / "relay-eu"),
+        )
+        stub = relay_stub(connect(rel.wait_listening()))
+        yield stub, cluster.run_dir / "relay-eu" / "published"
+    finally:
+        cluster.stop()
+
+
+GOOD = _blob(0)
+CASES = {
+    "wrong run": (GOOD, {"run_id": "other-run"}, grpc.StatusCode.INVALID_ARGUMENT, "wrong run"),
+    "wrong round": (GOOD, {"round": 1}, grpc.StatusCode.INVALID_ARGUMENT, "does not match"),
+    "not a sync step": (
+        GOOD,
+        {"sync_step": 7},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not a sync step",
+    ),
+    "step ahead": (GOOD, {"sync_step": 10}, grpc.StatusCode.FAILED_PRECONDITION, "ahead"),
+    "not in region": (GOOD, {"sender": "us-0"}, grpc.StatusCode.INVALID_ARGUMENT, "not a member"),
+    "wrong shape": (_blob(1, numel=1000), {}, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+    "wrong codec name": (GOOD, {"codec": "fp32"}, grpc.StatusCode.INVALID_ARGUMENT, "wrong codec"),
+    "bytes of another codec": (
+        _blob(2, codec=make_codec("fp32")),
+        {},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "encoded with codec",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_delta_gets_a_status_naming_the_problem(relay, case: str) -> None:  # type: ignore[no-untyped-def]
+    stub, _ = relay
+    data, changes, code, words = CASES[case]
+    with pytest.raises(grpc.RpcError) as err:
+        push_delta(stub.PushDelta, _header(data, **changes), data)
+    assert err.value.code() == code, err.value.details()
+    assert words in err.value.details(), err.value.details()
+
+
+def test_corrupt_truncated_and_conflicting_then_the_round_is_unchanged(relay) -> None:  # type: ignore[no-untyped-def]
+    stub, published = relay
+    flipped = bytearray(GOOD)
+    flipped[len(flipped) // 2] ^= 0xFF
+    flipped_b = bytes(flipped)
+    # corrupted after hashing (in transit): the transport's sha256 check
+    with pytest.raises(grpc.RpcError) as err:
+        push_delta(stub.PushDelta, _header(GOOD, digest=blob_digest(flipped_b)), GOOD)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "corrupt" in err.value.details()
+    # corrupted before hashing: the codec's checksum
+    with pytest.raises(grpc.RpcError) as err:
+        push_delta(stub.PushDelta, _header(flipped_b), flipped_b)
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in err.value.details()
+    )
+
+    # truncated: fewer bytes than the header announced
+    def truncated() -> Iterator[object]:
+        yield pb.DeltaChunk(header=_header(GOOD))
+        yield memoryview(GOOD)[:-100]
+
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushDelta(truncated())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "short" in err.value.details()
+
+    ack = push_delta(stub.PushDelta, _header(GOOD), GOOD)
+    assert not ack.duplicate
+    again = push_delta(stub.PushDelta, _header(GOOD), GOOD)
+    assert again.duplicate and again.digest == ack.digest  # idempotent, counted once
+    other = _blob(3)
+    with pytest.raises(grpc.RpcError) as err:
+        push_delta(stub.PushDelta, _header(other), other)
+    assert (
+        err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        and "different bytes" in err.value.details()
+    )
+
+    second = _blob(4)
+    push_delta(stub.PushDelta, _header(second, sender="eu-1"), second)
+    request = pb.MergeRequest(run_id=CFG.run_id, requester="eu-0", sync_step=5, kind="regional")
+    header, merged = fetch_merge(stub.FetchMerge, request, numel=NUMEL, timeout=60)
+    expected, commitment = aggregate({"eu-0": GOOD, "eu-1": second}, CODEC, (NUMEL,))
+    assert torch.equal(merged, expected), "a rejected input leaked into the round"
+    assert list(header.members) == ["eu-0", "eu-1"]
+    assert sorted(p.name for p in published.iterdir()) == sorted(commitment.input_digests)

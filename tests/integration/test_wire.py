@@ -1,0 +1,457 @@
+"""hypertrain.wire over real gRPC on loopback: chunked pushes and merges, bad streams, bootstrap.
+
+An in-process server on port 0 runs a small Relay servicer built from the wire helpers
+(receive_delta + publish, merge_chunks), as the relay daemon does.  No timing asserts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from hypertrain.common.digest import tensor_digest
+from hypertrain.common.errors import CodecError
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
+from hypertrain.wire import frames
+from hypertrain.wire.chunks import (
+    CHUNK_BYTES,
+    delta_chunks,
+    discard,
+    merge_chunks,
+    publish,
+    receive_delta,
+    receive_merge,
+)
+from hypertrain.wire.client import connect, fetch_merge, push_delta, relay_stub, retrying
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.server import (
+    ANNOUNCE_RE,
+    Shutdown,
+    add_servicer,
+    announce,
+    bind,
+    make_server,
+    maps_errors,
+    run_until_signal,
+)
+
+MAX_SIZE = 32 << 20
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class WireRelay(pb_grpc.RelayServicer):
+    """PushDelta: receive, spool, publish.  FetchMerge: stream ``merge`` (or raw ``parts``)."""
+
+    spool: Path
+    published: Path
+    merge: tuple[pb.MergeHeader, torch.Tensor] | None = None
+    merge_parts: Iterable[Any] | None = None
+    status_error: Exception | None = None
+    parts_seen: list[int] = field(default_factory=list)
+
+    @maps_errors
+    def PushDelta(self, parts: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
+        def counted() -> Iterator[Any]:
+            for part in parts:
+                self.parts_seen.append(len(part) if isinstance(part, memoryview) else -1)
+                yield part
+
+        got = receive_delta(counted(), max_size=MAX_SIZE, spool_dir=self.spool)
+        publish(got, self.published)
+        return pb.PushAck(digest=got.digest)
+
+    @maps_errors
+    def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        if self.merge_parts is not None:
+            yield from self.merge_parts
+            return
+        assert self.merge is not None
+        yield from merge_chunks(*self.merge)
+
+    @maps_errors
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        if self.status_error is not None:
+            raise self.status_error
+        return pb.StatusReply(role="relay")
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[tuple[WireRelay, Any, str]]:
+    servicer = WireRelay(tmp_path / "spool", tmp_path / "published")
+    servicer.spool.mkdir()
+    server = make_server(max_workers=4)
+    add_servicer(servicer, server, "Relay")
+    address = bind(server, "127.0.0.1:0")
+    server.start()
+    channel = connect(address, timeout=10)
+    try:
+        yield servicer, relay_stub(channel), address
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+# -- deltas ---------------------------------------------------------------------------
+def test_large_delta_streams_in_chunks_is_spooled_and_published(relay: Any) -> None:
+    servicer, stub, _ = relay
+    data = os.urandom(20 << 20)
+    header = pb.TransferHeader(
+        run_id="r", sender="eu-0", digest=_sha(data), size=len(data), codec="fp32"
+    )
+    ack = push_delta(stub.PushDelta, header, data)
+    assert ack.digest == _sha(data)
+    sizes = servicer.parts_seen
+    assert sizes[0] == -1 and len(sizes) == 1 + len(data) // CHUNK_BYTES  # a header, then chunks
+    assert all(0 < n <= CHUNK_BYTES for n in sizes[1:])
+    stored = servicer.published / _sha(data)
+    assert stored.read_bytes() == data
+    assert _files(servicer.spool) == []
+    # Idempotent: the same push again leaves one file with the same bytes, no temp file.
+    assert push_delta(stub.PushDelta, header, data).digest == ack.digest
+    assert _files(servicer.published) == [_sha(data)]
+    assert stored.read_bytes() == data and _files(servicer.spool) == []
+
+
+def test_generated_stub_peers_interoperate(relay: Any) -> None:
+    """A peer on the generated stubs (full protobuf messages) is understood."""
+    servicer, _, address = relay
+    data = os.urandom(3 * CHUNK_BYTES + 17)
+    header = pb.TransferHeader(digest=_sha(data), size=len(data))
+    parts = [pb.DeltaChunk(header=header)] + [
+        pb.DeltaChunk(data=data[i : i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES)
+    ]
+    with grpc.insecure_channel(address) as channel:
+        assert pb_grpc.RelayStub(channel).PushDelta(iter(parts)).digest == _sha(data)
+    assert (servicer.published / _sha(data)).read_bytes() == data
+
+
+def _header(data: bytes, **changes: Any) -> pb.DeltaChunk:
+    fields: dict[str, Any] = {"digest": _sha(data), "size": len(data)}
+    fields.update(changes)
+    return pb.DeltaChunk(header=pb.TransferHeader(**fields))
+
+
+GOOD = os.urandom(2 * CHUNK_BYTES + 5)
+BAD_STREAMS: dict[str, tuple[list[Any], grpc.StatusCode, str]] = {
+    "empty stream": ([], grpc.StatusCode.INVALID_ARGUMENT, "empty stream"),
+    "missing header": ([GOOD], grpc.StatusCode.INVALID_ARGUMENT, "must carry the header"),
+    "wrong digest": (
+        [_header(GOOD, digest=_sha(b"other")), GOOD],
+        grpc.StatusCode.DATA_LOSS,
+        f"corrupt transfer: sha256 {_sha(GOOD)} != header digest {_sha(b'other')}",
+    ),
+    "short stream": ([_header(GOOD), GOOD[:-1]], grpc.StatusCode.INVALID_ARGUMENT, "short stream"),
+    "too long stream": ([_header(GOOD), GOOD, b"x"], grpc.StatusCode.INVALID_ARGUMENT, "too long"),
+    "over max_size": (
+        [_header(GOOD, size=MAX_SIZE + 1), GOOD],
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"over this receiver's limit of {MAX_SIZE} bytes",
+    ),
+    "second header": (
+        [_header(GOOD), GOOD[:10], _header(GOOD)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "second header",
+    ),
+    "digest not hex": (
+        [_header(GOOD, digest="../../etc/passwd"), GOOD],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "64 lowercase hex",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STREAMS))
+def test_bad_delta_stream_is_rejected_with_its_status_and_leaves_no_file(
+    relay: Any, case: str
+) -> None:
+    servicer, stub, _ = relay
+    parts, code, message = BAD_STREAMS[case]
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.PushDelta(iter(parts))
+    assert caught.value.code() == code
+    assert message in caught.value.details()
+    assert _files(servicer.spool) == [] and _files(servicer.published) == []
+
+
+def test_receive_delta_without_spool_and_discard(tmp_path: Path) -> None:
+    data = os.urandom(CHUNK_BYTES + 3)
+    header = pb.TransferHeader(digest=_sha(data), size=len(data))
+    got = receive_delta(delta_chunks(header, data), max_size=len(data))
+    assert got.spool_path is None and bytes(got.data) == data and got.digest == _sha(data)
+    assert publish(got, tmp_path / "pub").read_bytes() == data  # written now, durably
+    spooled = receive_delta(delta_chunks(header, data), max_size=len(data), spool_dir=tmp_path)
+    assert spooled.spool_path is not None and spooled.spool_path.read_bytes() == data
+    assert bytes(spooled.data) == data
+    discard(spooled)
+    assert _files(tmp_path) == ["pub"]
+
+
+def test_empty_delta(tmp_path: Path) -> None:
+    header = pb.TransferHeader(digest=_sha(b""), size=0)
+    got = receive_delta(delta_chunks(header, b""), max_size=0, spool_dir=tmp_path)
+    assert bytes(got.data) == b""
+    assert publish(got, tmp_path / "pub").read_bytes() == b""
+
+
+# -- merges ---------------------------------------------------------------------------
+def _theta(numel: int) -> torch.Tensor:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    x[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-45])  # odd bit patterns too
+    return x
+
+
+def test_merge_round_trips_bit_for_bit(relay: Any) -> None:
+    servicer, stub, _ = relay
+    theta = _theta(3_000_001)
+    header = pb.MergeHeader(
+        kind="global", numel=theta.numel(), digest=tensor_digest(theta), members=["eu"]
+    )
+    servicer.merge = (header, theta)
+    got_header, got = fetch_merge(
+        stub.FetchMerge, pb.MergeRequest(kind="global"), numel=theta.numel()
+    )
+    assert got_header == header
+    assert torch.equal(got.view(torch.int32), theta.view(torch.int32))
+    out = torch.zeros_like(theta)
+    _, into = fetch_merge(stub.FetchMerge, pb.MergeRequest(kind="global"), out=out)
+    assert into.data_ptr() == out.data_ptr() and torch.equal(
+        out.view(torch.int32), theta.view(torch.int32)
+    )
+
+
+def test_merge_with_wrong_digest_is_data_loss(relay: Any) -> None:
+    servicer, stub, _ = relay
+    theta = _theta(1000)
+    servicer.merge = (pb.MergeHeader(numel=1000, digest=tensor_digest(theta + 1)), theta)
+    with pytest.raises(WireError) as caught:
+        fetch_merge(stub.FetchMerge, pb.MergeRequest())
+    assert (
+        caught.value.code == grpc.StatusCode.DATA_LOSS and "corrupt merge" in caught.value.message
+    )
+
+
+def test_merge_numel_is_checked_before_allocating(relay: Any) -> None:
+    servicer, stub, _ = relay
+    theta = _theta(1000)
+    servicer.merge = (pb.MergeHeader(numel=1000, digest=tensor_digest(theta)), theta)
+    with pytest.raises(WireError, match="merge of 1000 fp32, expected 999"):
+        fetch_merge(stub.FetchMerge, pb.MergeRequest(), numel=999)
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ([b"\0" * 8], "must carry the header"),
+        ([pb.MergeChunk(header=pb.MergeHeader(numel=2)), b"\0" * 7], "short stream"),
+        ([pb.MergeChunk(header=pb.MergeHeader(numel=2)), b"\0" * 9], "too long"),
+        (
+            [pb.MergeChunk(header=pb.MergeHeader(numel=2)), pb.MergeChunk(header=pb.MergeHeader())],
+            "second merge header",
+        ),
+    ],
+)
+def test_bad_merge_stream_is_invalid(parts: list[Any], message: str) -> None:
+    with pytest.raises(WireError, match=message) as caught:
+        receive_merge(iter(parts))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_merge_chunks_needs_contiguous_fp32() -> None:
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        list(merge_chunks(pb.MergeHeader(numel=4), torch.zeros(4, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        list(merge_chunks(pb.MergeHeader(numel=4), torch.zeros(4, 2)[:, 0]))
+
+
+# -- codec, error mapping, retries ------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 16383, 16384, CHUNK_BYTES])
+def test_chunk_codec_matches_protobuf(n: int) -> None:
+    data = os.urandom(n)
+    wire = frames.encode(memoryview(data))
+    assert wire == pb.DeltaChunk(data=data).SerializeToString()
+    decoded = frames.decoder(pb.DeltaChunk)(wire)
+    assert isinstance(decoded, memoryview) and bytes(decoded) == data
+    header = pb.MergeChunk(header=pb.MergeHeader(numel=n, kind="global"))
+    assert frames.decoder(pb.MergeChunk)(frames.encode(header)) == header
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (CodecError("int8 payload truncated"), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            WireError(grpc.StatusCode.FAILED_PRECONDITION, "round 3 already committed"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            WireError(grpc.StatusCode.ALREADY_EXISTS, "eu-0 already pushed"),
+            grpc.StatusCode.ALREADY_EXISTS,
+        ),
+        (RuntimeError("a bug"), grpc.StatusCode.UNKNOWN),
+    ],
+)
+def test_maps_errors(relay: Any, error: Exception, code: grpc.StatusCode) -> None:
+    servicer, stub, _ = relay
+    servicer.status_error = error
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Status(pb.StatusRequest())
+    assert caught.value.code() == code
+    if code != grpc.StatusCode.UNKNOWN:
+        assert str(error.args[-1]) in caught.value.details()
+
+
+def test_maps_errors_in_a_streaming_response(relay: Any) -> None:
+    servicer, stub, _ = relay
+
+    def failing() -> Iterator[Any]:
+        yield pb.MergeChunk(header=pb.MergeHeader(numel=1))
+        raise WireError(grpc.StatusCode.FAILED_PRECONDITION, "not committed")
+
+    servicer.merge_parts = failing()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.FetchMerge(pb.MergeRequest()))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+class _Unavailable(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+
+def test_retrying_retries_unavailable_only() -> None:
+    waits: list[float] = []
+    outcomes: list[Exception | str] = [_Unavailable(), _Unavailable(), "ok"]
+
+    def call() -> str:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert retrying(call, attempts=3, backoff=0.5, sleep=waits.append) == "ok"
+    assert waits == [0.5, 1.0]
+    outcomes[:] = [_Unavailable(grpc.StatusCode.INVALID_ARGUMENT), "ok"]
+    with pytest.raises(_Unavailable):
+        retrying(call, attempts=3, sleep=waits.append)
+    outcomes[:] = [_Unavailable(), _Unavailable()]
+    with pytest.raises(_Unavailable):
+        retrying(call, attempts=2, sleep=waits.append)
+
+
+def test_connect_names_an_unreachable_address() -> None:
+    with socket.socket() as s:  # a port that is free now and has no listener
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(WireError, match=f"cannot reach 127.0.0.1:{port}") as caught:
+        connect(f"127.0.0.1:{port}", timeout=0.2)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+# -- bootstrap ------------------------------------------------------------------------
+def test_bind_port_zero_and_announce(capsys: pytest.CaptureFixture[str]) -> None:
+    server = make_server(max_workers=1)
+    address = bind(server, "127.0.0.1:0")
+    host, port = address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    announce("relay", address)
+    line = capsys.readouterr().out
+    assert line == f"hypertrain-relay listening on {address}\n"
+    match = ANNOUNCE_RE.match(line.rstrip("\n"))
+    assert (
+        match and match["role"] == "relay" and match["address"] == address and match["port"] == port
+    )
+    assert ANNOUNCE_RE.match("hypertrain-aggregator listening on [::1]:7070")
+    server.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("listen", "message"),
+    [
+        ("7070", "expected HOST:PORT"),
+        ("127.0.0.1", "expected HOST:PORT"),
+        (":7070", "expected HOST:PORT"),
+        ("127.0.0.1:http", "expected HOST:PORT"),
+        ("127.0.0.1:70000", "expected HOST:PORT"),
+        ("::1:0", "IPv6 host in brackets"),
+        ("256.1.1.1:0", "cannot listen on '256.1.1.1:0'"),
+        ("192.0.2.1:0", "cannot listen on '192.0.2.1:0'"),  # not an address of this machine
+    ],
+)
+def test_bad_listen_address_is_a_clear_value_error(listen: str, message: str) -> None:
+    server = make_server(max_workers=1)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        bind(server, listen)
+
+
+def test_port_in_use_is_refused() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on '127.0.0.1:{port}': .*in use"):
+            bind(make_server(max_workers=1), f"127.0.0.1:{port}")
+
+
+def test_run_until_signal_stops_on_request_and_restores_handlers() -> None:
+    server = make_server(max_workers=1)
+    bind(server, "127.0.0.1:0")
+    server.start()
+    before = signal.getsignal(signal.SIGTERM)
+    shutdown, stopped = Shutdown(), []
+    threading.Thread(target=shutdown.request, args=("run done",)).start()
+    assert (
+        run_until_signal(server, on_stop=lambda: stopped.append(1), grace=1, shutdown=shutdown) == 0
+    )
+    assert stopped == [1] and shutdown.reason == "run done"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+DAEMON = """
+from hypertrain.wire.server import announce, bind, make_server, run_until_signal
+server = make_server()
+address = bind(server, "127.0.0.1:0")
+server.start()
+announce("test", address)
+raise SystemExit(run_until_signal(server, on_stop=lambda: print("on_stop ran", flush=True)))
+"""
+
+
+def test_sigterm_drains_and_exits_zero() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DAEMON], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert proc.stdout is not None
+        match = ANNOUNCE_RE.match(proc.stdout.readline().rstrip("\n"))
+        assert match and match["role"] == "test"
+        connect(match["address"], timeout=10).close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stdout.read() == "on_stop ran\n"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,145 @@
+"""The sans-I/O relay and aggregator machines: membership by step, idempotence, refusals."""
+
+import pytest
+import torch
+
+from hypertrain.common.codec import make_codec
+from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import blob_digest
+from hypertrain.common.protocol import (
+    CONFLICT,
+    INVALID,
+    PRECONDITION,
+    AggregatorMachine,
+    Committed,
+    Delta,
+    Forward,
+    Publish,
+    RelayMachine,
+)
+from hypertrain.common.roles import initial_parameters
+
+CFG = RunConfig.from_dict(
+    {
+        "steps": 20,
+        "batch_per_island": 8,
+        "regional_codec": "int8",
+        "topology": {"regions": ["eu", "us"], "islands_per_region": 2, "h_r": 5, "h_g": 10},
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def theta0() -> torch.Tensor:
+    return initial_parameters(CFG)[1]
+
+
+def _delta(theta0: torch.Tensor, sender: str, step: int, seed: int = 0, **kw: object) -> Delta:
+    data = make_codec(CFG.regional_codec).encode(
+        torch.randn(theta0.numel(), generator=torch.Generator().manual_seed(seed)) * 1e-3
+    )
+    fields = dict(
+        run_id=CFG.run_id,
+        round=(step - 1) // 10,
+        sync_step=step,
+        sender=sender,
+        digest=blob_digest(data),
+        codec=str(make_codec(CFG.regional_codec).spec),
+        data=data,
+    )
+    fields.update(kw)
+    return Delta(**fields)  # type: ignore[arg-type]
+
+
+def test_relay_commits_when_the_last_member_arrives_in_any_order(theta0: torch.Tensor) -> None:
+    digests = set()
+    for order in (["eu-0", "eu-1"], ["eu-1", "eu-0"]):
+        relay = RelayMachine(CFG, "eu", theta0)
+        effects = []
+        for i, sender in enumerate(order):
+            decision, eff = relay.on_delta(_delta(theta0, sender, 5, seed=int(sender[-1])))
+            assert decision.accepted, decision.reason
+            assert isinstance(eff[0], Publish)
+            if i == 0:
+                assert len(eff) == 1 and relay.merge_for(5) is None
+            effects = eff
+        committed = [e for e in effects if isinstance(e, Committed)]
+        assert committed[0].commitment.members == ("eu-0", "eu-1")
+        digests.add(committed[0].commitment.digest)
+        assert relay.merge_for(5) is not None and relay.level.open_step == 10
+    assert len(digests) == 1
+
+
+def test_relay_forwards_at_the_global_step_and_waits_for_theta(theta0: torch.Tensor) -> None:
+    relay = RelayMachine(CFG, "eu", theta0)
+    for step in (5, 10):
+        for k, sender in enumerate(("eu-0", "eu-1")):
+            _, eff = relay.on_delta(_delta(theta0, sender, step, seed=step + k))
+    assert any(isinstance(e, Forward) for e in eff)
+    assert relay.merge_for(10) is None  # islands wait for the global merge
+    early = relay.on_delta(_delta(theta0, "eu-0", 15))[0]
+    assert early.code == PRECONDITION and "pending" in early.reason
+    relay.on_global(10, theta0.clone())
+    assert relay.merge_for(10) is not None and relay.merge_for(10).kind == "global"  # type: ignore[union-attr]
+    assert relay.on_delta(_delta(theta0, "eu-0", 15))[0].accepted
+
+
+def test_identical_resend_is_idempotent_and_different_bytes_refused(theta0: torch.Tensor) -> None:
+    relay = RelayMachine(CFG, "eu", theta0)
+    d = _delta(theta0, "eu-0", 5)
+    assert relay.on_delta(d)[0].accepted
+    again, eff = relay.on_delta(d)
+    assert again.accepted and again.duplicate and eff == []
+    other = _delta(theta0, "eu-0", 5, seed=7)
+    assert relay.on_delta(other)[0].code == CONFLICT
+    relay.on_delta(_delta(theta0, "eu-1", 5, seed=1))
+    after = relay.on_delta(d)[0]  # a resend after the commit is still a duplicate
+    assert after.duplicate
+    assert len(relay.merge_for(5).commitment.members) == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "changes,code,words",
+    [
+        ({"run_id": "other"}, INVALID, "wrong run"),
+        ({"sender": "us-0"}, INVALID, "not a member"),
+        ({"sync_step": 7}, INVALID, "not a sync step"),
+        ({"sync_step": 25}, INVALID, "not a sync step"),
+        ({"round": 1}, INVALID, "does not match"),
+        ({"sync_step": 15, "round": 1}, PRECONDITION, "ahead"),
+        ({"codec": "fp32"}, INVALID, "wrong codec"),
+        ({"data": b"HTCD" + b"\x00" * 60}, INVALID, "rejected delta"),
+    ],
+)
+def test_bad_deltas_are_refused_with_a_reason(
+    theta0: torch.Tensor, changes: dict, code: str, words: str
+) -> None:
+    relay = RelayMachine(CFG, "eu", theta0)
+    fields = {"sender": "eu-0", **changes}
+    sender = fields.pop("sender")
+    decision, effects = relay.on_delta(_delta(theta0, sender, 5, **fields))
+    assert decision.code == code and words in decision.reason, decision.reason
+    assert effects == [] and relay.level.inputs == {}
+
+
+def test_wrong_shape_is_refused(theta0: torch.Tensor) -> None:
+    relay = RelayMachine(CFG, "eu", theta0)
+    data = make_codec("int8").encode(torch.zeros(100))
+    decision, _ = relay.on_delta(_delta(theta0, "eu-0", 5, data=data, digest=blob_digest(data)))
+    assert decision.code == INVALID and "shape" in decision.reason
+
+
+def test_aggregator_applies_one_outer_step_per_round(theta0: torch.Tensor) -> None:
+    agg = AggregatorMachine(CFG, theta0)
+    g = make_codec(CFG.global_codec)
+    deltas = {r: g.encode(torch.full((theta0.numel(),), 1e-3)) for r in ("us", "eu")}
+    for region, data in deltas.items():
+        decision, _ = agg.on_regional(
+            Delta(CFG.run_id, 0, 10, region, blob_digest(data), str(g.spec), data)
+        )
+        assert decision.accepted
+    merge = agg.merge_for(10)
+    assert merge is not None and merge.commitment.members == ("eu", "us")
+    assert not torch.equal(merge.payload, theta0) and agg.round == 1
+    bad = agg.on_regional(Delta(CFG.run_id, 0, 5, "eu", "x", str(g.spec), b""))[0]
+    assert bad.code == INVALID and "not a sync step" in bad.reason
