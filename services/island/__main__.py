@@ -43,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         log_event("stopped", role="island", reason="signal")
         return 130
-    except (HypertrainError, WireError, ValueError) as e:
+    except (HypertrainError, ValueError) as e:  # bad config or flags
+        return fail("island", str(e))
+    except WireError as e:  # the relay refused us or went away mid-run
         return fail("island", str(e), code=1)
     finally:
         if island is not None:

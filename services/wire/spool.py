@@ -173,7 +173,9 @@ class Sink:
             if self.size and self.path is not None:
                 # A private map (copy-on-write: writes never reach the file) that keeps
                 # no file descriptor open, unlike mmap.mmap on Python < 3.13.
-                mapped = torch.from_file(str(self.path), shared=False, size=self.size, dtype=torch.uint8)
+                mapped = torch.from_file(
+                    str(self.path), shared=False, size=self.size, dtype=torch.uint8
+                )
                 self.buffer = mapped.numpy().data
         except (OSError, RuntimeError) as exc:
             self.abort()
