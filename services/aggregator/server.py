@@ -34,15 +34,14 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import HOLDOUT_WINDOWS, holdout_windows
 from hypertrain.common.digest import state_digest
 from hypertrain.common.model import build_model, evaluate, preset
-from hypertrain.common.protocol import AggregatorMachine, Committed, Delta, Publish
+from hypertrain.common.protocol import AggregatorMachine, Committed, Effect
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import initial_parameters
-from hypertrain.relay.server import MergeBoard
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
+from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import atomic_write, log_event
 from hypertrain.wire.errors import WireError
-from hypertrain.wire.protocol_codes import STATUS
+from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
 
 
@@ -90,41 +89,22 @@ class AggregatorService:
         self.numel = theta0.numel()
         self.machine = AggregatorMachine(cfg, theta0)
         self.state_dir = state_dir
-        self.published = state_dir / "published"
-        self.spool = state_dir / "spool"
-        for d in (self.published, self.spool):
-            d.mkdir(parents=True, exist_ok=True)
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
+        self.intake = Intake(state_dir, self.numel, self.board)
         self.final_fetches: set[str] = set()
-        self.t_first = 0.0
-        self.t_received = 0.0
-        self.max_size = 4 * self.numel + (1 << 16)
+        self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         self.evaluator = Evaluator(cfg)
         self.evaluator.submit(-1, 0, theta0.clone())
 
     @maps_errors
     def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
-        t_start = time.perf_counter()
-        rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
-        self.t_received = time.perf_counter()
-        self.t_first = self.t_first or t_start
-        h = rx.header
-        delta = Delta(h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data)
-        with self.board.cond:
-            decision, effects = self.machine.on_regional(delta)
-            if not decision.accepted or decision.duplicate:
-                discard(rx)
-                if not decision.accepted:
-                    raise WireError(STATUS[decision.code], decision.reason)
-                return pb.PushAck(digest=rx.digest, duplicate=True)
-            for effect in effects:
-                if isinstance(effect, Publish):
-                    publish(rx, self.published)
-                elif isinstance(effect, Committed):
-                    self._persist(effect)
-            self.board.cond.notify_all()
-        return pb.PushAck(digest=rx.digest)
+        self.t_first = self.t_first or time.perf_counter()
+        return self.intake.push(chunks, self.machine.on_regional, self._on_effect)
+
+    def _on_effect(self, effect: Effect) -> None:
+        if isinstance(effect, Committed):
+            self._persist(effect)
 
     @maps_errors
     def FetchGlobal(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -174,8 +154,7 @@ class AggregatorService:
         now = time.perf_counter()
         log_event(
             "round",
-            wait_s=round(self.t_received - self.t_first, 4),
-            apply_s=round(now - self.t_received, 4),
+            seconds=round(now - self.t_first, 4),
             role="aggregator",
             round=c.round,
             step=c.sync_step,

@@ -17,7 +17,6 @@ the new global parameters.  The relay forwards; it never sums across regions.
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -29,62 +28,15 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest, tensor_digest
-from hypertrain.common.protocol import Committed, Delta, Forward, Publish, RelayMachine
+from hypertrain.common.protocol import Committed, Effect, Forward, RelayMachine
 from hypertrain.common.roles import initial_parameters
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
+from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.peers import Peer
-from hypertrain.wire.protocol_codes import STATUS
+from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
-
-WAIT_SLICE_S = 0.5
-
-
-def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
-    return pb.MergeHeader(
-        run_id=cfg.run_id,
-        round=merge.round,
-        sync_step=merge.sync_step,
-        merge_step=merge.merge_step,
-        kind=merge.kind,
-        digest=tensor_digest(merge.payload),
-        numel=merge.payload.numel(),
-        commitment=json.dumps(merge.commitment.to_dict(), sort_keys=True, separators=(",", ":")),
-        members=list(merge.commitment.members),
-    )
-
-
-class MergeBoard:
-    """Committed merges with their wire headers, and a condition to wait on them."""
-
-    def __init__(self, cfg: RunConfig, shutdown: Shutdown) -> None:
-        self.cfg = cfg
-        self.shutdown = shutdown
-        self.cond = threading.Condition()
-        self.headers: dict[int, pb.MergeHeader] = {}
-
-    def wait(self, lookup: Any, sync_step: int, context: grpc.ServicerContext) -> Committed:
-        """Block (under ``cond``) until ``lookup(sync_step)`` exists; abort if the call ends."""
-        with self.cond:
-            while True:
-                merge = lookup(sync_step)
-                if merge is not None:
-                    return merge
-                if self.shutdown.requested:
-                    raise WireError(grpc.StatusCode.UNAVAILABLE, "shutting down")
-                if not context.is_active():
-                    raise WireError(grpc.StatusCode.CANCELLED, "caller went away")
-                self.cond.wait(WAIT_SLICE_S)
-
-    def header(self, merge: Committed) -> pb.MergeHeader:
-        h = self.headers.get(merge.sync_step)
-        if h is None or h.kind != merge.kind:
-            h = self.headers[merge.sync_step] = merge_header(self.cfg, merge)
-            for old in sorted(self.headers)[:-8]:
-                del self.headers[old]
-        return h
 
 
 class RelayService:
@@ -98,42 +50,25 @@ class RelayService:
         _, theta0 = initial_parameters(cfg)
         self.numel = theta0.numel()
         self.machine = RelayMachine(cfg, region, theta0)
-        self.published = state_dir / "published"
-        self.spool = state_dir / "spool"
-        for d in (self.published, self.spool):
-            d.mkdir(parents=True, exist_ok=True)
         self.aggregator = aggregator
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
+        self.intake = Intake(state_dir, self.numel, self.board)
         self.forwards: queue.Queue[Forward | None] = queue.Queue()
         self.final_fetches: set[str] = set()
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
         self.forwarder.start()
-        # An encoded delta is never larger than fp32 plus the header: bound what we accept.
-        self.max_size = 4 * self.numel + (1 << 16)
 
     # -- RPCs -----------------------------------------------------------------------
     @maps_errors
     def PushDelta(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
-        rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
-        h = rx.header
-        delta = Delta(h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data)
-        with self.board.cond:
-            decision, effects = self.machine.on_delta(delta)
-            if not decision.accepted or decision.duplicate:
-                discard(rx)
-                if not decision.accepted:
-                    raise WireError(STATUS[decision.code], decision.reason)
-                return pb.PushAck(digest=rx.digest, duplicate=True)
-            for effect in effects:
-                if isinstance(effect, Publish):
-                    publish(rx, self.published)
-                elif isinstance(effect, Committed):
-                    self._log_commit(effect)
-                elif isinstance(effect, Forward):
-                    self.forwards.put(effect)
-            self.board.cond.notify_all()
-        return pb.PushAck(digest=rx.digest)
+        return self.intake.push(chunks, self.machine.on_delta, self._on_effect)
+
+    def _on_effect(self, effect: Effect) -> None:
+        if isinstance(effect, Committed):
+            self._log_commit(effect)
+        elif isinstance(effect, Forward):
+            self.forwards.put(effect)
 
     @maps_errors
     def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:

@@ -40,11 +40,11 @@ from pathlib import Path
 import grpc
 import torch
 
-from hypertrain.common.digest import tensor_digest
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import spool
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.frames import Data, DeltaPart, MergePart
+from hypertrain.wire.tensorhash import TensorHasher
 
 #: Data bytes per chunk message.  1 MiB was the best or tied-best size on loopback
 #: between 256 KiB and 4 MiB (bench/bench_transport.py --chunk-sweep); must stay well
@@ -225,8 +225,8 @@ def receive_merge(
     before anything is allocated.  ``out``, a contiguous fp32 CPU tensor of
     ``header.numel`` elements, is filled and returned (flattened) instead of a new
     tensor: a receiver that keeps one buffer across rounds never touches fresh
-    memory.  On error its contents are undefined.  The copy into the tensor runs on
-    a worker thread, overlapped with the transfer.
+    memory.  On error its contents are undefined.  The copy into the tensor and the
+    digest's leaf hashes run on a worker thread, overlapped with the transfer.
     """
     parts = iter(chunks)
     header = _first_header(parts, pb.MergeChunk)
@@ -238,9 +238,11 @@ def receive_merge(
     tensor = torch.empty(header.numel, dtype=torch.float32) if out is None else out
     buf = _fp32_bytes(tensor)  # checks that out is contiguous fp32: filled in place
     tensor = tensor.view(-1)
+    hasher = TensorHasher(tensor, buf)
 
     def fill(offset: int, data: Data) -> None:
         buf[offset : offset + len(data)] = data
+        hasher.advance(offset + len(data))
 
     filler = spool.Worker("wire-fill", fill, spool.DEPTH)
     try:
@@ -249,7 +251,7 @@ def receive_merge(
         filler.stop()
     if filler.error is not None:
         raise spool.failure(filler.error)
-    digest = tensor_digest(tensor)
+    digest = hasher.hexdigest()
     if digest != header.digest:
         raise WireError(
             grpc.StatusCode.DATA_LOSS,

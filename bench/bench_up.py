@@ -1,0 +1,80 @@
+"""Time islands spend blocked on synchronization in ``hypertrain up``'s default run.
+
+    .venv/bin/python bench/bench_up.py [--tau 1] [--json experiments/results/bench_up.json]
+
+Runs the default local cluster (2 regions x 2 islands, tiny, int8, Nesterov)
+with the given tau and reports, per island, the seconds blocked waiting for a
+merge against the island's own wall time in the same run (target with tau = 1:
+under 10%).  Every island logs both numbers in its ``event=done`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hypertrain.procs import parse_logfmt
+
+TARGET = 0.10
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tau", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hypertrain",
+                "up",
+                "--quiet",
+                "--tau",
+                str(args.tau),
+                "--run-dir",
+                str(run_dir),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            print(out.stdout + out.stderr)
+            return 1
+        islands = {}
+        for log in sorted((run_dir / "logs").glob("island-*.log")):
+            for line in log.read_text().splitlines():
+                e = parse_logfmt(line)
+                if e.get("event") == "done":
+                    islands[e["island"]] = {
+                        "blocked_s": float(e["blocked_s"]),
+                        "wall_s": float(e["wall_s"]),
+                        "blocked_share": float(e["blocked_share"]),
+                    }
+    worst = max(v["blocked_share"] for v in islands.values())
+    print(f"{'island':8s} {'blocked s':>10s} {'wall s':>8s} {'share':>7s}")
+    for name, v in islands.items():
+        print(f"{name:8s} {v['blocked_s']:10.3f} {v['wall_s']:8.2f} {v['blocked_share']:7.3f}")
+    verdict = "PASS" if worst < TARGET else "FAIL"
+    print(f"worst blocked share {worst:.3f} (tau={args.tau}), target < {TARGET}: {verdict}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "tau": args.tau,
+            "islands": islands,
+            "worst_blocked_share": worst,
+            "target": TARGET,
+            "pass": worst < TARGET,
+        }
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

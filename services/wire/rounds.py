@@ -1,0 +1,112 @@
+"""Servicer plumbing shared by the relay and the aggregator.
+
+- :class:`Intake`: receive one pushed delta (chunked, sha256-checked, spooled),
+  let the sans-I/O machine decide, publish or discard the bytes, and answer
+  with a PushAck or the decision's status.  Everything after the transfer
+  runs under the board's lock, so decisions are serialized.
+- :class:`MergeBoard`: committed merges with their wire headers, and the
+  condition that blocked fetches wait on.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import tensor_digest
+from hypertrain.common.protocol import Committed, Decision, Delta, Effect, Publish
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.chunks import discard, publish, receive_delta
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.protocol_codes import STATUS
+from hypertrain.wire.server import Shutdown
+
+WAIT_SLICE_S = 0.5
+
+
+def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
+    return pb.MergeHeader(
+        run_id=cfg.run_id,
+        round=merge.round,
+        sync_step=merge.sync_step,
+        merge_step=merge.merge_step,
+        kind=merge.kind,
+        digest=tensor_digest(merge.payload),
+        numel=merge.payload.numel(),
+        commitment=json.dumps(merge.commitment.to_dict(), sort_keys=True, separators=(",", ":")),
+        members=list(merge.commitment.members),
+    )
+
+
+class MergeBoard:
+    """Committed merges with their wire headers, and a condition to wait on them."""
+
+    def __init__(self, cfg: RunConfig, shutdown: Shutdown) -> None:
+        self.cfg = cfg
+        self.shutdown = shutdown
+        self.cond = threading.Condition()
+        self.headers: dict[int, pb.MergeHeader] = {}
+
+    def wait(self, lookup: Any, sync_step: int, context: grpc.ServicerContext) -> Committed:
+        """Block (under ``cond``) until ``lookup(sync_step)`` exists; abort if the call ends."""
+        with self.cond:
+            while True:
+                merge = lookup(sync_step)
+                if merge is not None:
+                    return merge
+                if self.shutdown.requested:
+                    raise WireError(grpc.StatusCode.UNAVAILABLE, "shutting down")
+                if not context.is_active():
+                    raise WireError(grpc.StatusCode.CANCELLED, "caller went away")
+                self.cond.wait(WAIT_SLICE_S)
+
+    def header(self, merge: Committed) -> pb.MergeHeader:
+        h = self.headers.get(merge.sync_step)
+        if h is None or h.kind != merge.kind:
+            h = self.headers[merge.sync_step] = merge_header(self.cfg, merge)
+            for old in sorted(self.headers)[:-8]:
+                del self.headers[old]
+        return h
+
+
+class Intake:
+    """Receives pushed deltas into ``<state_dir>/spool`` and publishes accepted ones."""
+
+    def __init__(self, state_dir: Path, numel: int, board: MergeBoard) -> None:
+        self.published = state_dir / "published"
+        self.spool = state_dir / "spool"
+        for d in (self.published, self.spool):
+            d.mkdir(parents=True, exist_ok=True)
+        # An encoded delta is never larger than fp32 plus a header: bound what we accept.
+        self.max_size = 4 * numel + (1 << 16)
+        self.board = board
+
+    def push(
+        self,
+        chunks: Iterator[Any],
+        decide: Callable[[Delta], tuple[Decision, list[Effect]]],
+        on_effect: Callable[[Effect], None],
+    ) -> pb.PushAck:
+        rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
+        h = rx.header
+        delta = Delta(h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data)
+        with self.board.cond:
+            decision, effects = decide(delta)
+            if not decision.accepted or decision.duplicate:
+                discard(rx)
+                if not decision.accepted:
+                    raise WireError(STATUS[decision.code], decision.reason)
+                return pb.PushAck(digest=rx.digest, duplicate=True)
+            for effect in effects:
+                if isinstance(effect, Publish):
+                    publish(rx, self.published)
+                else:
+                    on_effect(effect)
+            self.board.cond.notify_all()
+        return pb.PushAck(digest=rx.digest)
