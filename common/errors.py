@@ -20,3 +20,27 @@ class CodecError(HypertrainError):
 
 class DataError(HypertrainError):
     """Token data is missing, empty or corrupt."""
+
+
+class KeyFileError(HypertrainError):
+    """A key file or trusted-key list is missing, unreadable, too open or malformed."""
+
+
+class UnknownKeyError(HypertrainError):
+    """A key id or name is not in the pinned trusted-key list."""
+
+
+class TapeError(HypertrainError):
+    """An event tape failed verification or cannot be written.
+
+    ``reason`` is the short cause ("bad signature", "broken chain", ...); ``seq``
+    and ``offset`` locate the first bad entry when known (else None).
+    """
+
+    def __init__(
+        self, message: str, *, reason: str = "", seq: int | None = None, offset: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.seq = seq
+        self.offset = offset
