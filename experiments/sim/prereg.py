@@ -1,0 +1,384 @@
+"""The pre-registered design of the parity experiment (S6), its hash, and its file.
+
+Write the registration (once per design; the file is committed)::
+
+    python -m hypertrain.sim.prereg --write-prereg experiments/sim/parity_prereg.json
+    python -m hypertrain.sim.prereg --check experiments/sim/parity_prereg.json
+
+The design is one frozen dataclass tree (``Design``: seeds, scales, margins,
+alpha, caps, the inner-optimizer settings, the divergence rule, and the cells)
+built by ``registered_design()``.  Its JSON form (``Design.to_dict``) is the
+``design`` section of the file; the file also holds ``registered_utc`` (UTC,
+ISO-8601, ``...Z``), ``design_sha256`` and ``format``.
+
+Invariants:
+
+- ``design_sha256 = sha256(canonical_json(design section))``, where
+  ``canonical_json`` is sorted keys, no whitespace, ASCII, no NaN.  Every field of
+  the design (every cell, scale, margin, seed) is inside the hashed section, so
+  changing any of them changes the hash.  The registration time, the format tag
+  and the device (CPU or CUDA) are outside it.
+- ``load_prereg`` recomputes the hash of the section as stored and refuses the
+  file (``PreregError`` naming both hashes) if it differs; it then requires the
+  section to parse into a ``Design`` and serialize back to exactly the same
+  dict, so no field can be missing, extra, or silently defaulted.
+- Cells are dicts with a stable, readable ``id`` derived from their factors
+  (``flat-M8-Hg30``, ``hier-2x4-Hr5-Hg30``, ``mech-M8-Hg30-muon``, ``dp-adamw``);
+  every reference a cell makes (its controls and baselines) names a cell of the
+  design, and every scale includes the cells its cells are compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from hypertrain.sim.design import (
+    Cell,
+    CellKind,
+    Design,
+    Divergence,
+    InnerSettings,
+    Margins,
+    PreregError,
+    Scale,
+)
+
+__all__ = [
+    "Cell",
+    "Design",
+    "Divergence",
+    "InnerSettings",
+    "Margins",
+    "Prereg",
+    "PreregError",
+    "Scale",
+    "canonical_json",
+    "design_hash",
+    "load_prereg",
+    "main",
+    "registered_cells",
+    "registered_design",
+    "registered_scales",
+    "utc_stamp",
+    "verify_registered",
+    "write_prereg",
+]
+
+FORMAT = "hypertrain-parity-prereg/1"
+DEFAULT_PATH = Path(__file__).resolve().with_name("parity_prereg.json")
+HASH_RULE = (
+    "sha256 of canonical JSON of the design section: sorted keys, separators (',', ':'), ASCII"
+)
+_UTC_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+# -- the registered grid ---------------------------------------------------------------
+
+FLAT_M = (1, 2, 4, 8, 16, 32)
+HIERARCHIES = ((2, 4), (4, 4), (2, 8))
+H_G = (10, 30, 100)
+H_R = (1, 5, 10)
+MECHANISM_M = (4, 8, 16, 32)
+MECHANISM_H_G = 30
+OUTER_LRS = (0.4, 0.6, 0.8, 1.0)
+"""S2's starting grid for eta_g, with momentum 0.9."""
+OUTER_MOMENTUM = 0.9
+INNER_LR = 3e-3
+"""The matched inner lr: every arm and the primary DP control."""
+CONTROL_SECOND_LR = 6e-3
+"""The second DP control lr (sensitivity): the control's batch is M times each
+replica's, so a larger step is its most plausible better setting."""
+STREAM_FRAGMENTS = 3
+STREAM_TAU = 1
+
+
+def _cell(cid: str, kind: CellKind, r: int, n: int, h: tuple[int, int] | None, **kw: Any) -> Cell:
+    """A cell with the registered defaults; ``h`` is (h_g, h_r), None for a control."""
+    inner = kw.get("inner", "adamw")
+    arm = h is not None
+    base: dict[str, Any] = dict(
+        id=cid, kind=kind, regions=r, islands_per_region=n, m=r * n,
+        h_g=h[0] if h else None, h_r=h[1] if h else None,
+        outer="nesterov" if arm else None, outer_lrs=OUTER_LRS if arm else (),
+        outer_momentum=OUTER_MOMENTUM if arm else 0.0, inner=inner, inner_lr=INNER_LR,
+        fragments=1, tau=0, anneal="full_m", lawa=False, regional_codec="fp32",
+        global_codec="fp32", control=f"dp-{inner}" if arm else None,
+        control_alt=f"dp-{inner}-lr2" if arm else None, baseline=None, baseline_full=None,
+        hypotheses=(),
+    )  # fmt: skip
+    base.update(kw)
+    return Cell(**base)
+
+
+MECHANISMS: dict[str, dict[str, Any]] = {
+    "sparseloco": dict(outer="sparseloco", outer_momentum=0.0, global_codec="sparseloco"),
+    "muon": dict(inner="muon"),
+    "stream": dict(fragments=STREAM_FRAGMENTS),
+    "stream-overlap": dict(fragments=STREAM_FRAGMENTS, tau=STREAM_TAU),
+    "anneal-m1": dict(anneal="m1"),
+    "lawa": dict(lawa=True),
+}
+"""H3's mechanisms, each a change to flat DiLoCo (nesterov, adamw, no streaming,
+anneal at full M, no LAWA) at the same M and H_g."""
+
+
+def registered_cells() -> tuple[Cell, ...]:
+    """The full S6 grid: controls, the negative control, flat, hierarchies, mechanisms."""
+    cells = [
+        _cell(f"dp-{inner}{sfx}", "control", 1, 1, None, inner=inner, inner_lr=lr)
+        for inner in ("adamw", "muon")
+        for sfx, lr in (("", INNER_LR), ("-lr2", CONTROL_SECOND_LR))
+    ]
+    # Negative control: M = 1, H = 1 with plain averaging is data-parallel training.
+    negctl = dict(outer="average", outer_lrs=(1.0,), outer_momentum=0.0, hypotheses=("NC",))
+    cells.append(_cell("negctl-M1-H1-average", "negative_control", 1, 1, (1, 1), **negctl))
+    cells += [
+        _cell(f"flat-M{m}-Hg{hg}", "flat", m, 1, (hg, hg), hypotheses=("H2", "H4"))
+        for hg in H_G
+        for m in FLAT_M
+    ]
+    cells += [
+        _cell(f"hier-{r}x{n}-Hr{hr}-Hg{hg}", "hier", r, n, (hg, hr), hypotheses=("H1",),
+              baseline=f"flat-M{r}-Hg{hg}", baseline_full=f"flat-M{r * n}-Hg{hg}")
+        for hg in H_G
+        for r, n in HIERARCHIES
+        for hr in H_R
+    ]  # fmt: skip
+    hg = MECHANISM_H_G
+    cells += [
+        _cell(f"mech-M{m}-Hg{hg}-{name}", "mechanism", m, 1, (hg, hg), hypotheses=("H3",),
+              baseline=f"flat-M{m}-Hg{hg}", **kw)
+        for m in MECHANISM_M
+        for name, kw in MECHANISMS.items()
+    ]  # fmt: skip
+    return tuple(cells)
+
+
+def _cpu_cells() -> tuple[str, ...]:
+    ids = ["dp-adamw", "dp-adamw-lr2", "dp-muon", "dp-muon-lr2", "negctl-M1-H1-average"]
+    ids += [f"flat-M{m}-Hg{h}" for h in (10, 30) for m in FLAT_M]
+    ids += [f"hier-{r}x{n}-Hr5-Hg30" for r, n in HIERARCHIES]
+    ids += [f"mech-M8-Hg30-{k}" for k in MECHANISMS]
+    return tuple(ids)
+
+
+def registered_scales() -> tuple[Scale, ...]:
+    """full (S6), cpu-tiny (what a 2-core CPU finishes in hours), smoke (tests)."""
+    tiny: dict[str, Any] = dict(model="tiny", n_layer=2, d_model=64, n_head=4, seq_len=64)
+    return (
+        Scale(
+            name="full",
+            note="S6 full scale: 4 layers, d_model 128, seq 256, 3000 steps, every cell",
+            steps=3000,
+            model="proxy",
+            n_layer=4,
+            d_model=128,
+            n_head=4,
+            seq_len=256,
+            global_batch=32,
+            holdout_windows=512,
+            warmup_steps=100,
+            cells=None,
+            wall_clock_cap_s=86_400,
+            process_cap=8,
+        ),
+        Scale(
+            name="cpu-tiny",
+            note="reduced: tiny model, 300 steps, H_g 10 and 30, "
+            "hierarchies at H_r 5, mechanisms at M 8; fits a 2-core CPU",
+            steps=300,
+            **tiny,
+            global_batch=32,
+            holdout_windows=256,
+            warmup_steps=20,
+            cells=_cpu_cells(),
+            wall_clock_cap_s=4 * 3600,
+            process_cap=2,
+        ),
+        Scale(
+            name="smoke",
+            note="a few steps of four cells, for the test suite",
+            steps=20,
+            **tiny,
+            global_batch=8,
+            holdout_windows=16,
+            warmup_steps=2,
+            cells=("dp-adamw", "dp-adamw-lr2", "negctl-M1-H1-average", "flat-M2-Hg10"),
+            wall_clock_cap_s=600,
+            process_cap=2,
+        ),
+    )
+
+
+def registered_design() -> Design:
+    """The design registered in experiments/sim/parity_prereg.json."""
+    return Design(scales=registered_scales(), cells=registered_cells())
+
+
+# -- hashing and the file ---------------------------------------------------------------
+
+
+def canonical_json(obj: Any) -> str:
+    """Sorted keys, no whitespace, ASCII, NaN refused: the bytes the hash is over."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+
+
+def design_hash(design: Design | dict[str, Any]) -> str:
+    """sha256 hex digest of the canonical JSON of the design section."""
+    d = design.to_dict() if isinstance(design, Design) else design
+    return hashlib.sha256(canonical_json(d).encode("ascii")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Prereg:
+    """A loaded (or just written) registration whose hash has been verified."""
+
+    path: Path
+    design: Design
+    design_sha256: str
+    registered_utc: str
+
+
+def utc_stamp(now: datetime | None = None) -> str:
+    """ISO-8601 UTC with a Z suffix, to the second."""
+    now = now or datetime.now(UTC)
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise PreregError("registration time must be timezone-aware")
+    return now.astimezone(UTC).strftime(_UTC_FORMAT)
+
+
+def write_prereg(path: str | Path, design: Design, now: datetime | None = None) -> Prereg:
+    """Register ``design`` at ``path``: the design, its hash and the UTC time, written atomically."""
+    path = Path(path)
+    digest, stamp = design_hash(design), utc_stamp(now)
+    doc = {
+        "format": FORMAT,
+        "registered_utc": stamp,
+        "hash_rule": HASH_RULE,
+        "design_sha256": digest,
+        "design": design.to_dict(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(_layout(doc) + "\n")
+    os.replace(tmp, path)
+    return Prereg(path, design, digest, stamp)
+
+
+def _layout(obj: Any, depth: int = 0) -> str:
+    """JSON for people: objects and lists expanded to depth 2, so each cell is one line.
+
+    Layout only; the hash is over ``canonical_json`` of the parsed design, so
+    whitespace in the file never matters.
+    """
+    pad, inner = " " * depth, " " * (depth + 1)
+    flat_list = isinstance(obj, list) and not any(isinstance(v, (dict, list)) for v in obj)
+    if depth > 2 or not isinstance(obj, (dict, list)) or not obj or flat_list:
+        return json.dumps(obj, sort_keys=True, separators=(", ", ": "), allow_nan=False)
+    if isinstance(obj, dict):
+        keys = sorted(obj, key=lambda k: (k == "design", k))  # the long section last
+        items = [f"{inner}{json.dumps(k)}: {_layout(obj[k], depth + 1)}" for k in keys]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    return "[\n" + ",\n".join(inner + _layout(v, depth + 1) for v in obj) + "\n" + pad + "]"
+
+
+def load_prereg(path: str | Path) -> Prereg:
+    """Read a registration; refuse it unless its design hashes to the stored hash."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PreregError(f"prereg {path}: no such file (register with --write-prereg)") from None
+    except (OSError, ValueError) as e:
+        raise PreregError(f"prereg {path}: unreadable: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise PreregError(f"prereg {path}: not a {FORMAT} file")
+    for key in ("registered_utc", "design_sha256", "design"):
+        if key not in doc:
+            raise PreregError(f"prereg {path}: missing {key!r}")
+    stored, actual = doc["design_sha256"], design_hash(doc["design"])
+    if stored != actual:
+        raise PreregError(
+            f"prereg {path}: design hash mismatch: the file records {stored} but its design "
+            f"hashes to {actual}; the design changed after registration, register it anew "
+            "with --write-prereg"
+        )
+    try:
+        datetime.strptime(doc["registered_utc"], _UTC_FORMAT)
+    except (TypeError, ValueError):
+        raise PreregError(
+            f"prereg {path}: registered_utc {doc['registered_utc']!r} is not "
+            "UTC ISO-8601 (YYYY-MM-DDTHH:MM:SSZ)"
+        ) from None
+    try:
+        design = Design.from_dict(doc["design"])
+    except (TypeError, AttributeError, KeyError) as e:  # a field of the wrong JSON type
+        raise PreregError(f"prereg {path}: malformed design: {e!r}") from None
+    if design.to_dict() != doc["design"]:
+        raise PreregError(f"prereg {path}: the design section does not round-trip exactly")
+    return Prereg(path, design, stored, doc["registered_utc"])
+
+
+def verify_registered(path: str | Path, design: Design) -> Prereg:
+    """Load ``path`` and require that it registers exactly ``design`` (both hashes named)."""
+    pre = load_prereg(path)
+    want = design_hash(design)
+    if pre.design_sha256 != want:
+        raise PreregError(
+            f"prereg {pre.path}: registers design {pre.design_sha256}, but the design to run "
+            f"hashes to {want}; register it anew with --write-prereg"
+        )
+    return pre
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``--write-prereg [PATH]`` registers the design; ``--check [PATH]`` verifies a file."""
+    ap = argparse.ArgumentParser(
+        prog="python -m hypertrain.sim.prereg", description=__doc__.split("\n")[0]
+    )
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write-prereg", nargs="?", const=str(DEFAULT_PATH), metavar="PATH")
+    group.add_argument("--check", nargs="?", const=str(DEFAULT_PATH), metavar="PATH")
+    args = ap.parse_args(argv)
+    design = registered_design()
+    try:
+        if args.check is not None:
+            pre = verify_registered(args.check, design)
+            print(
+                f"prereg ok: {pre.path} design_sha256={pre.design_sha256} registered {pre.registered_utc}"
+            )
+            return 0
+        path = Path(args.write_prereg)
+        if path.exists():
+            try:
+                pre = verify_registered(path, design)
+                print(
+                    f"prereg unchanged: {path} already registers {pre.design_sha256} "
+                    f"(registered {pre.registered_utc})"
+                )
+                return 0
+            except PreregError as e:
+                print(f"prereg: re-registering ({e})", file=sys.stderr)
+        pre = write_prereg(path, design)
+        print(
+            f"prereg written: {path} design_sha256={pre.design_sha256} registered {pre.registered_utc}"
+        )
+        return 0
+    except PreregError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
