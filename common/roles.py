@@ -60,6 +60,7 @@ class IslandCore:
         self.feedback = ErrorFeedback(self.codec, self.layout.numel, beta=cfg.ef_beta)
         self.step = 0
         self.snapshots: dict[int, torch.Tensor] = {}  # sync_step -> theta (tau > 0)
+        self.last_delta_norm = 0.0  # L2 norm of the last pseudo-gradient (for metrics)
 
     def train_step(self) -> float:
         """One inner step on this island's slice of the global batch at ``self.step``."""
@@ -81,7 +82,9 @@ class IslandCore:
         theta = self.params()
         if self.cfg.topology.tau:
             self.snapshots[self.step] = theta.clone()
-        return self.feedback.encode(self.base - theta)
+        delta = self.base - theta
+        self.last_delta_norm = float(torch.linalg.vector_norm(delta))
+        return self.feedback.encode(delta)
 
     def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
         """Apply the merge of ``sync_step``; must be called at step ``sync_step + tau``.

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 LISTEN_RE = re.compile(r"^hypertrain-(?P<role>[a-z]+) listening on (?P<address>\S+:\d+)$")
+METRICS_RE = re.compile(r"^hypertrain-(?P<role>[a-z]+) metrics on (?P<url>http://\S+/metrics)$")
 _PAIR_RE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 
 
@@ -66,6 +67,7 @@ class Child:
         self.log_path = log_path
         self.tail: deque[str] = deque(maxlen=20)
         self.address: str | None = None
+        self.metrics_url: str | None = None
         self._listening: queue.Queue[str] = queue.Queue()
         self._on_event = on_event
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +95,9 @@ class Child:
             m = LISTEN_RE.match(line)
             if m:
                 self._listening.put(m.group("address"))
+            mm = METRICS_RE.match(line)
+            if mm:
+                self.metrics_url = mm.group("url")
             event = parse_logfmt(line)
             if event and self._on_event:
                 self._on_event(self.name, event)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 import threading
 import time
@@ -95,7 +96,7 @@ def start_cluster(
     children: list[Child] = []
 
     def spawn(name: str, module: str, *args: str, nice: int = 0) -> Child:
-        argv = python_module(module, "--config", str(conf), *args)
+        argv = python_module(module, "--config", str(conf), "--metrics-port", "0", *args)
         child = Child(name, argv, logs / f"{name}.log", progress.on_event, env, nice=nice)
         children.append(child)
         return child
@@ -135,6 +136,29 @@ def start_cluster(
             nice=ISLAND_NICE,
         )
     return children
+
+
+def write_scrape_targets(children: list[Child], path: Path, timeout_s: float = 60.0) -> int:
+    """Prometheus file_sd targets of every child's metrics endpoint; returns their count."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+        c.metrics_url is None and c.proc.poll() is None for c in children
+    ):
+        time.sleep(0.05)
+    groups = []
+    for c in children:
+        if c.metrics_url:
+            hostport = c.metrics_url.removeprefix("http://").removesuffix("/metrics")
+            role, _, rest = c.name.partition("-")
+            labels = {"job": f"hypertrain-{role}", "daemon": c.name}
+            if role == "relay":
+                labels["region"] = rest
+            elif role == "island":
+                labels["island"] = rest
+                labels["region"] = rest.rpartition("-")[0]
+            groups.append({"targets": [hostport], "labels": labels})
+    path.write_text(json.dumps(groups, indent=2) + "\n")
+    return len(groups)
 
 
 def supervise(
@@ -203,8 +227,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         (run_dir / "processes.txt").write_text(
             "".join(f"{c.name} {c.proc.pid}\n" for c in children)
         )
+        targets = write_scrape_targets(children, run_dir / "scrape_targets.json")
         print(
-            f"  started {len(children)} processes; aggregator at {children[0].address}", flush=True
+            f"  started {len(children)} processes; aggregator at {children[0].address}; "
+            f"metrics of {targets} daemons listed in {run_dir / 'scrape_targets.json'}",
+            flush=True,
         )
         failed = supervise(children)
     except KeyboardInterrupt:

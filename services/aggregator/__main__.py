@@ -8,7 +8,15 @@ from pathlib import Path
 
 from hypertrain.aggregator.server import AggregatorService
 from hypertrain.common.errors import HypertrainError
-from hypertrain.wire.daemon import daemon_parser, fail, load_run_config, section, setting
+from hypertrain.wire.daemon import (
+    daemon_parser,
+    fail,
+    load_run_config,
+    section,
+    setting,
+    start_metrics,
+)
+from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.server import (
     Shutdown,
     add_servicer,
@@ -27,7 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = section(args, "aggregator")
         state_dir = Path(setting(args, table, "state_dir") or "aggregator")
         shutdown = Shutdown()
-        service = AggregatorService(cfg, state_dir, shutdown)
+        metrics = Metrics("aggregator")
+        start_metrics(args, table, metrics)
+        service = AggregatorService(cfg, state_dir, shutdown, metrics)
         server = make_server()
         add_servicer(service, server, "Aggregator")
         address = bind(server, setting(args, table, "listen", "127.0.0.1:0"))

@@ -41,6 +41,7 @@ from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import atomic_write, log_event
 from hypertrain.wire.errors import WireError
+from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
 
@@ -48,8 +49,9 @@ from hypertrain.wire.server import Shutdown, maps_errors
 class Evaluator:
     """Held-out loss of each new global state, on its own thread and model."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, metrics: Metrics) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         mcfg = preset(cfg.model)
         holdout = holdout_windows(open_dataset(cfg), mcfg.seq_len, n=HOLDOUT_WINDOWS, seed=cfg.seed)
         self.windows = holdout.windows[: cfg.holdout_windows]
@@ -71,6 +73,7 @@ class Evaluator:
             round_, step, theta = job
             self.layout.load(self.model, theta)
             loss = evaluate(self.model, self.windows)
+            self.metrics.heldout_loss.set(loss)
             log_event(
                 "eval", role="aggregator", round=round_, step=step, heldout_loss=round(loss, 6)
             )
@@ -83,7 +86,9 @@ class Evaluator:
 class AggregatorService:
     """The Aggregator servicer: validate and translate; the AggregatorMachine decides."""
 
-    def __init__(self, cfg: RunConfig, state_dir: Path, shutdown: Shutdown) -> None:
+    def __init__(
+        self, cfg: RunConfig, state_dir: Path, shutdown: Shutdown, metrics: Metrics | None = None
+    ) -> None:
         self.cfg = cfg
         self.layout, theta0 = initial_parameters(cfg)
         self.numel = theta0.numel()
@@ -91,10 +96,11 @@ class AggregatorService:
         self.state_dir = state_dir
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
-        self.intake = Intake(state_dir, self.numel, self.board)
+        self.metrics = metrics or Metrics("aggregator")
+        self.intake = Intake(state_dir, self.numel, self.board, self.metrics)
         self.final_fetches: set[str] = set()
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
-        self.evaluator = Evaluator(cfg)
+        self.evaluator = Evaluator(cfg, self.metrics)
         self.evaluator.submit(-1, 0, theta0.clone())
 
     @maps_errors

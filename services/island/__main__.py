@@ -7,8 +7,17 @@ from collections.abc import Sequence
 
 from hypertrain.common.errors import HypertrainError
 from hypertrain.island.daemon import Island
-from hypertrain.wire.daemon import daemon_parser, fail, load_run_config, log_event, section, setting
+from hypertrain.wire.daemon import (
+    daemon_parser,
+    fail,
+    load_run_config,
+    log_event,
+    section,
+    setting,
+    start_metrics,
+)
 from hypertrain.wire.errors import WireError
+from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import relay_peer
 
 
@@ -36,7 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if not relay:
             return fail("island", "--relay HOST:PORT is required")
-        island = Island(cfg, f"{region}-{index}", relay_peer(relay))
+        metrics = Metrics("island")
+        start_metrics(args, table, metrics)
+        island = Island(cfg, f"{region}-{index}", relay_peer(relay), metrics)
         island.install_signals()
         island.run()
         return 0

@@ -32,13 +32,16 @@ from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.daemon import log_event
+from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
 
 
 class Island:
     """The island's driver: training loop, pushes and pinned merges."""
 
-    def __init__(self, cfg: RunConfig, island_id: str, relay: Peer) -> None:
+    def __init__(
+        self, cfg: RunConfig, island_id: str, relay: Peer, metrics: Metrics | None = None
+    ) -> None:
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.island_id = island_id
@@ -54,6 +57,9 @@ class Island:
         self.blocked_s = 0.0
         self.bytes_sent = 0
         self.syncs = 0
+        self.metrics = metrics or Metrics("island")
+        self.tokens_per_step = cfg.batch_per_island * mcfg.seq_len
+        self._labels = {"region": self.core.region, "island": island_id}
 
     def _push(self, step: int, blob: bytes) -> pb.PushAck:
         header = pb.TransferHeader(
@@ -80,18 +86,26 @@ class Island:
         """Train to the end; returns the final state digest."""
         cfg, topo = self.cfg, self.cfg.topology
         pending: tuple[int, str, Future[pb.PushAck]] | None = None
-        t_start = time.perf_counter()
+        t_start = t_interval = time.perf_counter()
         losses: list[float] = []
+        m, labels = self.metrics, self._labels
         for step in range(1, cfg.steps + 1):
             if self.stop.is_set():
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
+            m.inner_steps.labels(**labels).inc()
+            m.tokens.labels(**labels).inc(self.tokens_per_step)
             if pending is None and step % topo.h_r == 0:
+                t0 = time.perf_counter()
                 blob = self.core.sync()
                 kind = "global" if step % topo.h_g == 0 else "regional"
                 pending = (step, kind, self.pusher.submit(self._push, step, blob))
-                self.bytes_sent += len(blob)
-                self.syncs += 1
+                self._sent(blob, time.perf_counter() - t0)
+                m.train_loss.labels(**labels).set(sum(losses) / len(losses))
+                m.tokens_per_second.labels(**labels).set(
+                    len(losses) * self.tokens_per_step / (time.perf_counter() - t_interval)
+                )
+                t_interval = time.perf_counter()
             if pending is not None and step == pending[0] + topo.tau and step < cfg.steps:
                 sync_step, kind, pushed = pending
                 t0 = time.perf_counter()
@@ -101,6 +115,7 @@ class Island:
                 t2 = time.perf_counter()
                 self.blocked_s += t2 - t0
                 self.core.apply_merge(kind, payload, sync_step)
+                self._merged(sync_step, t2 - t0, time.perf_counter() - t1)
                 pending = None
                 log_event(
                     "sync",
@@ -135,6 +150,23 @@ class Island:
             blocked_share=round(self.blocked_s / wall, 5),
         )
         return digest
+
+    def _sent(self, blob: bytes, encode_s: float) -> None:
+        m, region = self.metrics, self.core.region
+        self.bytes_sent += len(blob)
+        self.syncs += 1
+        m.encode_seconds.labels("island", region).observe(encode_s)
+        m.sent_bytes.labels("island", "regional", region).inc(len(blob))
+        m.delta_size.labels("island", "regional", region).observe(len(blob))
+        m.compression_ratio.labels("island", "regional", region).set(4 * self.numel / len(blob))
+        m.pseudo_grad_norm.labels(**self._labels).set(self.core.last_delta_norm)
+
+    def _merged(self, sync_step: int, blocked_s: float, decode_s: float) -> None:
+        m, region = self.metrics, self.core.region
+        m.blocked_hist.labels(**self._labels).observe(blocked_s)
+        m.decode_seconds.labels("island", region).observe(decode_s)
+        m.last_step.labels("island", region).set(sync_step)
+        m.last_round.labels("island", region).set(round_of_step(self.cfg, sync_step))
 
     def install_signals(self) -> None:
         def on_signal(signum: int, frame: FrameType | None) -> None:

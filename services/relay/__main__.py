@@ -8,8 +8,16 @@ from pathlib import Path
 
 from hypertrain.common.errors import HypertrainError
 from hypertrain.relay.server import RelayService
-from hypertrain.wire.daemon import daemon_parser, fail, load_run_config, section, setting
+from hypertrain.wire.daemon import (
+    daemon_parser,
+    fail,
+    load_run_config,
+    section,
+    setting,
+    start_metrics,
+)
 from hypertrain.wire.errors import WireError
+from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import aggregator_peer
 from hypertrain.wire.server import (
     Shutdown,
@@ -41,7 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         state_dir = setting(args, table, "state_dir") or f"relay-{region}"
         listen = setting(args, table, "listen", "127.0.0.1:0")
         shutdown = Shutdown()
-        service = RelayService(cfg, region, Path(state_dir), aggregator_peer(aggregator), shutdown)
+        metrics = Metrics("relay")
+        start_metrics(args, table, metrics)
+        service = RelayService(
+            cfg, region, Path(state_dir), aggregator_peer(aggregator), shutdown, metrics
+        )
         server = make_server()
         add_servicer(service, server, "Relay")
         address = bind(server, listen)

@@ -34,6 +34,7 @@ from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import log_event
 from hypertrain.wire.errors import WireError
+from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
 from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
@@ -43,7 +44,13 @@ class RelayService:
     """The Relay servicer: validate and translate; the RelayMachine decides."""
 
     def __init__(
-        self, cfg: RunConfig, region: str, state_dir: Path, aggregator: Peer, shutdown: Shutdown
+        self,
+        cfg: RunConfig,
+        region: str,
+        state_dir: Path,
+        aggregator: Peer,
+        shutdown: Shutdown,
+        metrics: Metrics | None = None,
     ) -> None:
         self.cfg = cfg
         self.region = region
@@ -53,7 +60,8 @@ class RelayService:
         self.aggregator = aggregator
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
-        self.intake = Intake(state_dir, self.numel, self.board)
+        self.metrics = metrics or Metrics("relay")
+        self.intake = Intake(state_dir, self.numel, self.board, self.metrics, region)
         self.forwards: queue.Queue[Forward | None] = queue.Queue()
         self.final_fetches: set[str] = set()
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
@@ -132,6 +140,7 @@ class RelayService:
         )
         stop = lambda: self.shutdown.requested  # noqa: E731
         self.aggregator.push(header, fwd.data, stop)
+        self.metrics.sent_bytes.labels("relay", "global", self.region).inc(len(fwd.data))
         request = pb.MergeRequest(
             run_id=self.cfg.run_id, requester=self.region, sync_step=fwd.sync_step, kind="global"
         )

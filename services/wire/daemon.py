@@ -20,6 +20,7 @@ from typing import Any
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.runflags import add_run_config_flags, run_config_from_args
+from hypertrain.wire.metrics import Metrics, announce_metrics
 
 _LOG_LOCK = threading.Lock()
 
@@ -44,7 +45,20 @@ def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
     add_run_config_flags(p)
     p.add_argument("--listen", help="HOST:PORT to serve on (port 0: any free port)")
     p.add_argument("--state-dir", type=Path, help="where state, logs and published inputs go")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)"
+    )
+    p.add_argument("--metrics-host", help="interface of the metrics endpoint (default 127.0.0.1)")
     return p
+
+
+def start_metrics(args: argparse.Namespace, table: dict[str, Any], metrics: Metrics) -> None:
+    """Serve ``metrics`` if ``--metrics-port`` (or the config's metrics_port) is set."""
+    port = setting(args, table, "metrics_port")
+    if port is None:
+        return
+    host = setting(args, table, "metrics_host", "127.0.0.1")
+    announce_metrics(metrics.role, metrics.serve(int(port), host))
 
 
 def section(args: argparse.Namespace, name: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from hypertrain.common.protocol import Committed, Decision, Delta, Effect, Publi
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import discard, publish, receive_delta
 from hypertrain.wire.errors import WireError
+from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.protocol_codes import STATUS
 from hypertrain.wire.server import Shutdown
 
@@ -78,7 +80,10 @@ class MergeBoard:
 class Intake:
     """Receives pushed deltas into ``<state_dir>/spool`` and publishes accepted ones."""
 
-    def __init__(self, state_dir: Path, numel: int, board: MergeBoard) -> None:
+    def __init__(
+        self, state_dir: Path, numel: int, board: MergeBoard, metrics: Metrics, region: str = ""
+    ) -> None:
+        """``region``: the relay's region ("" at the aggregator), a metrics label."""
         self.published = state_dir / "published"
         self.spool = state_dir / "spool"
         for d in (self.published, self.spool):
@@ -86,6 +91,12 @@ class Intake:
         # An encoded delta is never larger than fp32 plus a header: bound what we accept.
         self.max_size = 4 * numel + (1 << 16)
         self.board = board
+        self.metrics = metrics
+        self.labels = (metrics.role, region)
+        self.level = "regional" if metrics.role == "relay" else "global"
+
+    def _rejected(self, reason: str) -> None:
+        self.metrics.rejected.labels(*self.labels, reason).inc()
 
     def push(
         self,
@@ -93,20 +104,35 @@ class Intake:
         decide: Callable[[Delta], tuple[Decision, list[Effect]]],
         on_effect: Callable[[Effect], None],
     ) -> pb.PushAck:
-        rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
+        try:
+            rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
+        except WireError as e:
+            self._rejected(e.code.name.lower())
+            raise
         h = rx.header
         delta = Delta(h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data)
         with self.board.cond:
+            t0 = time.perf_counter()
             decision, effects = decide(delta)
             if not decision.accepted or decision.duplicate:
                 discard(rx)
                 if not decision.accepted:
+                    self._rejected(decision.code)
                     raise WireError(STATUS[decision.code], decision.reason)
                 return pb.PushAck(digest=rx.digest, duplicate=True)
+            m, (role, region) = self.metrics, self.labels
             for effect in effects:
                 if isinstance(effect, Publish):
                     publish(rx, self.published)
+                    m.received_bytes.labels(role, self.level, region).inc(h.size)
+                    m.delta_size.labels(role, self.level, region).observe(h.size)
                 else:
+                    if isinstance(effect, Committed):
+                        m.aggregate_seconds.labels(role, region).observe(time.perf_counter() - t0)
+                        m.rounds.labels(role, region, effect.level).inc()
+                        m.members.labels(role, region).set(len(effect.commitment.members))
+                        m.last_step.labels(role, region).set(effect.sync_step)
+                        m.last_round.labels(role, region).set(effect.round)
                     on_effect(effect)
             self.board.cond.notify_all()
         return pb.PushAck(digest=rx.digest)

@@ -7,6 +7,7 @@ An in-process server on port 0 runs a small Relay servicer built from the wire h
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import signal
 import socket
@@ -279,11 +280,31 @@ def test_bad_merge_stream_is_invalid(parts: list[Any], message: str) -> None:
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+LEAF = 1 << 20  # common/digest.py's leaf size, in bytes
+
+
+@pytest.mark.parametrize(
+    "numel", [0, 1, 7, LEAF // 4 - 1, LEAF // 4, LEAF // 4 + 1, 3 * LEAF // 4 + 5]
+)
+def test_streaming_tensor_hash_equals_tensor_digest(numel: int) -> None:
+    theta = _theta(numel) if numel >= 4 else torch.arange(numel, dtype=torch.float32)
+    header = pb.MergeHeader(numel=numel, digest=tensor_digest(theta))
+    raw = theta.view(torch.uint8).numpy().tobytes()
+    cuts = sorted({0, len(raw), *(int(x) for x in torch.randint(0, len(raw) + 1, (5,)))})
+    parts: list[Any] = [pb.MergeChunk(header=header)]
+    parts += [raw[a:b] for a, b in itertools.pairwise(cuts)]  # odd, unaligned pieces
+    _, got = receive_merge(iter(parts))
+    assert torch.equal(got.view(torch.int32), theta.view(torch.int32))
+
+
 def test_merge_chunks_needs_contiguous_fp32() -> None:
     with pytest.raises(ValueError, match="contiguous fp32"):
         list(merge_chunks(pb.MergeHeader(numel=4), torch.zeros(4, dtype=torch.float64)))
     with pytest.raises(ValueError, match="contiguous fp32"):
         list(merge_chunks(pb.MergeHeader(numel=4), torch.zeros(4, 2)[:, 0]))
+    header = pb.MergeHeader(numel=4, digest=tensor_digest(torch.zeros(4)))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        receive_merge(merge_chunks(header, torch.zeros(4)), out=torch.zeros(4, 2)[:, 0])
 
 
 # -- codec, error mapping, retries ------------------------------------------------------

@@ -1,0 +1,166 @@
+"""Prometheus metrics of the daemons (``--metrics-port``; port 0 picks a free one).
+
+Names follow Prometheus conventions: ``hypertrain_`` prefix, base units in
+the name (``_seconds``, ``_bytes``), ``_total`` for counters, histograms for
+durations and sizes.  Labels: ``role`` on everything, ``region`` and
+``island`` where they apply, ``level`` (regional | global) for traffic,
+``reason`` (a decision code: invalid_argument, failed_precondition,
+already_exists, data_loss, ...) for rejections.  Label values are bounded by
+the topology, never by data.
+
+The metrics server runs on its own thread (prometheus_client's HTTP server);
+a scrape reads the registry and never touches training state, so serving
+costs the training loop nothing but the scrape's CPU.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+from hypertrain import __version__
+
+DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+SIZE_BUCKETS = tuple(float(4**k) for k in range(5, 16))  # 1 KiB .. 1 GiB
+
+
+class Metrics:
+    """Every metric a daemon may export, in one registry (unused ones stay absent)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Info("hypertrain_build", "hypertrain version and daemon role", registry=r).info(
+            {"version": __version__, "role": role}
+        )
+        isl = ["region", "island"]
+        self.up = Gauge("hypertrain_up", "1 while the daemon serves its run", ["role"], registry=r)
+        self.inner_steps = Counter(
+            "hypertrain_inner_steps_total", "Inner optimizer steps", isl, registry=r
+        )
+        self.tokens = Counter(
+            "hypertrain_tokens_total", "Training tokens consumed", isl, registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "hypertrain_tokens_per_second",
+            "Training tokens per second over the last sync interval",
+            isl,
+            registry=r,
+        )
+        self.train_loss = Gauge(
+            "hypertrain_train_loss",
+            "Mean training loss over the last sync interval",
+            isl,
+            registry=r,
+        )
+        self.heldout_loss = Gauge(
+            "hypertrain_heldout_loss", "Held-out loss of the latest global state", registry=r
+        )
+        self.pseudo_grad_norm = Gauge(
+            "hypertrain_pseudo_gradient_norm",
+            "L2 norm of the last pseudo-gradient sent",
+            isl,
+            registry=r,
+        )
+        lvl = ["role", "level", "region"]
+        self.sent_bytes = Counter(
+            "hypertrain_sent_bytes_total", "Encoded delta bytes sent", lvl, registry=r
+        )
+        self.received_bytes = Counter(
+            "hypertrain_received_bytes_total",
+            "Encoded delta bytes received and accepted",
+            lvl,
+            registry=r,
+        )
+        self.delta_size = Histogram(
+            "hypertrain_delta_size_bytes",
+            "Size of one encoded delta",
+            lvl,
+            buckets=SIZE_BUCKETS,
+            registry=r,
+        )
+        self.compression_ratio = Gauge(
+            "hypertrain_compression_ratio",
+            "fp32 size over encoded size of the last delta",
+            lvl,
+            registry=r,
+        )
+        dur = ["role", "region"]
+        self.encode_seconds = Histogram(
+            "hypertrain_encode_seconds",
+            "Delta encoding (with error feedback)",
+            dur,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.decode_seconds = Histogram(
+            "hypertrain_decode_seconds",
+            "Merge download and application",
+            dur,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.aggregate_seconds = Histogram(
+            "hypertrain_aggregation_seconds",
+            "Fixed-order aggregation and commit of one round",
+            dur,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.blocked_hist = Histogram(
+            "hypertrain_sync_blocked_seconds",
+            "Time an island waited for one merge (_sum: total time blocked)",
+            isl,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.last_round = Gauge(
+            "hypertrain_last_merge_round", "Global round of the last merge", dur, registry=r
+        )
+        self.last_step = Gauge(
+            "hypertrain_last_merge_step", "Sync step of the last merge", dur, registry=r
+        )
+        self.members = Gauge(
+            "hypertrain_round_members", "Members of the last committed round", dur, registry=r
+        )
+        self.rounds = Counter(
+            "hypertrain_rounds_total", "Committed rounds", ["role", "region", "level"], registry=r
+        )
+        self.rejected = Counter(
+            "hypertrain_rejected_inputs_total",
+            "Deltas refused, by reason",
+            ["role", "region", "reason"],
+            registry=r,
+        )
+        self.tape_entries = Counter(
+            "hypertrain_tape_entries_total", "Entries appended to the tape", dur, registry=r
+        )
+        self.tape_checkpoint = Gauge(
+            "hypertrain_tape_last_checkpoint_size",
+            "Tape size at the last signed checkpoint",
+            dur,
+            registry=r,
+        )
+        self.up.labels(role).set(1)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> str:
+        """Start the HTTP endpoint; returns "HOST:PORT" (the real port when ``port`` is 0)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return f"{host}:{server.server_port}"
+
+
+def announce_metrics(role: str, address: str) -> None:
+    """``hypertrain-<role> metrics on http://HOST:PORT/metrics`` (one line, flushed)."""
+    print(f"hypertrain-{role} metrics on http://{address}/metrics", flush=True)
