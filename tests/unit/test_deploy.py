@@ -1,0 +1,544 @@
+"""Deployment files under deploy/: Kubernetes schemas (offline), structure and agreement
+with the run config, the container image definition, its entry point, systemd units.
+
+Kubernetes manifests are validated against the JSON schemas that the
+``kubernetes-validate`` package ships (no network), in strict mode (unknown fields
+fail), and a deliberately broken copy must fail the same check.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes_validate import utils as kv
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.keys import daemon_key_names
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+RUN_TOML = DEPLOY / "configs" / "run.toml"
+K8S_VERSION = "1.30"  # the oldest Kubernetes these manifests are written for
+IMAGE_UID = 10001
+# Flags the deploy files pass that the daemons do not take yet.  --signing-key: the
+# daemons load their Ed25519 key from it once signing lands (common/keys.py).
+PENDING_FLAGS: set[str] = set()
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def manifests() -> dict[str, list[dict[str, Any]]]:
+    return {
+        p.name: load_docs(p) for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"
+    }
+
+
+def all_resources() -> list[dict[str, Any]]:
+    return [d for docs in manifests().values() for d in docs]
+
+
+def schema_errors(doc: dict[str, Any]) -> list[str]:
+    """Problems of one resource against the offline strict schema ([] if valid)."""
+    name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+    try:
+        kv.validate(doc, K8S_VERSION, strict=True)
+    except kv.ValidationError as e:
+        return [f"{name}: {'.'.join(map(str, e.path))}: {e.message}"]
+    except (kv.SchemaNotFoundError, kv.InvalidSchemaError) as e:
+        return [f"{name}: {e.message}"]
+    return []
+
+
+def file_errors(path: Path) -> list[str]:
+    try:
+        docs = load_docs(path)
+    except yaml.YAMLError as e:
+        return [f"{path.name}: not YAML: {e}"]
+    return [f"{path.name}: {err}" for d in docs for err in schema_errors(d)]
+
+
+def pod_specs() -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(workload, pod template) for every workload."""
+    for doc in all_resources():
+        if doc["kind"] in ("StatefulSet", "Deployment", "Job"):
+            yield doc, doc["spec"]["template"]
+
+
+def flag(args: list[str], name: str) -> str:
+    for a in args:
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {args}")
+
+
+@pytest.fixture(scope="module")
+def run_config() -> RunConfig:
+    return RunConfig.from_toml(RUN_TOML)
+
+
+# -- run config -----------------------------------------------------------------------------
+
+
+def test_example_run_config_loads_and_plans(run_config: RunConfig) -> None:
+    from hypertrain.common.model import PRESETS
+    from hypertrain.common.plan import PlanInput, make_plan, parameter_count
+
+    topo = run_config.topology
+    assert topo.regions == ("eu", "us", "ap")
+    assert run_config.steps % topo.h_g == 0
+    # The example is not starved of outer steps (S2): no planner warning.
+    seq = PRESETS[run_config.model].seq_len
+    plan = make_plan(
+        PlanInput(
+            params=parameter_count(PRESETS[run_config.model]), seq_len=seq,
+            islands=topo.n_islands, regions=len(topo.regions), h_r=topo.h_r, h_g=topo.h_g,
+            batch_per_island=run_config.batch_per_island,
+            tokens=run_config.steps * run_config.global_batch * seq, step_seconds=1.0,
+        )
+    )  # fmt: skip
+    assert plan.outer_steps >= 1000 and plan.warnings == ()
+
+
+def test_configmap_is_the_example_run_config() -> None:
+    (cm,) = manifests()["configmap.yaml"]
+    assert cm["metadata"]["name"] == "hypertrain-config"
+    assert cm["data"]["run.toml"] == RUN_TOML.read_text()
+
+
+# -- Kubernetes: schemas --------------------------------------------------------------------
+
+
+def test_manifests_validate_offline_against_kubernetes_schemas() -> None:
+    errors = [
+        e
+        for p in sorted(K8S.glob("*.yaml"))
+        if p.name != "kustomization.yaml"
+        for e in file_errors(p)
+    ]
+    assert errors == []
+    kinds = {d["kind"] for d in all_resources()}
+    assert {"Namespace", "ConfigMap", "Secret", "StatefulSet", "Deployment", "Job", "Service",
+            "PersistentVolumeClaim"} <= kinds  # fmt: skip
+
+
+def test_broken_manifests_fail_validation(tmp_path: Path) -> None:
+    (svc, sts) = manifests()["aggregator.yaml"]
+    breakages = [
+        ("containerPort as a name", ["spec", "template", "spec", "containers", 0, "ports", 0, "containerPort"], "grpc"),
+        ("misspelled field", ["spec", "template", "spec", "contianers"], []),
+        ("replicas as text", ["spec", "replicas"], "one"),
+        ("unknown probe handler", ["spec", "template", "spec", "containers", 0, "livenessProbe", "tcp"], {"port": 1}),
+    ]  # fmt: skip
+    for what, path, value in breakages:
+        doc = copy.deepcopy(sts)
+        node = doc
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        assert schema_errors(doc), what
+    # ... and through the same file check the test above uses, on a broken copy of a file.
+    text = (K8S / "relay-eu.yaml").read_text()
+    broken = tmp_path / "relay-eu.yaml"
+    broken.write_text(text.replace("containerPort: 7071", 'containerPort: "grpc"', 1))
+    assert any("containerPort" in e for e in file_errors(broken))
+    broken.write_text(text.replace("kind: Deployment", "kind: Deploymnet"))
+    assert any("Deploymnet" in e for e in file_errors(broken))
+    assert schema_errors(copy.deepcopy(svc)) == []
+
+
+def test_kustomization_lists_every_manifest_but_the_secret_template() -> None:
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = set(kust["resources"])
+    assert listed == set(manifests()) - {"secrets.yaml"}
+    if shutil.which("kubectl") is None:
+        return
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
+    )
+    if out.returncode != 0:  # a kubectl without kustomize: nothing more to check here
+        return
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert [e for d in rendered for e in schema_errors(d)] == []
+    images = {c["image"] for d in rendered if d["kind"] in ("StatefulSet", "Deployment", "Job")
+              for c in d["spec"]["template"]["spec"]["containers"]}  # fmt: skip
+    assert all(i.startswith("registry.example.com/hypertrain:") for i in images), images
+
+
+# -- Kubernetes: structure and agreement with run.toml ------------------------------------
+
+
+def test_one_relay_and_one_island_job_per_region(run_config: RunConfig) -> None:
+    topo = run_config.topology
+    res = all_resources()
+    by = {(d["kind"], d["metadata"]["name"]): d for d in res}
+    assert all(
+        d["metadata"].get("namespace") == "hypertrain" for d in res if d["kind"] != "Namespace"
+    )
+    sts = by[("StatefulSet", "hypertrain-aggregator")]
+    assert sts["spec"]["replicas"] == 1 and sts["spec"]["serviceName"] == "hypertrain-aggregator"
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    agg = sts["spec"]["template"]["spec"]["containers"][0]
+    mounts = {m["name"]: m["mountPath"] for m in agg["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == flag(agg["args"], "--state-dir")
+    for region in topo.regions:
+        dep = by[("Deployment", f"hypertrain-relay-{region}")]
+        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+        relay = dep["spec"]["template"]["spec"]["containers"][0]
+        assert flag(relay["args"], "--region") == region
+        assert flag(relay["args"], "--aggregator") == "hypertrain-aggregator:7070"
+        assert ("Service", f"hypertrain-relay-{region}") in by
+        assert ("PersistentVolumeClaim", f"hypertrain-relay-{region}-published") in by
+        job = by[("Job", f"hypertrain-islands-{region}")]
+        assert job["spec"]["completionMode"] == "Indexed"
+        assert job["spec"]["completions"] == topo.islands_per_region == job["spec"]["parallelism"]
+        pod = job["spec"]["template"]["spec"]
+        island = pod["containers"][0]
+        args = island["args"]
+        assert args[0] == "torchrun" and args[args.index("-m") + 1] == "hypertrain.island"
+        gpus = int(island["resources"]["limits"]["nvidia.com/gpu"])
+        assert int(flag(args, "--nproc-per-node")) == gpus
+        assert flag(args, "--region") == region and flag(args, "--index") == "$(ISLAND_INDEX)"
+        assert flag(args, "--relay") == f"hypertrain-relay-{region}:7071"
+        assert "ISLAND_INDEX" in {e["name"] for e in island["env"]}  # needed for $(ISLAND_INDEX)
+        assert pod["nodeSelector"] == {"hypertrain/region": region}
+        assert pod["restartPolicy"] == "Never"
+    relays = {d["metadata"]["name"] for d in res if d["kind"] == "Deployment"}
+    assert relays == {f"hypertrain-relay-{r}" for r in topo.regions}
+
+
+def test_pods_are_probed_limited_hardened_and_scraped() -> None:
+    for workload, template in pod_specs():
+        name = workload["metadata"]["name"]
+        spec = template["spec"]
+        sec = spec["securityContext"]
+        assert sec["runAsNonRoot"] and sec["runAsUser"] == IMAGE_UID and sec["fsGroup"] == IMAGE_UID
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, name
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], name
+            assert c["resources"]["requests"] and c["resources"]["limits"], name
+        (main,) = spec["containers"]
+        assert "livenessProbe" in main and "startupProbe" in main, name
+        ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+        assert 9100 <= ports["metrics"] <= 9199, name
+        ann = template["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == str(
+            ports["metrics"]
+        )
+        assert flag(main["args"], "--metrics-port") == str(ports["metrics"])
+        assert flag(main["args"], "--metrics-host") == "0.0.0.0"  # the default is loopback only
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            if probe in main:
+                assert main[probe]["tcpSocket"]["port"] in ports, (name, probe)
+        if "--listen" in " ".join(main["args"]):
+            assert flag(main["args"], "--listen").endswith(f":{ports['grpc']}")
+        mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+        assert flag(main["args"], "--config") == "/etc/hypertrain/run.toml"
+        assert mounts["/etc/hypertrain"] == "config"
+        assert flag(main["args"], "--signing-key").startswith(
+            next(p for p, n in mounts.items() if n == "keys")
+        )
+
+
+def test_references_resolve() -> None:
+    """Every Service selects a pod and names its ports; every volume source exists."""
+    res = all_resources()
+    names = {(d["kind"], d["metadata"]["name"]) for d in res}
+    pods = [(t["metadata"]["labels"], t["spec"]) for _, t in pod_specs()]
+    for svc in (d for d in res if d["kind"] == "Service"):
+        sel = svc["spec"]["selector"]
+        matched = [spec for labels, spec in pods if sel.items() <= labels.items()]
+        assert len(matched) == 1, svc["metadata"]["name"]
+        ports = {p["name"] for p in matched[0]["containers"][0]["ports"]}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
+        assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
+    secrets: set[str] = set()
+    for _, spec in pods:
+        for vol in spec["volumes"]:
+            if "configMap" in vol:
+                assert ("ConfigMap", vol["configMap"]["name"]) in names
+            if "persistentVolumeClaim" in vol:
+                assert ("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]) in names
+            if "secret" in vol:
+                secrets.add(vol["secret"]["secretName"])
+            for src in vol.get("projected", {}).get("sources", []):
+                secrets.add(src["secret"]["name"])
+    template = {d["metadata"]["name"] for d in manifests()["secrets.yaml"]}
+    assert secrets == template
+
+
+def test_one_secret_per_daemon_named_like_keys_init(run_config: RunConfig) -> None:
+    secrets = manifests()["secrets.yaml"]
+    want = {f"hypertrain-key-{n}" for n in daemon_key_names(run_config.topology)}
+    assert {s["metadata"]["name"] for s in secrets} == want
+    for s in secrets:
+        assert list(s["stringData"]) == ["signing.key"]
+        assert "BEGIN PRIVATE KEY" not in s["stringData"]["signing.key"]  # placeholders only
+
+
+def test_daemons_take_the_flags_the_deploy_files_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    from hypertrain.aggregator.__main__ import main as aggregator
+    from hypertrain.island.__main__ import main as island
+    from hypertrain.relay.__main__ import main as relay
+
+    known: dict[str, set[str]] = {}
+    for role, main in (("aggregator", aggregator), ("relay", relay), ("island", island)):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        known[role] = set(re.findall(r"--[a-z][a-z0-9-]*", capsys.readouterr().out))
+    used: dict[str, set[str]] = {"aggregator": set(), "relay": set(), "island": set()}
+    for _, template in pod_specs():
+        args = template["spec"]["containers"][0]["args"]
+        role = "island" if args[0] == "torchrun" else args[0]
+        tail = args[args.index("hypertrain.island") + 1 :] if role == "island" else args[1:]
+        used[role] |= {a.split("=")[0] for a in tail}
+    for unit in (DEPLOY / "systemd").glob("*.service"):
+        exec_start = parse_unit(unit)["Service"]["ExecStart"]
+        role = next(
+            r for r in used if f"hypertrain-{r}" in exec_start or f"hypertrain.{r}" in exec_start
+        )
+        tail = exec_start.split("hypertrain.island", 1)[1] if role == "island" else exec_start
+        used[role] |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", tail))
+    for role in used:
+        assert used[role] - known[role] <= PENDING_FLAGS, role
+
+
+# -- container image ------------------------------------------------------------------------
+
+DOCKER_INSTRUCTIONS = {
+    "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+    "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL",
+}  # fmt: skip
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in (DEPLOY / "container" / "Dockerfile").read_text().splitlines():
+        if line.strip().startswith("#") or not line.strip():
+            continue
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        word, _, rest = pending.strip().partition(" ")
+        out.append((word, " ".join(rest.split())))
+        pending = ""
+    assert not pending, "dangling line continuation"
+    return out
+
+
+def test_dockerfile_structure() -> None:
+    ins = dockerfile()
+    assert {w for w, _ in ins} <= DOCKER_INSTRUCTIONS
+    froms = [a for w, a in ins if w == "FROM"]
+    assert froms == [
+        "${PYTHON_IMAGE} AS base-cpu",
+        "${CUDA_IMAGE} AS base-cuda",
+        "base-${VARIANT} AS runtime",
+    ]
+    args = {a.split("=")[0]: a.split("=", 1)[1] for w, a in ins if w == "ARG" and "=" in a}
+    assert args["VARIANT"] == "cpu" and args["PYTHON_IMAGE"].startswith("python:3.11")
+    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:") and "runtime" in args["CUDA_IMAGE"]
+    assert args["TORCH_CPU_INDEX"].endswith("/cpu") and "/cu" in args["TORCH_CUDA_INDEX"]
+    # torch first, at the project's pin, then the project under the constraints.
+    pins = dict(
+        line.split("==") for line in (REPO / "requirements" / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )  # fmt: skip
+    runs = [a for w, a in ins if w == "RUN"]
+    torch_at = next(i for i, a in enumerate(runs) if "torch==" in a)
+    assert (
+        f'"torch=={pins["torch"]}"' in runs[torch_at]
+        and '--index-url "${TORCH_INDEX}"' in runs[torch_at]
+    )
+    project_at = next(i for i, a in enumerate(runs) if "-c requirements/constraints.txt ." in a)
+    assert torch_at < project_at
+    # non-root, tini as PID 1, exec-form entry point, the ports the manifests use
+    users = [a for w, a in ins if w == "USER"]
+    assert users == [f"{IMAGE_UID}:{IMAGE_UID}"]
+    (entry,) = [a for w, a in ins if w == "ENTRYPOINT"]
+    assert json.loads(entry) == ["tini", "--", "hypertrain-entrypoint"]
+    exposed = {int(p) for w, a in ins if w == "EXPOSE" for p in a.split()}
+    used = {
+        p["containerPort"]
+        for _, t in pod_specs()
+        for c in t["spec"]["containers"]
+        for p in c["ports"]
+    }
+    assert used <= exposed
+    # every COPY source exists and is let through the .dockerignore
+    allowed = [
+        line[1:] for line in (DEPLOY / "container" / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]  # fmt: skip
+    for w, a in ins:
+        if w == "COPY":
+            src = a.split()[0]
+            assert (REPO / src).exists(), src
+            assert any(src == p or p.startswith(src + "/") for p in allowed), src
+
+
+def test_every_package_folder_is_copied_into_the_image() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    copied = {a.split()[0] for w, a in dockerfile() if w == "COPY"}
+    for folder in pyproject["tool"]["setuptools"]["package-dir"].values():
+        assert any(folder == c or folder.startswith(c + "/") for c in copied), folder
+
+
+def test_entrypoint_dispatches(tmp_path: Path) -> None:
+    script = DEPLOY / "container" / "entrypoint.sh"
+    assert os.access(script, os.X_OK)
+    assert subprocess.run(["sh", "-n", str(script)]).returncode == 0
+    for name in ("hypertrain-aggregator", "hypertrain-relay", "hypertrain-island", "torchrun"):
+        stub = tmp_path / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*"\n')
+        stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(script), *args], env=env, capture_output=True, text=True)
+
+    assert run("relay", "--region", "eu").stdout == "hypertrain-relay --region eu\n"
+    assert run("aggregator").stdout == "hypertrain-aggregator \n"
+    assert run("torchrun", "-m", "hypertrain.island").stdout == "torchrun -m hypertrain.island\n"
+    assert run("--help").returncode == 0
+    bad = run("trainer")
+    assert bad.returncode == 2 and "unknown command 'trainer'" in bad.stderr
+    assert run().returncode == 2
+
+
+# -- systemd --------------------------------------------------------------------------------
+
+UNITS = ("hypertrain-aggregator.service", "hypertrain-relay@.service", "hypertrain-island@.service")
+
+
+def parse_unit(path: Path) -> dict[str, dict[str, str]]:
+    """Sections of a unit file; repeated keys keep the last value; continuations joined."""
+    sections: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = pending + raw.strip()
+        pending = ""
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        if line.startswith("["):
+            assert line.endswith("]"), line
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None and "=" in line, f"{path.name}: {line}"
+        key, _, value = line.partition("=")
+        current[key.strip()] = " ".join(value.split())
+    assert not pending
+    return sections
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_systemd_unit_structure(name: str) -> None:
+    unit = parse_unit(DEPLOY / "systemd" / name)
+    assert set(unit) == {"Unit", "Service", "Install"}
+    svc = unit["Service"]
+    assert svc["User"] == svc["Group"] == "hypertrain"
+    assert svc["Restart"] == "on-failure" and svc["RestartPreventExitStatus"] == "2"
+    assert svc["ExecStart"].startswith("/opt/hypertrain/venv/bin/")
+    for hardening in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "RestrictNamespaces"):
+        assert svc[hardening] == "yes", hardening
+    assert svc["ProtectSystem"] == "strict" and svc["CapabilityBoundingSet"] == ""
+    state = svc["StateDirectory"]
+    assert state.startswith("hypertrain/") and f"--state-dir /var/lib/{state}" in svc["ExecStart"]
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+    assert "--metrics-port" in svc["ExecStart"]
+    instance = name.endswith("@.service")
+    assert ("%i" in svc["ExecStart"]) == instance
+    # The key file is the one `hypertrain keys init` writes for this daemon.
+    key = re.search(r"--signing-key /etc/hypertrain/keys/(\S+)\.key", svc["ExecStart"])
+    assert key is not None
+    role = name.removeprefix("hypertrain-").split("@")[0].split(".")[0]
+    assert key.group(1) == (f"{role}-%i" if instance else role)
+
+
+def test_systemd_env_examples_and_sysusers(run_config: RunConfig) -> None:
+    env = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "systemd" / "env" / "island-eu-0.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert f"{env['HYPERTRAIN_REGION']}-{env['HYPERTRAIN_INDEX']}" == "eu-0"
+    assert "eu-0" in run_config.topology.island_ids()
+    assert int(env["HYPERTRAIN_NPROC"]) >= 1
+    relay = (DEPLOY / "systemd" / "env" / "relay-eu.env").read_text()
+    assert re.search(r"^HYPERTRAIN_AGGREGATOR=\S+:\d+$", relay, re.M)
+    sysusers = (DEPLOY / "systemd" / "hypertrain.sysusers").read_text()
+    assert re.search(r"^u hypertrain ", sysusers, re.M)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify(tmp_path: Path) -> None:
+    # verify checks that ExecStart binaries exist: point them at stubs, change nothing else.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for b in ("hypertrain-aggregator", "hypertrain-relay", "torchrun"):
+        (bin_dir / b).write_text("#!/bin/sh\n")
+        (bin_dir / b).chmod(0o755)
+    for name in UNITS:
+        text = (DEPLOY / "systemd" / name).read_text()
+        (tmp_path / name).write_text(text.replace("/opt/hypertrain/venv/bin/", f"{bin_dir}/"))
+    targets = [tmp_path / "hypertrain-aggregator.service", tmp_path / "hypertrain-relay@eu.service",
+               tmp_path / "hypertrain-island@eu-0.service"]  # fmt: skip
+    out = subprocess.run(
+        ["systemd-analyze", "verify", *map(str, targets)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # verify exits 0 on unknown keys or unparsable values and only warns: any output fails.
+    assert out.returncode == 0 and out.stderr == "" and out.stdout == "", out.stderr + out.stdout
+    # ... and it does catch a broken unit.
+    broken = tmp_path / "hypertrain-aggregator.service"
+    broken.write_text(broken.read_text().replace("ProtectSystem=strict", "ProtectSystem=sometimes"))
+    out = subprocess.run(
+        ["systemd-analyze", "verify", str(broken)], capture_output=True, text=True, timeout=60
+    )
+    assert "sometimes" in out.stderr
+
+
+def test_component_labels_match_the_start_order_of_the_docs() -> None:
+    """docs/operations.md applies the rendered manifests by component label, in order;
+    every resource must fall in exactly one of those groups."""
+    docs = (REPO / "docs" / "operations.md").read_text()
+    groups = ["data", "aggregator", "relay", "island"]
+    for name, resources in manifests().items():
+        if name == "secrets.yaml":
+            continue
+        for d in resources:
+            comp = d["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+            if comp is None:
+                assert d["kind"] in ("Namespace", "ConfigMap"), d["metadata"]["name"]
+            else:
+                assert comp in groups, (name, comp)
+    assert "-l '!app.kubernetes.io/component'" in docs
+    at = [docs.index(f"-l app.kubernetes.io/component={g}\n") for g in groups]
+    assert at == sorted(at)
