@@ -21,6 +21,7 @@ Round rules (the same for both levels):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,15 @@ import torch
 from hypertrain.common.aggregate import Blob, Commitment
 from hypertrain.common.codec import Codec
 from hypertrain.common.config import RunConfig
-from hypertrain.common.errors import HypertrainError
+from hypertrain.common.errors import HypertrainError, UnknownKeyError
+from hypertrain.common.keys import TrustedKeys
+from hypertrain.common.ledger import (
+    flat_digest,
+    island_key,
+    outer_state_digest,
+    relay_key,
+    transfer_message,
+)
 from hypertrain.common.roles import GlobalCore, RegionCore
 from hypertrain.common.roles import round_of_step as round_of
 
@@ -52,6 +61,8 @@ class Delta:
     digest: str
     codec: str
     data: Blob
+    signature: bytes = b""
+    """Ed25519 over ``ledger.transfer_message`` of the fields above, by the sender's key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,10 @@ class Committed:
     payload: torch.Tensor  # regional: the mean; global: theta_{g+1}
     kind: str  # the merge kind islands apply: "regional" | "global"
     input_bytes: int = 0
+    pre_digest: str = ""  # flat digest of the base (relay) or theta (aggregator) before
+    post_digest: str = ""  # ... and after
+    pre_outer: str = ""  # aggregator: digest of the outer optimizer state before / after
+    post_outer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +111,8 @@ class Forward:
     sync_step: int
     codec: str
     data: bytes
+    pre_residual: str = ""  # flat digest of the relay's global-codec error feedback before
+    post_residual: str = ""  # ... and after encoding
 
 
 Effect = Publish | Committed | Forward
@@ -114,6 +131,8 @@ class _Level:
     open_step: int
     inputs: dict[str, Delta] = field(default_factory=dict)
     accepted: dict[tuple[int, str], str] = field(default_factory=dict)  # (step, sender) -> digest
+    trusted: TrustedKeys | None = None  # None: signatures are not required
+    signer_of: Callable[[str], str] = str  # sender id -> key name
 
     def check(self, d: Delta) -> Decision | None:
         """None if ``d`` may be taken into the open step; otherwise the refusal."""
@@ -149,12 +168,34 @@ class _Level:
             return Decision(PRECONDITION, f"step {s} is closed (open step is {self.open_step})")
         if s > self.open_step:
             return Decision(PRECONDITION, f"step {s} is ahead of the open step {self.open_step}")
+        if self.trusted is not None:
+            refusal = self._check_signature(d)
+            if refusal is not None:
+                return refusal
         if d.codec != str(self.codec.spec):
             return Decision(INVALID, f"wrong codec {d.codec!r}, this run uses {self.codec.spec}")
         try:  # full validation (header, checksum, payload) without decoding to fp32
             self.codec.open(d.data, (self.numel,))
         except HypertrainError as e:
             return Decision(INVALID, f"rejected delta from {d.sender} for step {s}: {e}")
+        return None
+
+    def _check_signature(self, d: Delta) -> Decision | None:
+        assert self.trusted is not None
+        if not d.signature:
+            return Decision(INVALID, f"unsigned delta from {d.sender} for step {d.sync_step}")
+        message = transfer_message(
+            d.run_id, d.round, d.sync_step, d.sender, d.digest, len(d.data), d.codec
+        )
+        key = self.signer_of(d.sender)
+        try:
+            good = self.trusted.verify(key, message, d.signature)
+        except UnknownKeyError:
+            return Decision(INVALID, f"no trusted key {key!r} for {d.sender}")
+        if not good:
+            return Decision(
+                INVALID, f"bad signature on the delta from {d.sender} for step {d.sync_step}"
+            )
         return None
 
     def take(self, d: Delta) -> bool:
@@ -173,7 +214,9 @@ class _Level:
 class RelayMachine:
     """One region's round logic: collect island deltas, commit, forward, hand out merges."""
 
-    def __init__(self, cfg: RunConfig, region: str, theta0: torch.Tensor) -> None:
+    def __init__(
+        self, cfg: RunConfig, region: str, theta0: torch.Tensor, trusted: TrustedKeys | None = None
+    ) -> None:
         self.cfg = cfg
         self.region = region
         self.core = RegionCore(cfg, region, theta0)
@@ -185,6 +228,8 @@ class RelayMachine:
             self.core.codec,
             theta0.numel(),
             open_step=cfg.topology.h_r,
+            trusted=trusted,
+            signer_of=island_key,
         )
         self.global_pending: int | None = None  # sync step forwarded, theta not yet back
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
@@ -205,7 +250,9 @@ class RelayMachine:
 
     def _commit(self, step: int) -> list[Effect]:
         blobs = self.level.close()
+        pre = flat_digest(self.core.base)
         mean, commitment = self.core.merge(blobs)
+        post = flat_digest(self.core.base)
         tau = self.cfg.topology.tau
         g = round_of(self.cfg, step)
         regional = Committed(
@@ -217,17 +264,20 @@ class RelayMachine:
             mean,
             "regional",
             sum(len(b) for b in blobs.values()),
+            pre_digest=pre,
+            post_digest=post,
         )
         if step % self.cfg.topology.h_g:
             self._keep(step, regional)
             return [regional]
         self.global_pending = step
-        forward = Forward(
-            g, step, str(self.core.global_codec.spec), self.core.encode_global_delta()
-        )
+        pre_res = flat_digest(self.core.feedback.residual)
+        blob = self.core.encode_global_delta()
+        post_res = flat_digest(self.core.feedback.residual)
+        forward = Forward(g, step, str(self.core.global_codec.spec), blob, pre_res, post_res)
         return [regional, forward]
 
-    def on_global(self, sync_step: int, theta: torch.Tensor) -> list[Effect]:
+    def on_global(self, sync_step: int, theta: torch.Tensor) -> Committed:
         """The aggregator's theta_{g+1} for the global round of ``sync_step`` arrived."""
         if sync_step != self.global_pending:
             raise HypertrainError(
@@ -244,10 +294,11 @@ class RelayMachine:
             Commitment({}, (), (), ""),
             theta,
             "global",
+            post_digest=flat_digest(self.core.theta),
         )
         self._keep(sync_step, merge)
         self.done = sync_step == self.cfg.steps
-        return [merge]
+        return merge
 
     def _keep(self, step: int, merge: Committed) -> None:
         self.merges[step] = merge
@@ -262,7 +313,9 @@ class RelayMachine:
 class AggregatorMachine:
     """The global round logic: one delta per region per round, then the outer step."""
 
-    def __init__(self, cfg: RunConfig, theta0: torch.Tensor) -> None:
+    def __init__(
+        self, cfg: RunConfig, theta0: torch.Tensor, trusted: TrustedKeys | None = None
+    ) -> None:
         self.cfg = cfg
         self.core = GlobalCore(cfg, theta0)
         self.level = _Level(
@@ -273,6 +326,8 @@ class AggregatorMachine:
             self.core.codec,
             theta0.numel(),
             open_step=cfg.topology.h_g,
+            trusted=trusted,
+            signer_of=relay_key,
         )
         self.merges: dict[int, Committed] = {}
         self.done = False
@@ -290,6 +345,10 @@ class AggregatorMachine:
         if self.level.take(d):
             step = d.sync_step
             blobs = self.level.close()
+            pre, pre_outer = (
+                flat_digest(self.core.theta),
+                outer_state_digest(self.core.outer.state_dict()),
+            )
             commitment = self.core.step(blobs)
             merge = Committed(
                 "global",
@@ -300,6 +359,10 @@ class AggregatorMachine:
                 self.core.theta.clone(),
                 "global",
                 sum(len(b) for b in blobs.values()),
+                pre_digest=pre,
+                post_digest=flat_digest(self.core.theta),
+                pre_outer=pre_outer,
+                post_outer=outer_state_digest(self.core.outer.state_dict()),
             )
             self.merges[step] = merge
             for old in sorted(self.merges)[:-KEEP_MERGES]:

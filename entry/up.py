@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hypertrain.common.config import RunConfig
+from hypertrain.common.keys import daemon_key_names, init_keys
 from hypertrain.common.roles import initial_parameters
 from hypertrain.procs import Child, child_env, python_module
 from hypertrain.runflags import run_config_from_args
@@ -92,11 +93,17 @@ def start_cluster(
     """Start aggregator, relays and islands; returns them in start order."""
     conf = run_dir / "run.toml"
     logs = run_dir / "logs"
+    keys = run_dir / "keys"
+    if not (keys / "trusted_keys.json").exists():
+        init_keys(keys, daemon_key_names(cfg.topology))
     env = child_env() | (extra_env or {})
     children: list[Child] = []
 
     def spawn(name: str, module: str, *args: str, nice: int = 0) -> Child:
-        argv = python_module(module, "--config", str(conf), "--metrics-port", "0", *args)
+        key = keys / f"{name}.key"
+        argv = python_module(
+            module, "--config", str(conf), "--metrics-port", "0", "--signing-key", str(key), *args
+        )
         child = Child(name, argv, logs / f"{name}.log", progress.on_event, env, nice=nice)
         children.append(child)
         return child

@@ -11,6 +11,7 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
+    load_identity,
     load_run_config,
     section,
     setting,
@@ -35,9 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = section(args, "aggregator")
         state_dir = Path(setting(args, table, "state_dir") or "aggregator")
         shutdown = Shutdown()
+        key, trusted = load_identity(args, table, "aggregator")
         metrics = Metrics("aggregator")
         start_metrics(args, table, metrics)
-        service = AggregatorService(cfg, state_dir, shutdown, metrics)
+        service = AggregatorService(cfg, state_dir, shutdown, metrics, key, trusted)
         server = make_server()
         add_servicer(service, server, "Aggregator")
         address = bind(server, setting(args, table, "listen", "127.0.0.1:0"))

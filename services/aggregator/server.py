@@ -33,10 +33,13 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import HOLDOUT_WINDOWS, holdout_windows
 from hypertrain.common.digest import state_digest
+from hypertrain.common.keys import SigningKey, TrustedKeys
+from hypertrain.common.ledger import global_merge_body
 from hypertrain.common.model import build_model, evaluate, preset
 from hypertrain.common.protocol import AggregatorMachine, Committed, Effect
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import initial_parameters
+from hypertrain.common.tape import TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import atomic_write, log_event
@@ -87,17 +90,25 @@ class AggregatorService:
     """The Aggregator servicer: validate and translate; the AggregatorMachine decides."""
 
     def __init__(
-        self, cfg: RunConfig, state_dir: Path, shutdown: Shutdown, metrics: Metrics | None = None
+        self,
+        cfg: RunConfig,
+        state_dir: Path,
+        shutdown: Shutdown,
+        metrics: Metrics | None = None,
+        key: SigningKey | None = None,
+        trusted: TrustedKeys | None = None,
     ) -> None:
         self.cfg = cfg
         self.layout, theta0 = initial_parameters(cfg)
         self.numel = theta0.numel()
-        self.machine = AggregatorMachine(cfg, theta0)
+        self.machine = AggregatorMachine(cfg, theta0, trusted)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tape = TapeWriter.open(state_dir / "tape", cfg.run_id, key) if key else None
         self.state_dir = state_dir
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("aggregator")
-        self.intake = Intake(state_dir, self.numel, self.board, self.metrics)
+        self.intake = Intake(state_dir, self.numel, self.board, self.metrics, tape=tape)
         self.final_fetches: set[str] = set()
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         self.evaluator = Evaluator(cfg, self.metrics)
@@ -142,20 +153,29 @@ class AggregatorService:
             )
 
     def _persist(self, c: Committed) -> None:
-        """Write the new global state durably, log the round, queue the held-out eval."""
+        """Record the round on the tape, then write the new global state durably
+        (the checkpoint a restart or a segment audit starts from), log the round,
+        queue the held-out eval.  The tape entry comes first: it is the commit record."""
         theta = self.machine.core.theta
+        self.intake.record("global_merge", global_merge_body(self.cfg, c))
+        tape = self.intake.tape
         buf = io.BytesIO()
         torch.save(
             {
+                "run_id": self.cfg.run_id,
                 "config_digest": self.cfg.digest,
                 "round": c.round,
                 "sync_step": c.sync_step,
                 "theta": theta,
                 "outer": self.machine.core.outer.state_dict(),
+                "tape_seq": tape.next_seq if tape else 0,
+                "tape_head": tape.head if tape else "",
             },
             buf,
         )
-        atomic_write(self.state_dir / "state.pt", buf.getvalue())
+        data = buf.getvalue()
+        atomic_write(self.state_dir / "checkpoints" / f"round-{c.round:06d}.pt", data)
+        atomic_write(self.state_dir / "state.pt", data)
         digest = state_digest(self.layout.unflatten(theta))
         now = time.perf_counter()
         log_event(
@@ -174,6 +194,7 @@ class AggregatorService:
         self.t_first = 0.0
 
     def close(self) -> None:
+        self.intake.close()
         self.evaluator.close()
         with self.board.cond:
             self.board.cond.notify_all()

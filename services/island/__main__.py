@@ -10,6 +10,7 @@ from hypertrain.island.daemon import Island
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
+    load_identity,
     load_run_config,
     log_event,
     section,
@@ -45,9 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if not relay:
             return fail("island", "--relay HOST:PORT is required")
+        key, _ = load_identity(args, table, "island")
         metrics = Metrics("island")
         start_metrics(args, table, metrics)
-        island = Island(cfg, f"{region}-{index}", relay_peer(relay), metrics)
+        island = Island(cfg, f"{region}-{index}", relay_peer(relay), metrics, key)
         island.install_signals()
         island.run()
         return 0

@@ -27,6 +27,8 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import blob_digest, state_digest
+from hypertrain.common.keys import SigningKey
+from hypertrain.common.ledger import TRANSFER_FIELDS, transfer_message
 from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
@@ -40,7 +42,12 @@ class Island:
     """The island's driver: training loop, pushes and pinned merges."""
 
     def __init__(
-        self, cfg: RunConfig, island_id: str, relay: Peer, metrics: Metrics | None = None
+        self,
+        cfg: RunConfig,
+        island_id: str,
+        relay: Peer,
+        metrics: Metrics | None = None,
+        key: SigningKey | None = None,
     ) -> None:
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
@@ -52,6 +59,7 @@ class Island:
         self.core = IslandCore(cfg, island_id, stream, theta0)
         self.numel = theta0.numel()
         self.codec = str(self.core.codec.spec)
+        self.key = key
         self.stop = threading.Event()
         self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self.blocked_s = 0.0
@@ -71,6 +79,9 @@ class Island:
             size=len(blob),
             codec=self.codec,
         )
+        if self.key is not None:
+            fields = (getattr(header, f) for f in TRANSFER_FIELDS)
+            header.signature = self.key.sign(transfer_message(*fields))
         return self.relay.push(header, blob, self.stop.is_set)
 
     def _fetch(self, step: int, kind: str) -> torch.Tensor:

@@ -11,6 +11,7 @@ from hypertrain.relay.server import RelayService
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
+    load_identity,
     load_run_config,
     section,
     setting,
@@ -49,10 +50,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         state_dir = setting(args, table, "state_dir") or f"relay-{region}"
         listen = setting(args, table, "listen", "127.0.0.1:0")
         shutdown = Shutdown()
+        key, trusted = load_identity(args, table, "relay")
         metrics = Metrics("relay")
         start_metrics(args, table, metrics)
         service = RelayService(
-            cfg, region, Path(state_dir), aggregator_peer(aggregator), shutdown, metrics
+            cfg,
+            region,
+            Path(state_dir),
+            aggregator_peer(aggregator),
+            shutdown,
+            metrics,
+            key,
+            trusted,
         )
         server = make_server()
         add_servicer(service, server, "Relay")

@@ -17,6 +17,7 @@ the new global parameters.  The relay forwards; it never sums across regions.
 
 from __future__ import annotations
 
+import io
 import queue
 import threading
 import time
@@ -25,14 +26,23 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest, tensor_digest
+from hypertrain.common.keys import SigningKey, TrustedKeys
+from hypertrain.common.ledger import (
+    TRANSFER_FIELDS,
+    forward_body,
+    regional_merge_body,
+    transfer_message,
+)
 from hypertrain.common.protocol import Committed, Effect, Forward, RelayMachine
 from hypertrain.common.roles import initial_parameters
+from hypertrain.common.tape import TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
-from hypertrain.wire.daemon import log_event
+from hypertrain.wire.daemon import atomic_write, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
@@ -51,17 +61,23 @@ class RelayService:
         aggregator: Peer,
         shutdown: Shutdown,
         metrics: Metrics | None = None,
+        key: SigningKey | None = None,
+        trusted: TrustedKeys | None = None,
     ) -> None:
         self.cfg = cfg
         self.region = region
         _, theta0 = initial_parameters(cfg)
         self.numel = theta0.numel()
-        self.machine = RelayMachine(cfg, region, theta0)
+        self.machine = RelayMachine(cfg, region, theta0, trusted)
+        self.key = key
+        self.state_dir = state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tape = TapeWriter.open(state_dir / "tape", cfg.run_id, key) if key else None
         self.aggregator = aggregator
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("relay")
-        self.intake = Intake(state_dir, self.numel, self.board, self.metrics, region)
+        self.intake = Intake(state_dir, self.numel, self.board, self.metrics, region, tape)
         self.forwards: queue.Queue[Forward | None] = queue.Queue()
         self.final_fetches: set[str] = set()
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
@@ -74,8 +90,10 @@ class RelayService:
 
     def _on_effect(self, effect: Effect) -> None:
         if isinstance(effect, Committed):
+            self.intake.record("regional_merge", regional_merge_body(self.cfg, effect))
             self._log_commit(effect)
         elif isinstance(effect, Forward):
+            self.intake.record("forward", forward_body(effect))
             self.forwards.put(effect)
 
     @maps_errors
@@ -138,6 +156,10 @@ class RelayService:
             size=len(fwd.data),
             codec=fwd.codec,
         )
+        if self.key is not None:
+            header.signature = self.key.sign(
+                transfer_message(*(getattr(header, f) for f in TRANSFER_FIELDS))
+            )
         stop = lambda: self.shutdown.requested  # noqa: E731
         self.aggregator.push(header, fwd.data, stop)
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(len(fwd.data))
@@ -146,7 +168,17 @@ class RelayService:
         )
         agg_header, theta = self.aggregator.fetch(request, self.numel, stop)
         with self.board.cond:
-            self.machine.on_global(fwd.sync_step, theta)
+            merge = self.machine.on_global(fwd.sync_step, theta)
+            self.intake.record(
+                "global_applied",
+                {
+                    "round": fwd.round,
+                    "sync_step": fwd.sync_step,
+                    "merge_step": merge.merge_step,
+                    "theta": merge.post_digest,
+                },
+            )
+            self.save_checkpoint(fwd.round)
             self.board.headers[fwd.sync_step] = (
                 agg_header  # islands get the aggregator's commitment
             )
@@ -161,6 +193,23 @@ class RelayService:
             seconds=round(time.perf_counter() - t0, 4),
         )
 
+    def save_checkpoint(self, round_: int) -> None:
+        """After global round ``round_``: what a segment audit of this region starts from."""
+        core = self.machine.core
+        tape = self.intake.tape
+        state = {
+            "run_id": self.cfg.run_id,
+            "region": self.region,
+            "round": round_,
+            "theta": core.theta,
+            "residual": core.feedback.residual,
+            "tape_seq": tape.next_seq if tape else 0,
+            "tape_head": tape.head if tape else "",
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write(self.state_dir / "checkpoints" / f"round-{round_:06d}.pt", buf.getvalue())
+
     def _log_commit(self, c: Committed) -> None:
         log_event(
             "round",
@@ -174,6 +223,7 @@ class RelayService:
         )
 
     def close(self) -> None:
+        self.intake.close()
         self.forwards.put(None)
         with self.board.cond:
             self.board.cond.notify_all()

@@ -241,7 +241,7 @@ def receive_merge(
     hasher = TensorHasher(tensor, buf)
 
     def fill(offset: int, data: Data) -> None:
-        buf[offset : offset + len(data)] = data
+        spool.copy_into(buf, offset, data)
         hasher.advance(offset + len(data))
 
     filler = spool.Worker("wire-fill", fill, spool.DEPTH)

@@ -19,6 +19,7 @@ from typing import Any
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
+from hypertrain.common.keys import SigningKey, TrustedKeys, load_signing_key
 from hypertrain.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.wire.metrics import Metrics, announce_metrics
 
@@ -49,7 +50,33 @@ def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)"
     )
     p.add_argument("--metrics-host", help="interface of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument(
+        "--signing-key",
+        type=Path,
+        help="this daemon's Ed25519 key (hypertrain keys init); without it nothing is signed "
+        "and no tape is written",
+    )
+    p.add_argument(
+        "--trusted-keys",
+        type=Path,
+        help="pinned public keys (default: trusted_keys.json beside the signing key)",
+    )
     return p
+
+
+def load_identity(
+    args: argparse.Namespace, table: dict[str, Any], role: str
+) -> tuple[SigningKey | None, TrustedKeys | None]:
+    """The daemon's signing key and the keys it trusts, or (None, None) when unsigned."""
+    key_path = setting(args, table, "signing_key")
+    if key_path is None:
+        log_event("warning", role=role, message="no --signing-key: deltas unsigned, no tape")
+        return None, None
+    key = load_signing_key(Path(key_path))
+    trusted_path = (
+        setting(args, table, "trusted_keys") or Path(key_path).parent / "trusted_keys.json"
+    )
+    return key, TrustedKeys.load(Path(trusted_path))
 
 
 def start_metrics(args: argparse.Namespace, table: dict[str, Any], metrics: Metrics) -> None:

@@ -22,6 +22,7 @@ import grpc
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
 from hypertrain.common.protocol import Committed, Decision, Delta, Effect, Publish
+from hypertrain.common.tape import TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import discard, publish, receive_delta
 from hypertrain.wire.errors import WireError
@@ -77,13 +78,34 @@ class MergeBoard:
         return h
 
 
+def input_body(d: Delta) -> dict[str, Any]:
+    """The tape body of an accepted input (its membership in the round)."""
+    return {
+        "round": d.round,
+        "sync_step": d.sync_step,
+        "sender": d.sender,
+        "digest": d.digest,
+        "size": len(d.data),
+        "codec": d.codec,
+        "signature": d.signature.hex(),
+    }
+
+
 class Intake:
     """Receives pushed deltas into ``<state_dir>/spool`` and publishes accepted ones."""
 
     def __init__(
-        self, state_dir: Path, numel: int, board: MergeBoard, metrics: Metrics, region: str = ""
+        self,
+        state_dir: Path,
+        numel: int,
+        board: MergeBoard,
+        metrics: Metrics,
+        region: str = "",
+        tape: TapeWriter | None = None,
     ) -> None:
-        """``region``: the relay's region ("" at the aggregator), a metrics label."""
+        """``region``: the relay's region ("" at the aggregator), a metrics label.
+        ``tape``: where accepted inputs, rejections and merges are recorded."""
+        self.tape = tape
         self.published = state_dir / "published"
         self.spool = state_dir / "spool"
         for d in (self.published, self.spool):
@@ -95,8 +117,33 @@ class Intake:
         self.labels = (metrics.role, region)
         self.level = "regional" if metrics.role == "relay" else "global"
 
-    def _rejected(self, reason: str) -> None:
-        self.metrics.rejected.labels(*self.labels, reason).inc()
+    def record(self, kind: str, body: dict[str, Any]) -> None:
+        """Append one entry to the tape (callers hold ``board.cond``)."""
+        if self.tape is not None:
+            self.tape.append(kind, body)
+            self.metrics.tape_entries.labels(*self.labels).inc()
+            cp = self.tape.last_checkpoint
+            if cp is not None:
+                self.metrics.tape_checkpoint.labels(*self.labels).set(cp.size)
+
+    def close(self) -> None:
+        """On shutdown: a final signed checkpoint, so the tape's end is attested; then
+        no more entries (a late call's rejection is logged, not taped)."""
+        with self.board.cond:
+            tape, self.tape = self.tape, None
+            if tape is not None:
+                cp = tape.last_checkpoint
+                if tape.next_seq and (cp is None or cp.size < tape.next_seq - 1):
+                    tape.checkpoint()
+                tape.close()
+
+    def _rejected(self, code: str, reason: str, header: pb.TransferHeader | None) -> None:
+        self.metrics.rejected.labels(*self.labels, code).inc()
+        body: dict[str, Any] = {"code": code, "reason": reason}
+        if header is not None:
+            body.update(sender=header.sender, sync_step=header.sync_step, round=header.round)
+        with self.board.cond:
+            self.record("rejection", body)
 
     def push(
         self,
@@ -107,23 +154,26 @@ class Intake:
         try:
             rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
         except WireError as e:
-            self._rejected(e.code.name.lower())
+            self._rejected(e.code.name.lower(), e.message, None)
             raise
         h = rx.header
-        delta = Delta(h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data)
+        delta = Delta(
+            h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data, h.signature
+        )
         with self.board.cond:
             t0 = time.perf_counter()
             decision, effects = decide(delta)
             if not decision.accepted or decision.duplicate:
                 discard(rx)
                 if not decision.accepted:
-                    self._rejected(decision.code)
+                    self._rejected(decision.code, decision.reason, h)
                     raise WireError(STATUS[decision.code], decision.reason)
                 return pb.PushAck(digest=rx.digest, duplicate=True)
             m, (role, region) = self.metrics, self.labels
             for effect in effects:
                 if isinstance(effect, Publish):
                     publish(rx, self.published)
+                    self.record("input", input_body(delta))
                     m.received_bytes.labels(role, self.level, region).inc(h.size)
                     m.delta_size.labels(role, self.level, region).observe(h.size)
                 else:
