@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -336,6 +337,14 @@ class AggregatorMachine:
     def round(self) -> int:
         """The open global round."""
         return round_of(self.cfg, self.level.open_step)
+
+    def restore(self, theta: torch.Tensor, outer_state: dict[str, Any], sync_step: int) -> None:
+        """Resume after the global round of ``sync_step`` (from a durable checkpoint)."""
+        self.core.theta.copy_(theta)
+        self.core.outer.load_state_dict(outer_state)
+        self.level.open_step = sync_step + self.cfg.topology.h_g
+        self.level.inputs = {}
+        self.done = sync_step >= self.cfg.steps
 
     def on_regional(self, d: Delta) -> tuple[Decision, list[Effect]]:
         refusal = self.level.check(d)

@@ -39,6 +39,8 @@ def run_audit(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("audit", help="verify a run's tapes and replay every merge")
     p.add_argument("run_dir", type=Path, help="the run folder (hypertrain up's --run-dir)")
-    p.add_argument("--from-round", type=int, help="segment audit from this global round's checkpoint")
+    p.add_argument(
+        "--from-round", type=int, help="segment audit from this global round's checkpoint"
+    )
     p.add_argument("--trusted-keys", type=Path, help="pinned public keys (trusted_keys.json)")
     p.set_defaults(func=run_audit)

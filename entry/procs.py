@@ -103,8 +103,10 @@ class Child:
                 self._on_event(self.name, event)
         self._log.close()
 
-    def wait_listening(self, timeout: float = 60.0) -> str:
+    def wait_listening(self, timeout: float = 180.0) -> str:
         """The address the daemon announced; raises RuntimeError if it died first."""
+        if self.address is not None:
+            return self.address
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

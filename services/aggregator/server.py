@@ -23,26 +23,28 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
+from hypertrain.common.aggregate import Commitment
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import HOLDOUT_WINDOWS, holdout_windows
 from hypertrain.common.digest import state_digest
+from hypertrain.common.errors import ConfigError
 from hypertrain.common.keys import SigningKey, TrustedKeys
 from hypertrain.common.ledger import global_merge_body
 from hypertrain.common.model import build_model, evaluate, preset
-from hypertrain.common.protocol import AggregatorMachine, Committed, Effect
+from hypertrain.common.protocol import AggregatorMachine, Committed, Delta, Effect
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.tape import TapeWriter
+from hypertrain.common.tape import Entry, TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
-from hypertrain.wire.daemon import atomic_write, log_event
+from hypertrain.wire.daemon import atomic_write, fault_point, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.rounds import Intake, MergeBoard
@@ -112,7 +114,8 @@ class AggregatorService:
         self.final_fetches: set[str] = set()
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         self.evaluator = Evaluator(cfg, self.metrics)
-        self.evaluator.submit(-1, 0, theta0.clone())
+        if self._recover() is None:
+            self.evaluator.submit(-1, 0, theta0.clone())
 
     @maps_errors
     def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
@@ -155,32 +158,17 @@ class AggregatorService:
     def _persist(self, c: Committed) -> None:
         """Record the round on the tape, then write the new global state durably
         (the checkpoint a restart or a segment audit starts from), log the round,
-        queue the held-out eval.  The tape entry comes first: it is the commit record."""
-        theta = self.machine.core.theta
+        queue the held-out eval.  The tape entry comes first: it is the commit record;
+        a crash before the checkpoint is written is repaired from it on restart."""
+        fault_point("before_tape")
         self.intake.record("global_merge", global_merge_body(self.cfg, c))
+        fault_point("after_tape")
         tape = self.intake.tape
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "run_id": self.cfg.run_id,
-                "config_digest": self.cfg.digest,
-                "round": c.round,
-                "sync_step": c.sync_step,
-                "theta": theta,
-                "outer": self.machine.core.outer.state_dict(),
-                "tape_seq": tape.next_seq if tape else 0,
-                "tape_head": tape.head if tape else "",
-            },
-            buf,
-        )
-        data = buf.getvalue()
-        atomic_write(self.state_dir / "checkpoints" / f"round-{c.round:06d}.pt", data)
-        atomic_write(self.state_dir / "state.pt", data)
-        digest = state_digest(self.layout.unflatten(theta))
-        now = time.perf_counter()
+        self._write_checkpoint(c, tape.next_seq if tape else 0, tape.head if tape else "")
+        digest = state_digest(self.layout.unflatten(self.machine.core.theta))
         log_event(
             "round",
-            seconds=round(now - self.t_first, 4),
+            seconds=round(time.perf_counter() - self.t_first, 4),
             role="aggregator",
             round=c.round,
             step=c.sync_step,
@@ -192,6 +180,110 @@ class AggregatorService:
             log_event("final", role="aggregator", step=c.sync_step, digest=digest)
         self.evaluator.submit(c.round, c.sync_step, c.payload)
         self.t_first = 0.0
+
+    def _write_checkpoint(self, c: Committed, tape_seq: int, tape_head: str) -> None:
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "run_id": self.cfg.run_id,
+                "config_digest": self.cfg.digest,
+                "round": c.round,
+                "sync_step": c.sync_step,
+                "theta": self.machine.core.theta,
+                "outer": self.machine.core.outer.state_dict(),
+                "tape_seq": tape_seq,
+                "tape_head": tape_head,
+            },
+            buf,
+        )
+        data = buf.getvalue()
+        atomic_write(self.state_dir / "checkpoints" / f"round-{c.round:06d}.pt", data)
+        fault_point("between_checkpoints")
+        atomic_write(self.state_dir / "state.pt", data)
+
+    def _recover(self) -> int | None:
+        """After a restart: resume from ``state.pt``, then redo from the tape what came
+        after it (a round taped but not checkpointed; inputs accepted for the open
+        round), checking each recomputed round against its tape entry bit for bit.
+        Returns the number of rounds redone, or None on a fresh start."""
+        path = self.state_dir / "state.pt"
+        tape = self.intake.tape
+        start = 0
+        if path.exists():
+            ck = torch.load(path, weights_only=True)
+            if ck["run_id"] != self.cfg.run_id or ck["config_digest"] != self.cfg.digest:
+                raise ConfigError(f"{path} belongs to another run or config; use a new --state-dir")
+            self.machine.restore(ck["theta"], ck["outer"], int(ck["sync_step"]))
+            start = int(ck["tape_seq"])
+        elif tape is None or not tape.entries:
+            return None
+        redone = 0
+        if tape is not None:
+            if len(tape.entries) < start:
+                raise ConfigError(f"tape {tape.path} is shorter than {path} recorded ({start})")
+            redone = self._redo(tape.entries[start:])
+            self._serve_last_round(tape.entries)
+        log_event(
+            "recovered",
+            role="aggregator",
+            round=self.machine.round,
+            rounds_redone=redone,
+            open_step=self.machine.level.open_step,
+        )
+        return redone
+
+    def _serve_last_round(self, entries: Sequence[Entry]) -> None:
+        """Relays that had not fetched the last completed round before the crash can."""
+        last = next((e for e in reversed(entries) if e.kind == "global_merge"), None)
+        if last is None or self.machine.merge_for(last.body["sync_step"]) is not None:
+            return
+        b = last.body
+        members = tuple(m for m, _ in b["members"])
+        commitment = Commitment(b["codec"], members, tuple(d for _, d in b["members"]), b["mean"])
+        self.machine.merges[b["sync_step"]] = Committed(
+            "global",
+            b["round"],
+            b["sync_step"],
+            b["merge_step"],
+            commitment,
+            self.machine.core.theta.clone(),
+            "global",
+            post_digest=b["post_state"],
+        )
+
+    def _redo(self, entries: Sequence[Entry]) -> int:
+        """Feed taped inputs back through the machine; check each redone round."""
+        committed: Committed | None = None
+        redone = 0
+        for e in entries:
+            if e.kind == "input":
+                b = e.body
+                data = (self.intake.published / b["digest"]).read_bytes()
+                delta = Delta(
+                    self.cfg.run_id,
+                    b["round"],
+                    b["sync_step"],
+                    b["sender"],
+                    b["digest"],
+                    b["codec"],
+                    data,
+                    bytes.fromhex(b["signature"]),
+                )
+                decision, effects = self.machine.on_regional(delta)
+                if not decision.accepted:
+                    raise ConfigError(f"cannot redo tape entry {e.seq}: {decision.reason}")
+                committed = next((x for x in effects if isinstance(x, Committed)), committed)
+            elif e.kind == "global_merge":
+                if committed is None or committed.sync_step != e.body["sync_step"]:
+                    raise ConfigError(f"tape entry {e.seq}: its inputs are not on the tape")
+                if global_merge_body(self.cfg, committed) != e.body:
+                    raise ConfigError(f"tape entry {e.seq}: redone round differs from the tape")
+                self._write_checkpoint(committed, e.seq + 1, e.hash)
+                committed, redone = None, redone + 1
+        if committed is not None:  # completed by its taped inputs, crashed before its entry
+            self._persist(committed)
+            redone += 1
+        return redone
 
     def close(self) -> None:
         self.intake.close()

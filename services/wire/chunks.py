@@ -46,9 +46,10 @@ from hypertrain.wire.errors import WireError
 from hypertrain.wire.frames import Data, DeltaPart, MergePart
 from hypertrain.wire.tensorhash import TensorHasher
 
-#: Data bytes per chunk message.  1 MiB was the best or tied-best size on loopback
-#: between 256 KiB and 4 MiB (bench/bench_transport.py --chunk-sweep); must stay well
-#: under ``server.MAX_MESSAGE_BYTES``.
+#: Data bytes per chunk message.  Between 256 KiB and 4 MiB the loopback figures of
+#: bench/bench_transport.py --sweep differ by less than their run-to-run noise on the
+#: 2-core box; 1 MiB equals the tensor digest's leaf, so each merge chunk completes one
+#: leaf, and stays far below ``options.MAX_MESSAGE_BYTES``.
 CHUNK_BYTES = 1 << 20
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")

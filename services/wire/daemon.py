@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -114,15 +115,35 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     return run_config_from_args(args)
 
 
+_FAULT: list[Any] = []
+
+
+def fault_point(name: str) -> None:
+    """Crash-test hook: ``HYPERTRAIN_FAULT=<name>:<n>`` SIGKILLs this process the n-th
+    time it passes point ``name`` (1-based).  Unset (always, outside tests): a no-op."""
+    if not _FAULT:
+        spec = os.environ.get("HYPERTRAIN_FAULT", "")
+        point, _, count = spec.partition(":")
+        _FAULT.extend([point, int(count or 0), 0])
+    if _FAULT[0] != name:
+        return
+    _FAULT[2] += 1
+    if _FAULT[2] == _FAULT[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(data[: len(data) // 2])
+            fault_point("mid_write")
+            f.write(data[len(data) // 2 :])
             f.flush()
             os.fsync(f.fileno())
+        fault_point("before_rename")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -24,6 +24,7 @@ from hypertrain.common.digest import tensor_digest
 from hypertrain.common.protocol import Committed, Decision, Delta, Effect, Publish
 from hypertrain.common.tape import TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire import spool
 from hypertrain.wire.chunks import discard, publish, receive_delta
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
@@ -110,6 +111,7 @@ class Intake:
         self.spool = state_dir / "spool"
         for d in (self.published, self.spool):
             d.mkdir(parents=True, exist_ok=True)
+        spool.remove_stale(self.spool)  # transfers cut off by a crash were never accepted
         # An encoded delta is never larger than fp32 plus a header: bound what we accept.
         self.max_size = 4 * numel + (1 << 16)
         self.board = board

@@ -27,7 +27,7 @@ from hypertrain.common.digest import tensor_digest
 from hypertrain.common.errors import CodecError
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
-from hypertrain.wire import frames
+from hypertrain.wire import frames, spool
 from hypertrain.wire.chunks import (
     CHUNK_BYTES,
     delta_chunks,
@@ -208,6 +208,27 @@ def test_receive_delta_without_spool_and_discard(tmp_path: Path) -> None:
     assert bytes(spooled.data) == data
     discard(spooled)
     assert _files(tmp_path) == ["pub"]
+    (tmp_path / ".incoming-crashed.part").write_bytes(b"left by a crash")
+    assert spool.remove_stale(tmp_path) == 1 and _files(tmp_path) == ["pub"]
+
+
+def test_local_storage_failure_is_internal_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = os.urandom(3 * CHUNK_BYTES)
+    header = pb.TransferHeader(digest=_sha(data), size=len(data))
+    with pytest.raises(WireError, match="cannot spool to") as caught:
+        receive_delta(delta_chunks(header, data), max_size=len(data), spool_dir=tmp_path / "none")
+    assert caught.value.code == grpc.StatusCode.INTERNAL
+
+    def disk_full(fd: int, data: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spool.os, "write", disk_full)
+    with pytest.raises(WireError, match="No space left on device") as caught:
+        receive_delta(delta_chunks(header, data), max_size=len(data), spool_dir=tmp_path)
+    assert caught.value.code == grpc.StatusCode.INTERNAL
+    assert _files(tmp_path) == []
 
 
 def test_empty_delta(tmp_path: Path) -> None:
