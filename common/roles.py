@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -109,6 +110,29 @@ class IslandCore:
         # tau > 0: merged state plus the local progress made during the overlap.
         merged = self.base if snapshot is None else self.base + (self.params() - snapshot)
         self.layout.load(self.model, merged)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to rejoin exactly: parameters, base, inner optimizer,
+        error feedback, step and overlap snapshots."""
+        return {
+            "island": self.island_id,
+            "step": self.step,
+            "params": self.params(),
+            "base": self.base.clone(),
+            "optimizer": self.optimizer.state_dict(),
+            "feedback": self.feedback.state_dict(),
+            "snapshots": {k: v.clone() for k, v in self.snapshots.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["island"] != self.island_id:
+            raise HypertrainError(f"island state of {state['island']!r}, not {self.island_id!r}")
+        self.step = int(state["step"])
+        self.layout.load(self.model, state["params"])
+        self.base.copy_(state["base"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.feedback.load_state_dict(state["feedback"])
+        self.snapshots = {int(k): v.clone() for k, v in state["snapshots"].items()}
 
     def finish(self, theta: torch.Tensor) -> None:
         """End of the run: take the final global parameters (no steps follow, no overlap)."""

@@ -140,6 +140,7 @@ def start_cluster(
             f"island-{island}",
             "hypertrain.island",
             *("--region", region, "--index", index, "--relay", addrs[region]),
+            *("--state-dir", str(run_dir / f"island-{island}")),
             nice=ISLAND_NICE,
         )
     return children

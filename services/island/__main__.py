@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from hypertrain.common.errors import HypertrainError
 from hypertrain.island.daemon import Island
@@ -49,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         key, _ = load_identity(args, table, "island")
         metrics = Metrics("island")
         start_metrics(args, table, metrics)
-        island = Island(cfg, f"{region}-{index}", relay_peer(relay), metrics, key)
+        island_id = f"{region}-{index}"
+        state_dir = Path(setting(args, table, "state_dir") or f"island-{island_id}")
+        island = Island(cfg, island_id, relay_peer(relay), metrics, key, state_dir)
         island.install_signals()
         island.run()
         return 0

@@ -16,10 +16,12 @@ SIGTERM / Ctrl-C stop the island between steps, never inside a merge.
 
 from __future__ import annotations
 
+import io
 import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from types import FrameType
 
 import torch
@@ -27,13 +29,14 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import blob_digest, state_digest
+from hypertrain.common.errors import ConfigError
 from hypertrain.common.keys import SigningKey
 from hypertrain.common.ledger import TRANSFER_FIELDS, transfer_message
 from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.daemon import log_event
+from hypertrain.wire.daemon import atomic_write, log_event
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
 
@@ -48,6 +51,7 @@ class Island:
         relay: Peer,
         metrics: Metrics | None = None,
         key: SigningKey | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
@@ -60,6 +64,7 @@ class Island:
         self.numel = theta0.numel()
         self.codec = str(self.core.codec.spec)
         self.key = key
+        self.state_path = state_dir / "island.pt" if state_dir else None
         self.stop = threading.Event()
         self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self.blocked_s = 0.0
@@ -100,7 +105,8 @@ class Island:
         t_start = t_interval = time.perf_counter()
         losses: list[float] = []
         m, labels = self.metrics, self._labels
-        for step in range(1, cfg.steps + 1):
+        first = self._resume() + 1
+        for step in range(first, cfg.steps + 1):
             if self.stop.is_set():
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
@@ -128,6 +134,8 @@ class Island:
                 self.core.apply_merge(kind, payload, sync_step)
                 self._merged(sync_step, t2 - t0, time.perf_counter() - t1)
                 pending = None
+                if kind == "global":
+                    self._save()
                 log_event(
                     "sync",
                     role="island",
@@ -161,6 +169,30 @@ class Island:
             blocked_share=round(self.blocked_s / wall, 5),
         )
         return digest
+
+    def _save(self) -> None:
+        """After a global merge: the state this island rejoins from after a crash."""
+        if self.state_path is not None:
+            buf = io.BytesIO()
+            torch.save(
+                {"run_id": self.cfg.run_id, "config": self.cfg.digest, **self.core.state_dict()},
+                buf,
+            )
+            atomic_write(self.state_path, buf.getvalue())
+
+    def _resume(self) -> int:
+        """Load the rejoin state if there is one; returns the step to continue after.
+
+        Training from it is deterministic, so the island re-sends bit-identical deltas
+        for steps its relay already has (answered as duplicates) and catches up."""
+        if self.state_path is None or not self.state_path.exists():
+            return 0
+        state = torch.load(self.state_path, weights_only=True)
+        if state["run_id"] != self.cfg.run_id or state["config"] != self.cfg.digest:
+            raise ConfigError(f"{self.state_path} belongs to another run or config")
+        self.core.load_state_dict(state)
+        log_event("resumed", role="island", island=self.island_id, step=self.core.step)
+        return self.core.step
 
     def _sent(self, blob: bytes, encode_s: float) -> None:
         m, region = self.metrics, self.core.region

@@ -112,6 +112,8 @@ def _trial(tmp: Path, point: str, n: int, reference: str) -> None:
                 relays[region].wait_listening(),
                 "--signing-key",
                 str(run_dir / "keys" / f"island-{island}.key"),
+                "--state-dir",
+                str(run_dir / f"island-{island}"),
             )
         restarts = 0
         deadline = time.monotonic() + 300
@@ -164,3 +166,42 @@ def test_aggregator_crash_recovers_exactly_50_trials(
     tmp_path: Path, reference_digest: str, point: str, n: int
 ) -> None:
     _trial(tmp_path, point, n, reference_digest)
+
+
+def test_a_killed_island_rejoins_from_its_state(tmp_path: Path, reference_digest: str) -> None:
+    """SIGKILL one island after a global merge; restarted with the same flags it resumes
+    from its saved state (inner optimizer and error feedback included), re-sends
+    bit-identical deltas the relay already has, and the run ends on the reference."""
+    from hypertrain.up import start_cluster
+
+    cluster = Cluster(CFG, tmp_path / "run")
+    try:
+        cluster.children.extend(start_cluster(CFG, cluster.run_dir, cluster.progress))
+        victim = next(c for c in cluster.children if c.name == "island-eu-1")
+        log = victim.log_path
+        deadline = time.monotonic() + 300
+        while "kind=global" not in log.read_text() or "step=40 " not in log.read_text():
+            assert time.monotonic() < deadline and victim.proc.poll() is None
+            time.sleep(0.05)
+        victim.proc.kill()
+        victim.proc.wait()
+        again = Child(
+            "island-eu-1-again",
+            victim.argv,
+            log.with_name("island-eu-1-again.log"),
+            cluster.progress.on_event,
+            child_env(),
+        )
+        cluster.children.append(again)
+        while any(c.proc.poll() is None for c in cluster.children if c is not victim):
+            assert time.monotonic() < deadline, "run did not finish"
+            others = [
+                c for c in cluster.children if c is not victim and c.proc.poll() not in (None, 0)
+            ]
+            assert not others, others[0].failure_message()
+            time.sleep(0.1)
+        assert "event=resumed" in again.log_path.read_text()
+    finally:
+        cluster.stop()
+    digests = {e["digest"] for e in cluster.progress.done.values()}
+    assert digests == {reference_digest}
