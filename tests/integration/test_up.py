@@ -124,3 +124,33 @@ def test_sigterm_stops_a_daemon_cleanly(tmp_path: Path) -> None:
     assert LISTEN_RE.match(line), line
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("mode,words", [(0o644, "readable by group/others"), (0o000, "")])
+def test_daemon_refuses_a_bad_signing_key(tmp_path: Path, mode: int, words: str) -> None:
+    from hypertrain.common.keys import init_keys
+
+    init_keys(tmp_path / "keys", ["aggregator"])
+    key = tmp_path / "keys" / "aggregator.key"
+    key.chmod(mode)
+    if mode == 0 and os.geteuid() == 0:
+        key.unlink()  # root reads any mode: test the missing key instead
+        words = "aggregator.key"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hypertrain.aggregator",
+            "--signing-key",
+            str(key),
+            "--state-dir",
+            str(tmp_path / "agg"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hypertrain-aggregator: error:"), out.stderr
+    assert words in lines[0]
