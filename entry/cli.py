@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="the whole system as separate processes on loopback")
     up.add_argument("--run-dir", help="run folder (default runs/<run_id>-<UTC time>)")
     up.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    up.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also start a local Prometheus (if installed) scraping the cluster, on 127.0.0.1",
+    )
     add_run_config_flags(up)
     up.set_defaults(func=lambda a: __import__("hypertrain.up", fromlist=["cmd_up"]).cmd_up(a))
     data_cmd.register(sub)

@@ -8,7 +8,9 @@ them fails (showing that process's last log lines); it exits non-zero then.
 
 Run folder (``--run-dir``, default ``runs/<run_id>-<UTC time>``): ``run.toml``
 (the resolved config), ``logs/<daemon>.log``, ``aggregator/`` (state.pt and
-published inputs), ``relay-<region>/``.
+published inputs), ``relay-<region>/``, ``scrape_targets.json`` (the daemons' metrics
+endpoints, a Prometheus file_sd list); with ``--prometheus`` also ``prometheus/`` (its
+config, rules and storage: entry/prom.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.keys import daemon_key_names, init_keys
 from hypertrain.common.roles import initial_parameters
 from hypertrain.procs import Child, child_env, python_module
+from hypertrain.prom import PromHandle, start_prometheus
 from hypertrain.runflags import run_config_from_args
 
 ISLAND_NICE = 5
@@ -229,6 +232,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     progress = Progress(cfg, quiet=args.quiet)
     children: list[Child] = []
+    prom: PromHandle | None = None
     t0 = time.monotonic()
     try:
         children = start_cluster(cfg, run_dir, progress)
@@ -241,6 +245,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"metrics of {targets} daemons listed in {run_dir / 'scrape_targets.json'}",
             flush=True,
         )
+        if getattr(args, "prometheus", False):
+            try:
+                prom = start_prometheus(run_dir)
+            except RuntimeError as e:  # the run goes on without it
+                print(f"hypertrain up: --prometheus: {e}", file=sys.stderr, flush=True)
         failed = supervise(children)
     except KeyboardInterrupt:
         print("hypertrain up: interrupted; stopping every process", file=sys.stderr)
@@ -249,6 +258,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"hypertrain up: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if prom is not None:
+            prom.stop()
+            print(f"  prometheus stopped; reopen its data: {prom.restart_command()}", flush=True)
         for child in reversed(children):
             child.stop()
     if failed is not None:
