@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hypertrain import audit_cmd, data_cmd, keys_cmd, plan_cmd
+from hypertrain import audit_cmd, data_cmd, keys_cmd, plan_cmd, sim_cmd
 from hypertrain.common.errors import HypertrainError
 from hypertrain.runflags import add_run_config_flags, run_config_from_args
 
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys_cmd.register(sub)
     plan_cmd.register(sub)
     audit_cmd.register(sub)
+    sim_cmd.register(sub)
     return parser
 
 

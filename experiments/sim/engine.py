@@ -1,0 +1,326 @@
+"""The simulator's job runner: ``run_job(SimJob) -> JobResult``.
+
+    from hypertrain.sim.engine import SimJob, flat_job, dp_job, run_job
+    res = run_job(flat_job(8, 30, steps=300, model="tiny", seed=0))
+    res.final_loss, res.curve, res.diverged
+
+It drives the same core as the daemons and common/reference.py, per fragment:
+islands' deltas ``base - theta_i`` go through the regional codec with the
+island's ``ErrorFeedback``; each region's ``RegionCore.merge`` takes their
+fixed-order mean (``aggregate``); at a global sync each ``RegionCore`` encodes
+its ``D_r`` with the global codec and ``GlobalCore.step`` applies the outer
+optimizer.  Replicas take the merged state at sync_step + tau (with tau > 0:
+merged + the local progress made during the overlap).  For F = 1 this is
+exactly the algorithm of architecture.md and of common/reference.py (a test
+compares final parameters).  The replicas themselves are a ``ReplicaSet``:
+the per-replica path (engine_replicas.py) or the batched one (batched.py),
+chosen by ``SimJob.path``; everything here is shared by both.
+
+Beyond the reference run: streaming fragments (streaming.py), the anneal at
+M = 1 (from the last global sync at or before the WSD decay start, all
+replicas are set to their fixed-order fp32 mean after every step), LAWA over
+the last k checkpoints (one per ``lawa_every`` steps, of the global
+parameters), the data-parallel control (one replica on the whole batch, no
+outer loop), held-out evaluation along the run, and divergence detection
+(non-finite losses or parameters, or a held-out loss above ``diverge_ratio``
+times the initial one): a divergent run stops and is reported, never raised.
+
+Invariants: merges are pinned to steps, never to time; every number that
+matters comes from a function of common/; the island's base is the region's
+base (the two are updated by the same ops in the daemons, so one copy is kept).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from hypertrain.common.aggregate import aggregate
+from hypertrain.common.codec import ErrorFeedback, make_codec
+from hypertrain.common.data import (
+    HOLDOUT_WINDOWS,
+    SampleStream,
+    TokenDataset,
+    ensure_default_dataset,
+    holdout_windows,
+)
+from hypertrain.common.errors import CodecError, ConfigError
+from hypertrain.common.flat import ParamLayout
+from hypertrain.common.model import GPT, build_model, evaluate
+from hypertrain.common.optim import LAWA
+from hypertrain.common.roles import GlobalCore, RegionCore
+from hypertrain.sim.batched import Batched
+from hypertrain.sim.engine_job import JobResult, SimJob, dp_job, flat_job
+from hypertrain.sim.engine_replicas import PerReplica, ReplicaSet
+from hypertrain.sim.streaming import Fragment, Level, partition, sync_level
+
+__all__ = [
+    "FragmentSync",
+    "JobResult",
+    "SimJob",
+    "anneal_start",
+    "dp_job",
+    "eval_steps",
+    "flat_job",
+    "make_replicas",
+    "run_job",
+]
+
+
+class Diverged(Exception):
+    """Internal: the run diverged at ``step`` (caught by run_job, reported in the result)."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(reason)
+        self.step = step
+        self.reason = reason
+
+
+@lru_cache(maxsize=4)
+def _dataset(data: str | None) -> TokenDataset:
+    return TokenDataset.open(data) if data else ensure_default_dataset()
+
+
+@lru_cache(maxsize=8)
+def _holdout(data: str | None, seq_len: int, seed: int) -> torch.Tensor:
+    # Always the registered 512 windows (so training windows never depend on n evaluated).
+    return holdout_windows(_dataset(data), seq_len, n=HOLDOUT_WINDOWS, seed=seed).windows
+
+
+def resolve_device(job: SimJob) -> torch.device:
+    name = job.resolved_device()
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"sim job: device {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"sim job: device must be cpu or cuda, got {name!r}")
+    return device
+
+
+def eval_steps(job: SimJob) -> list[int]:
+    """Steps with a held-out evaluation: ``eval_points`` near-even points on the h_g grid."""
+    h, total = job.h_g, job.steps
+    points = {total}
+    for k in range(1, job.eval_points):
+        points.add(min(total, max(h, round(k * total / job.eval_points / h) * h)))
+    return sorted(points)
+
+
+def anneal_start(job: SimJob) -> int | None:
+    """m1 anneal: the last global sync step at or before the WSD decay start."""
+    if job.anneal != "m1" or job.dp:
+        return None
+    decay = round(job.inner.decay_fraction * job.steps)
+    start = (job.steps - decay) // job.h_g * job.h_g
+    return start if start < job.steps else None
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A merge computed at ``sync_step``, applied at ``merge_step``: per replica range a target."""
+
+    merge_step: int
+    sync_step: int
+    targets: list[tuple[int, int, torch.Tensor]]
+    snapshot: torch.Tensor | None
+    """Replicas' fragment rows at sync_step (tau > 0: the overlap rule's reference)."""
+
+
+class FragmentSync:
+    """One fragment's outer loop: its RegionCores, GlobalCore and the islands' error feedback."""
+
+    def __init__(self, job: SimJob, frag: Fragment, theta0: torch.Tensor) -> None:
+        cfg = job.core_config()
+        topo = cfg.topology
+        self.frag = frag
+        self.tau = job.tau
+        self.island_ids = topo.island_ids()
+        self.n_r = topo.islands_per_region
+        theta = theta0[frag.lo : frag.hi]
+        self.regions = [RegionCore(cfg, r, theta) for r in sorted(topo.regions)]
+        self.glob = GlobalCore(cfg, theta)
+        self.feedback = [
+            ErrorFeedback(make_codec(cfg.regional_codec), frag.numel, beta=cfg.ef_beta)
+            for _ in self.island_ids
+        ]
+        self.pending: _Pending | None = None
+
+    def sync(self, replicas: ReplicaSet, step: int, level: Level) -> None:
+        """Encode, aggregate and (global) outer-step; queue the merge for step + tau."""
+        if self.pending is not None:  # only at the final flush: apply the merge in flight now
+            self.apply(replicas, step, force=True)
+        rows = replicas.read(self.frag)
+        if not bool(torch.isfinite(rows).all()):
+            raise Diverged(step, "non-finite parameters at a sync")
+        targets: list[tuple[int, int, torch.Tensor]] = []
+        for k, core in enumerate(self.regions):
+            lo, hi = k * self.n_r, (k + 1) * self.n_r
+            blobs = {
+                self.island_ids[i]: self.feedback[i].encode(core.base - rows[i])
+                for i in range(lo, hi)
+            }
+            core.merge(blobs)
+            targets.append((lo, hi, core.base.clone()))
+        if level == "global":
+            self.glob.step({core.region: core.encode_global_delta() for core in self.regions})
+            for core in self.regions:
+                core.set_global(self.glob.theta)
+            targets = [(0, len(self.island_ids), self.glob.theta.clone())]
+        self.pending = _Pending(step + self.tau, step, targets, rows if self.tau else None)
+        self.apply(replicas, step)
+
+    def apply(self, replicas: ReplicaSet, step: int, force: bool = False) -> None:
+        """Apply the pending merge if it is pinned to ``step`` (or ``force``)."""
+        p = self.pending
+        if p is None or (p.merge_step != step and not force):
+            return
+        self.pending = None
+        now = replicas.read(self.frag) if p.snapshot is not None else None
+        for lo, hi, target in p.targets:
+            if now is None or p.snapshot is None:
+                replicas.write(self.frag, lo, hi, target)
+            else:  # merged state plus the local progress made during the overlap
+                replicas.write(self.frag, lo, hi, target + (now[lo:hi] - p.snapshot[lo:hi]))
+
+
+class _Anneal:
+    """M = 1 anneal: after every step all replicas take their fixed-order fp32 mean."""
+
+    def __init__(self, frag: Fragment, island_ids: tuple[str, ...], theta: torch.Tensor) -> None:
+        self.frag = frag
+        self.island_ids = island_ids
+        self.codec = make_codec("fp32")
+        self.base = theta.clone()
+
+    def merge(self, replicas: ReplicaSet, step: int) -> None:
+        rows = replicas.read(self.frag)
+        if not bool(torch.isfinite(rows).all()):
+            raise Diverged(step, "non-finite parameters at an anneal merge")
+        blobs = {
+            rid: self.codec.encode(self.base - rows[i]) for i, rid in enumerate(self.island_ids)
+        }
+        mean, _ = aggregate(blobs, self.codec, tuple(self.base.shape))
+        self.base.sub_(mean)
+        replicas.write(self.frag, 0, len(self.island_ids), self.base)
+
+
+def make_replicas(
+    job: SimJob, template: GPT, layout: ParamLayout, theta0: torch.Tensor, device: torch.device
+) -> ReplicaSet:
+    """The job's replicas on ``device``, all at ``theta0``: per-replica or batched (``job.path``)."""
+    mcfg = template.cfg
+    stream = SampleStream(_dataset(job.data), mcfg.seq_len, job.global_batch, job.seed)
+    kind = Batched if job.path == "batched" else PerReplica
+    return kind(template, layout, theta0, job.n_replicas, job.inner, job.steps, stream, device)
+
+
+def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) -> JobResult:
+    """Train ``job`` and report it (``on_eval(step, heldout)`` is called at each eval point)."""
+    t_start = time.perf_counter()
+    if job.threads is not None:
+        torch.set_num_threads(job.threads)
+    device = resolve_device(job)
+    mcfg = job.model_config()
+    template = build_model(mcfg, seed=job.seed)
+    layout = ParamLayout.of(template)
+    theta0 = layout.flatten(template)
+    replicas = make_replicas(job, template, layout, theta0, device)
+    eval_model = copy.deepcopy(template).to(device)
+    windows = _holdout(job.data, mcfg.seq_len, job.holdout_seed)[: job.holdout].to(device)
+
+    def held_out(theta: torch.Tensor) -> float:
+        layout.load(eval_model, theta)
+        return evaluate(eval_model, windows)
+
+    frags = partition(layout, job.fragments, job.h_g)
+    full = partition(layout, 1, job.h_g)[0]
+    syncs = [] if job.dp else [FragmentSync(job, f, theta0) for f in frags]
+    a_start = anneal_start(job)
+    anneal: _Anneal | None = None
+    if a_start == 0:  # the whole run is the anneal
+        anneal = _Anneal(full, syncs[0].island_ids, theta0)
+    lawa = LAWA(job.lawa_k) if job.lawa_k else None
+    lawa_every = job.lawa_every or job.h_g
+    evals = set(eval_steps(job))
+    log_every = max(1, job.steps // 100)
+
+    def global_theta() -> torch.Tensor:
+        if anneal is not None:
+            return anneal.base.clone()
+        if job.dp:
+            return replicas.read(full)[0]
+        return torch.cat([s.glob.theta for s in syncs])
+
+    res = JobResult(
+        key=job.key(),
+        final_loss=math.nan,
+        final_loss_raw=math.nan,
+        initial_loss=math.nan,
+        n_params=layout.numel,
+        path=job.path,
+        device=str(device),
+        anneal_start=a_start,
+    )
+    t0 = time.perf_counter()
+    res.initial_loss = held_out(theta0)
+    res.seconds_eval += time.perf_counter() - t0
+    loss_sum, loss_n = 0.0, 0
+    try:
+        for step in range(1, job.steps + 1):
+            t0 = time.perf_counter()
+            losses = replicas.train_step(step - 1)
+            t1 = time.perf_counter()
+            res.seconds_train += t1 - t0
+            if not bool(torch.isfinite(losses).all()):
+                raise Diverged(step, "non-finite training loss")
+            loss_sum, loss_n = loss_sum + float(losses.double().mean()), loss_n + 1
+            if step % log_every == 0 or step == job.steps:
+                res.train_curve.append((step, loss_sum / loss_n))
+                loss_sum, loss_n = 0.0, 0
+            if anneal is not None:
+                anneal.merge(replicas, step)
+            else:
+                for s in syncs:
+                    s.apply(replicas, step)
+                    level = sync_level(s.frag, step, job.h_r, job.h_g, job.steps)
+                    if level is not None:
+                        s.sync(replicas, step, level)
+                if a_start is not None and step == a_start:
+                    anneal = _Anneal(full, syncs[0].island_ids, syncs[0].glob.theta)
+            if lawa is not None and step % lawa_every == 0:
+                lawa.add(global_theta())
+            t2 = time.perf_counter()
+            res.seconds_sync += t2 - t1
+            res.steps_done = step
+            if step in evals:
+                loss = held_out(global_theta())
+                res.curve.append((step, loss))
+                res.seconds_eval += time.perf_counter() - t2
+                if on_eval is not None:
+                    on_eval(step, loss)
+                if not math.isfinite(loss) or loss > job.diverge_ratio * res.initial_loss:
+                    raise Diverged(step, f"held-out loss {loss:.6g} at step {step}")
+        res.final_loss_raw = res.curve[-1][1]
+        res.final_params = global_theta()
+        res.final_loss = res.final_loss_raw
+        if lawa is not None:
+            t0 = time.perf_counter()
+            res.final_loss = held_out(lawa.average())
+            res.seconds_eval += time.perf_counter() - t0
+            if not math.isfinite(res.final_loss):
+                raise Diverged(job.steps, "non-finite held-out loss of the LAWA average")
+    except (Diverged, CodecError) as e:
+        res.diverged = True
+        res.diverged_at = e.step if isinstance(e, Diverged) else res.steps_done + 1
+        res.reason = e.reason if isinstance(e, Diverged) else f"codec refused a delta: {e}"
+        res.final_loss = res.final_loss_raw = math.nan
+    res.seconds = time.perf_counter() - t_start
+    busy = res.seconds_train + res.seconds_sync
+    res.steps_per_s = res.steps_done / busy if busy > 0 else 0.0
+    return res

@@ -1,0 +1,443 @@
+"""The S6 grid runner: every registered job of a scale, in worker processes, resumable.
+
+    from hypertrain.sim.grid import run_grid
+    run_grid(prereg_path, "smoke", out_dir, processes=2)      # then summary.summarize(...)
+
+A job is one cell x seed x outer learning rate of the cell's sweep (a control
+has no sweep) at one registered scale; ``job_for`` maps it to a ``SimJob`` and
+``run_job`` (engine.py) trains it.  Each finished job appends one JSON row to
+``<out>/parity_runs.jsonl`` at once (flushed and fsynced), so a run that is
+interrupted, or stopped by a cap, resumes where it stopped.
+
+Invariants:
+
+- The runner refuses a pre-registration file whose stored hash does not match
+  its design (``load_prereg``); the repository's registered file must moreover
+  register exactly ``registered_design()`` (``verify_registered``).  The device
+  and the execution path are outside the design (and outside the job keys).
+- A results folder belongs to one design hash and one scale; rows of another
+  design or scale make the runner refuse the folder.
+- Jobs whose latest row is ``done`` or ``divergent`` (with the job key the plan
+  computes now) are never run again; ``error`` jobs are retried on the next run;
+  the newest row of a job is its status.  A registered job with no row is
+  ``censored``: the wall-clock cap (no job is started after it), ``--max-jobs``,
+  or an interruption stopped the runner before it ran.  Nothing is dropped:
+  done + divergent + error + censored = the registered jobs.
+- Workers are ``spawn``ed (a forked torch can hang) with one torch thread each.
+- Jobs run in a fixed priority order (``plan_jobs``), so that a capped run
+  completes whole comparisons first: the controls and the negative control, then
+  the H1 hierarchies with their flat baselines, the other flat cells (H2, H4),
+  the mechanisms (H3); inside a cell, by eta then seed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable, Collection, Iterable
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from hypertrain.common.errors import ConfigError
+from hypertrain.common.model import ModelConfig
+from hypertrain.common.optim import InnerConfig
+from hypertrain.common.outer import OuterConfig
+from hypertrain.sim.engine_job import ExecPath, SimJob
+from hypertrain.sim.prereg import (
+    DEFAULT_PATH,
+    Cell,
+    Design,
+    Prereg,
+    PreregError,
+    Scale,
+    load_prereg,
+    registered_design,
+    verify_registered,
+)
+
+RUNS_FILE = "parity_runs.jsonl"
+INVOCATIONS_FILE = "grid_invocations.jsonl"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FINAL = ("done", "divergent")
+"""Statuses that are never run again."""
+
+
+def default_out(scale: str) -> Path:
+    """``experiments/results/parity-<scale>`` of the repository."""
+    return REPO_ROOT / "experiments" / "results" / f"parity-{scale}"
+
+
+def load_checked(path: str | Path | None = None) -> Prereg:
+    """The registration the runner may use: its hash verified; the repository's file
+    must also register exactly the design prereg.py builds."""
+    path = Path(path) if path is not None else DEFAULT_PATH
+    pre = load_prereg(path)
+    if path.resolve() == DEFAULT_PATH.resolve():
+        pre = verify_registered(path, registered_design())
+    return pre
+
+
+# -- jobs -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GridJob:
+    """One registered job: a cell at one seed and (for arms) one outer lr."""
+
+    job_id: str
+    cell: Cell
+    seed: int
+    eta: float | None
+    sim: SimJob
+
+
+def job_id(cell_id: str, seed: int, eta: float | None) -> str:
+    return f"{cell_id}/seed{seed}" + ("" if eta is None else f"/eta{eta:g}")
+
+
+def _dp_h(design: Design, scale: Scale) -> int:
+    """The DP control's eval cadence: the smallest H_g of the scale's flat cells (or 1)."""
+    hs = [c.h_g for c in design.cells_of(scale.name) if c.kind == "flat" and c.h_g]
+    return min(hs) if hs else 1
+
+
+def job_for(
+    design: Design,
+    scale: Scale,
+    cell: Cell,
+    seed: int,
+    eta: float | None,
+    *,
+    device: str | None = None,
+    path: ExecPath = "batched",
+) -> SimJob:
+    """The ``SimJob`` of a registered cell at ``scale``, ``seed`` and outer lr ``eta``."""
+    s, d = scale, design.inner
+    inner = InnerConfig(
+        name=cell.inner, lr=cell.inner_lr, weight_decay=d.weight_decay, beta1=d.beta1,
+        beta2=d.beta2, warmup_steps=s.warmup_steps, decay_fraction=d.decay_fraction,
+        min_lr_ratio=d.min_lr_ratio, grad_clip=d.grad_clip,
+    )  # fmt: skip
+    model = ModelConfig(n_layer=s.n_layer, d_model=s.d_model, n_head=s.n_head, seq_len=s.seq_len)
+    common: dict[str, Any] = dict(
+        model=model, steps=s.steps, global_batch=s.global_batch, seed=seed, inner=inner,
+        holdout=s.holdout_windows, diverge_ratio=design.divergence.max_heldout_ratio,
+        path=path, device=device, threads=1,
+    )  # fmt: skip
+    if cell.kind == "control":
+        if eta is not None:
+            raise ConfigError(f"grid: control {cell.id} has no outer lr")
+        h = _dp_h(design, scale)
+        return SimJob(dp=True, h_r=h, h_g=h, **common)
+    if eta is None or eta not in cell.outer_lrs:
+        raise ConfigError(f"grid: eta {eta} is not in {cell.id}'s sweep {cell.outer_lrs}")
+    assert cell.outer is not None and cell.h_g is not None and cell.h_r is not None
+    outer = OuterConfig(name=cell.outer, eta=eta, mu=cell.outer_momentum)
+    return SimJob(
+        regions=cell.regions, islands_per_region=cell.islands_per_region, h_r=cell.h_r,
+        h_g=cell.h_g, outer=outer, regional_codec=cell.regional_codec,
+        global_codec=cell.global_codec, fragments=cell.fragments, tau=cell.tau,
+        anneal=cell.anneal, lawa_k=design.lawa_checkpoints if cell.lawa else 0, **common,
+    )  # fmt: skip
+
+
+def cell_priority(design: Design, scale: str) -> list[Cell]:
+    """The scale's cells in run order (see the module docstring)."""
+    cells = design.cells_of(scale)
+    by_id = {c.id: c for c in cells}
+    order: list[str] = []
+
+    def add(*ids: str | None) -> None:
+        order.extend(i for i in ids if i is not None and i in by_id and i not in order)
+
+    hier = [c for c in cells if c.kind == "hier"]
+    for c in hier:
+        add(c.control, c.control_alt)
+    add(*(c.id for c in cells if c.kind == "negative_control"))
+    for c in cells:
+        if c.kind == "negative_control":
+            add(c.control, c.control_alt)
+    for c in hier:
+        add(c.baseline, c.baseline_full, c.id)
+    add(*(c.id for c in cells if c.kind == "flat"))
+    for c in cells:
+        if c.kind == "mechanism":
+            add(c.control, c.control_alt, c.baseline, c.id)
+    add(*(c.id for c in cells))
+    return [by_id[i] for i in order]
+
+
+def plan_jobs(
+    design: Design, scale: str, *, device: str | None = None, path: ExecPath = "batched"
+) -> list[GridJob]:
+    """Every registered job of ``scale`` in priority order (cell, then eta, then seed)."""
+    sc = design.scale(scale)
+    jobs = []
+    for cell in cell_priority(design, scale):
+        etas: Iterable[float | None] = cell.outer_lrs if cell.kind != "control" else (None,)
+        for eta in etas:
+            for seed in design.seeds:
+                sim = job_for(design, sc, cell, seed, eta, device=device, path=path)
+                jobs.append(GridJob(job_id(cell.id, seed, eta), cell, seed, eta, sim))
+    return jobs
+
+
+# -- the results folder ---------------------------------------------------------------
+
+
+def read_rows(out: Path) -> list[dict[str, Any]]:
+    """Every row of ``parity_runs.jsonl`` in file order (a torn last line is skipped)."""
+    f = out / RUNS_FILE
+    if not f.exists():
+        return []
+    rows = []
+    lines = f.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i != len(lines) - 1:
+                raise PreregError(f"{f}: line {i + 1} is not JSON") from None
+    return rows
+
+
+def latest_rows(
+    rows: Iterable[dict[str, Any]], jobs: Iterable[GridJob]
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """(job id -> its newest row whose key matches the plan, count of stale rows ignored)."""
+    keys = {j.job_id: j.sim.key() for j in jobs}
+    latest: dict[str, dict[str, Any]] = {}
+    stale = 0
+    for r in rows:
+        if keys.get(r.get("job_id", "")) == r.get("key"):
+            latest[r["job_id"]] = r
+        else:
+            stale += 1
+    return latest, stale
+
+
+def check_folder(rows: Iterable[dict[str, Any]], pre: Prereg, scale: str, out: Path) -> None:
+    """Refuse a results folder that holds rows of another design or scale."""
+    for r in rows:
+        if r.get("design_sha256") != pre.design_sha256 or r.get("scale") != scale:
+            raise PreregError(
+                f"results folder {out} holds rows of design {r.get('design_sha256')} scale "
+                f"{r.get('scale')!r}, not {pre.design_sha256} {scale!r}; use another --out"
+            )
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row, sort_keys=True, allow_nan=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- the worker -----------------------------------------------------------------------
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def run_one(task: dict[str, Any]) -> dict[str, Any]:
+    """Train one job (in a worker) and return its row; never raises."""
+    from hypertrain.sim.engine import run_job
+
+    row = dict(task["row"])
+    t0 = time.perf_counter()
+    try:
+        if task.get("inject_error"):
+            raise RuntimeError(f"injected failure (test hook) in {row['job_id']}")
+        res = run_job(SimJob.from_dict(task["job"]))
+        d = res.to_dict()
+        row.update(
+            status="divergent" if res.diverged else "done",
+            final_loss=d["final_loss"], final_loss_raw=d["final_loss_raw"],
+            initial_loss=d["initial_loss"], curve=d["curve"], steps_done=res.steps_done,
+            diverged_at=res.diverged_at, reason=res.reason, steps_per_s=_finite(res.steps_per_s),
+            wall_s=res.seconds, path=res.path, device=res.device, n_params=res.n_params,
+        )  # fmt: skip
+    except Exception as e:  # recorded, never lost
+        tb = traceback.format_exc(limit=6)
+        row.update(status="error", error=f"{type(e).__name__}: {e}", traceback=tb[-4000:])
+        row.update(wall_s=time.perf_counter() - t0)
+    row["finished_utc"] = utc_now()
+    return row
+
+
+def _task(job: GridJob, pre: Prereg, scale: str, inject: bool) -> dict[str, Any]:
+    row = {
+        "job_id": job.job_id, "cell": job.cell.id, "kind": job.cell.kind, "seed": job.seed,
+        "eta": job.eta, "key": job.sim.key(), "scale": scale,
+        "design_sha256": pre.design_sha256, "path": job.sim.path,
+        "device": job.sim.resolved_device(),
+    }  # fmt: skip
+    return {"job": job.sim.to_dict(), "row": row, "inject_error": inject}
+
+
+# -- the runner -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class GridReport:
+    """What one invocation did, and the state of the whole grid after it."""
+
+    total: int
+    skipped: int
+    """Jobs already final in the folder (not rerun)."""
+    started: int
+    counts: dict[str, int]
+    """Over the whole grid after this run: done, divergent, error, censored."""
+    wall_s: float
+    stale_rows: int
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s / 60:.1f}m" if s >= 90 else f"{s:.0f}s"
+
+
+def _progress(
+    row: dict[str, Any], counts: dict[str, int], total: int, elapsed: float, eta_s: float
+) -> str:
+    """One line per finished job: done/total, its status, the counts so far, elapsed, ETA."""
+    loss = row.get("final_loss")
+    what = f"loss {loss:.4f}" if loss is not None else (row.get("error") or row.get("reason") or "")
+    return (
+        f"[{sum(counts.values())}/{total}] {row['status']:9s} {row['job_id']} {what[:70]} "
+        f"({_fmt_s(row.get('wall_s') or 0.0)}) | done {counts['done']} div "
+        f"{counts['divergent']} err {counts['error']} | elapsed {_fmt_s(elapsed)}, "
+        f"ETA {_fmt_s(eta_s)}"
+    )
+
+
+def run_grid(
+    prereg: str | Path | None,
+    scale: str,
+    out: str | Path | None = None,
+    *,
+    processes: int | None = None,
+    wall_cap_s: float | None = None,
+    max_jobs: int | None = None,
+    device: str | None = None,
+    path: ExecPath = "batched",
+    inject_errors: Collection[str] = (),
+    log: Callable[[str], None] | None = print,
+) -> GridReport:
+    """Run the jobs of ``scale`` not yet final in ``out``; caps may only be lowered."""
+    t_start = time.monotonic()
+    pre = load_checked(prereg)
+    sc = pre.design.scale(scale)
+    procs = min(sc.process_cap, processes or sc.process_cap)
+    cap = min(float(sc.wall_clock_cap_s), wall_cap_s if wall_cap_s is not None else math.inf)
+    if procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0):
+        raise ConfigError("grid: processes and the wall-clock cap must be positive")
+    out = Path(out) if out is not None else default_out(scale)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = plan_jobs(pre.design, scale, device=device, path=path)
+    rows = read_rows(out)
+    check_folder(rows, pre, scale, out)
+    latest, stale = latest_rows(rows, jobs)
+    todo = [j for j in jobs if latest.get(j.job_id, {}).get("status") not in FINAL]
+    skipped = len(jobs) - len(todo)
+    if max_jobs is not None:
+        todo = todo[:max_jobs]
+    say = log or (lambda _m: None)
+    say(
+        f"grid {scale}: {len(jobs)} registered jobs, {skipped} already final, running "
+        f"{len(todo)} with {procs} processes, wall-clock cap {_fmt_s(cap)}, design "
+        f"{pre.design_sha256[:12]}" + (f" ({stale} stale rows ignored)" if stale else "")
+    )
+    counts = {s: 0 for s in ("done", "divergent", "error")}
+    for r in latest.values():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    runs_file, started, finished, busy = out / RUNS_FILE, 0, 0, 0.0
+    queue = list(todo)
+    ctx = multiprocessing.get_context("spawn")
+
+    def new_pool() -> cf.ProcessPoolExecutor:
+        return cf.ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init_worker)
+
+    inflight: dict[cf.Future[dict[str, Any]], GridJob] = {}
+    pool, broken_pools = new_pool(), 0
+    try:
+        while queue or inflight:
+            try:
+                while queue and len(inflight) < procs and time.monotonic() - t_start < cap:
+                    task = _task(queue[0], pre, scale, queue[0].job_id in inject_errors)
+                    inflight[pool.submit(run_one, task)] = queue[0]
+                    queue.pop(0)
+                    started += 1
+            except BrokenProcessPool:
+                pass  # the in-flight futures report it below
+            if not inflight:
+                break  # the cap: nothing more is started
+            ready, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
+            broken = False
+            for fut in ready:
+                job = inflight.pop(fut)
+                try:
+                    row = fut.result()
+                except Exception as e:  # a worker died (killed, out of memory): an error row
+                    broken = broken or isinstance(e, BrokenProcessPool)
+                    row = _task(job, pre, scale, False)["row"]
+                    row.update(status="error", error=f"worker failed: {e!r}", wall_s=None)
+                    row["finished_utc"] = utc_now()
+                _append(runs_file, row)
+                old = latest.get(job.job_id, {}).get("status")
+                if old in counts:
+                    counts[old] -= 1
+                latest[job.job_id] = row
+                counts[row["status"]] += 1
+                finished += 1
+                busy += row.get("wall_s") or 0.0
+                say(_progress(row, counts, len(jobs), time.monotonic() - t_start,
+                              busy / finished * (len(queue) + len(inflight)) / procs))  # fmt: skip
+            if broken:  # a fresh pool for the rest; give up if workers keep dying
+                broken_pools += 1
+                pool.shutdown(wait=False, cancel_futures=True)
+                if broken_pools > 3:
+                    raise RuntimeError("grid: worker processes died 4 times; stopping")
+                pool = new_pool()
+    finally:
+        for fut in inflight:
+            fut.cancel()
+        pool.shutdown(wait=not inflight, cancel_futures=True)
+    wall = time.monotonic() - t_start
+    final = dict(counts, censored=len(jobs) - sum(counts.values()))
+    _append(
+        out / INVOCATIONS_FILE,
+        {
+            "end_utc": utc_now(), "wall_s": wall, "scale": scale, "processes": procs,
+            "wall_clock_cap_s": cap, "max_jobs": max_jobs, "started": started,
+            "finished": finished, "skipped": skipped, "counts": final,
+            "device": device or os.environ.get("HYPERTRAIN_SIM_DEVICE") or "cpu", "path": path,
+            "design_sha256": pre.design_sha256,
+        },
+    )  # fmt: skip
+    say(
+        f"grid {scale}: {finished} jobs run in {_fmt_s(wall)}; grid now done {final['done']}, "
+        f"divergent {final['divergent']}, error {final['error']}, censored {final['censored']} "
+        f"of {len(jobs)}"
+    )
+    return GridReport(len(jobs), skipped, started, final, wall, stale)

@@ -1,0 +1,292 @@
+"""The grid's outputs: ``parity_grid.csv`` and ``summary.json`` (S6), from the rows on disk.
+
+    from hypertrain.sim.summary import summarize
+    summary = summarize(None, "cpu-tiny")   # any time, also while the grid runs
+
+Every number comes from stats.py; this module only pairs the rows into the
+registered comparisons.  ``summary.json`` holds, keyed for the doc checker:
+
+- ``counts``: done / divergent / error / censored over the registered jobs;
+  ``prereg`` (hash, time, file), ``scale`` (the registered scale), ``invocations``.
+- ``cells[<id>]``: the chosen eta (``select_outer_lr``, with the winner's-curse
+  note at the top level), per-seed losses, ``vs_control`` (the DP control at the
+  matched inner lr: the primary verdict) and ``vs_best_control`` (the better of
+  the two control lrs: the sensitivity verdict), each with gaps, the 90% CI,
+  TOST and power; ``verdict`` / ``verdict_sensitivity`` are the exact S6 words.
+- ``negative_control``, ``h1[<hierarchy>]`` (vs flat M = R and flat M = R * n_r),
+  ``h2["Hg<h>"]`` (best eta vs M), ``h3`` (ranking, promotion rule, promoted),
+  ``h4["Hg<h>"]`` (mean gap vs M, with per-M CIs), ``power`` (one line per verdict).
+
+A comparison missing data (a censored, error or divergent seed) is computed on
+the seeds both arms have and says which are missing; with fewer than two seeds
+its verdict is "equivalence not demonstrated" (classification ``undefined``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hypertrain.sim.grid import (
+    INVOCATIONS_FILE,
+    RUNS_FILE,
+    GridJob,
+    check_folder,
+    default_out,
+    latest_rows,
+    load_checked,
+    plan_jobs,
+    read_rows,
+)
+from hypertrain.sim.prereg import Cell, Design, Prereg
+from hypertrain.sim.stats import (
+    EtaChoice,
+    Losses,
+    best_control,
+    compare,
+    h1_test,
+    h2_eta_trend,
+    h4_gap_trend,
+    paired_ci,
+    rank_mechanisms,
+    select_outer_lr,
+    to_jsonable,
+)
+
+CSV_FILE = "parity_grid.csv"
+SUMMARY_FILE = "summary.json"
+WINNERS_CURSE = (
+    "The outer lr of each cell is chosen on the same seeds its verdict is computed on "
+    "(lowest mean held-out loss among non-divergent etas, ties to the smaller eta). "
+    "Taking the minimum of several noisy means biases the reported loss of a swept cell "
+    "downward (the winner's curse): its gap to the unswept DP control is optimistic, "
+    "by up to the spread of the eta means; S6 accepts this bias and requires saying so."
+)
+CSV_COLUMNS = (
+    "job_id", "cell", "kind", "seed", "eta", "status", "final_loss", "final_loss_raw",
+    "initial_loss", "steps_done", "diverged_at", "wall_s", "steps_per_s", "path", "device",
+    "key", "reason", "error", "finished_utc",
+)  # fmt: skip
+
+
+def _csv_rows(jobs: list[GridJob], latest: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for j in jobs:
+        r = latest.get(j.job_id)
+        base = {"job_id": j.job_id, "cell": j.cell.id, "kind": j.cell.kind, "seed": j.seed}
+        base.update(eta=j.eta, key=j.sim.key(), status="censored")
+        if r is not None:
+            base.update({k: r.get(k) for k in CSV_COLUMNS if k in r})
+        out.append({k: ("" if base.get(k) is None else base.get(k)) for k in CSV_COLUMNS})
+    return out
+
+
+def _cell_info(c: Cell) -> dict[str, Any]:
+    keys = ("kind", "m", "regions", "islands_per_region", "h_g", "h_r", "outer", "inner",
+            "inner_lr", "fragments", "tau", "anneal", "lawa", "control", "control_alt")  # fmt: skip
+    return {k: getattr(c, k) for k in keys}
+
+
+def _job_counts(jobs: list[GridJob], latest: Mapping[str, dict[str, Any]]) -> dict[str, int]:
+    counts = {"total": len(jobs), "done": 0, "divergent": 0, "error": 0, "censored": 0}
+    for j in jobs:
+        counts[latest.get(j.job_id, {}).get("status", "censored")] += 1
+    return counts
+
+
+def _losses_of(
+    design: Design, scale: str, jobs: list[GridJob], latest: Mapping[str, dict[str, Any]]
+) -> tuple[dict[str, dict[int, float]], dict[str, EtaChoice]]:
+    """Per cell, the per-seed held-out losses it is reported at (arms: at the chosen eta)."""
+    runs: dict[str, dict[float, dict[int, float | None]]] = {}
+    losses: dict[str, dict[int, float]] = {}
+    for j in jobs:
+        r = latest.get(j.job_id)
+        if r is None or r["status"] not in ("done", "divergent"):
+            continue  # error / censored: missing
+        loss = r.get("final_loss") if r["status"] == "done" else None
+        if j.eta is None:
+            if loss is not None:
+                losses.setdefault(j.cell.id, {})[j.seed] = float(loss)
+        else:
+            runs.setdefault(j.cell.id, {}).setdefault(j.eta, {})[j.seed] = loss
+    choices: dict[str, EtaChoice] = {}
+    for c in design.cells_of(scale):
+        if c.kind != "control":
+            choices[c.id] = select_outer_lr(runs.get(c.id, {}), design.seeds)
+            losses[c.id] = choices[c.id].losses
+    return losses, choices
+
+
+def _comparisons(
+    design: Design, scale: str, losses: Mapping[str, Losses], choices: Mapping[str, EtaChoice]
+) -> dict[str, Any]:
+    delta, alpha = design.margins.heldout_rel, design.alpha
+    in_scale = {c.id for c in design.cells_of(scale)}
+    cells: dict[str, Any] = {}
+    for c in design.cells_of(scale):
+        entry: dict[str, Any] = _cell_info(c)
+        entry["losses"] = losses.get(c.id, {})
+        vals = list(entry["losses"].values())
+        entry["mean_loss"] = math.fsum(vals) / len(vals) if vals else None
+        if c.kind != "control" and c.control is not None:
+            ch = choices[c.id]
+            entry["chosen_eta"] = ch.eta
+            entry["eta_selection"] = ch
+            primary = compare(c.id, losses.get(c.id, {}), c.control, losses.get(c.control, {}),
+                              delta, alpha)  # fmt: skip
+            ctrls = [x for x in (c.control, c.control_alt) if x is not None and x in in_scale]
+            best = best_control(losses, ctrls)
+            sens = compare(c.id, losses.get(c.id, {}), best, losses.get(best, {}), delta, alpha)
+            entry.update(
+                vs_control=primary, verdict=primary.tost.verdict, best_control=best,
+                vs_best_control=sens, verdict_sensitivity=sens.tost.verdict,
+                power=primary.power,
+            )  # fmt: skip
+        cells[c.id] = entry
+    return cells
+
+
+def _trends(design: Design, scale: str, cells: Mapping[str, Any]) -> tuple[Any, Any]:
+    alpha = design.alpha
+    flat = [c for c in design.cells_of(scale) if c.kind == "flat"]
+    h2: dict[str, Any] = {}
+    h4: dict[str, Any] = {}
+    for hg in sorted({c.h_g for c in flat if c.h_g is not None}):
+        at = sorted((c for c in flat if c.h_g == hg), key=lambda c: c.m)
+        etas = {c.m: cells[c.id]["chosen_eta"] for c in at}
+        eta_trend = h2_eta_trend(etas, alpha, label=f"H2 best eta vs M at H_g = {hg}")
+        h2[f"Hg{hg}"] = {"trend": eta_trend, "verdict": eta_trend.verdict,
+                         "eta_by_m": {str(m): e for m, e in etas.items()}}  # fmt: skip
+        gaps: dict[int, float | None] = {}
+        per_m = {}
+        for c in at:
+            ci = cells[c.id]["vs_control"].tost.ci
+            gaps[c.m] = ci.mean if ci.n else None
+            per_m[str(c.m)] = {"cell": c.id, "n": ci.n, "mean": ci.mean, "lo": ci.lo, "hi": ci.hi}
+        trend = h4_gap_trend(gaps, alpha, label=f"H4 gap to DP vs M at H_g = {hg}")
+        h4[f"Hg{hg}"] = {"trend": trend, "verdict": trend.verdict, "gap_by_m": per_m}
+    return h2, h4
+
+
+def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], list[Any]]:
+    """(summary.json's content, the CSV rows) from the rows in ``out``."""
+    design = pre.design
+    jobs = plan_jobs(design, scale)
+    rows = read_rows(out)
+    check_folder(rows, pre, scale, out)
+    latest, stale = latest_rows(rows, jobs)
+    losses, choices = _losses_of(design, scale, jobs, latest)
+    cells = _comparisons(design, scale, losses, choices)
+    for cid, entry in cells.items():
+        entry["jobs"] = _job_counts([j for j in jobs if j.cell.id == cid], latest)
+    coverage = {
+        "complete": [c for c, e in cells.items()
+                     if e["jobs"]["done"] + e["jobs"]["divergent"] == e["jobs"]["total"]],
+        "partial": [c for c, e in cells.items()
+                    if 0 < e["jobs"]["done"] + e["jobs"]["divergent"] < e["jobs"]["total"]],
+        "not_run": [c for c, e in cells.items() if e["jobs"]["done"] + e["jobs"]["divergent"] == 0],
+    }  # fmt: skip
+    delta, alpha = design.margins.heldout_rel, design.alpha
+    scale_cells = design.cells_of(scale)
+
+    neg: dict[str, Any] = {}
+    for c in scale_cells:
+        if c.kind == "negative_control" and c.control is not None:
+            cmp_ = cells[c.id]["vs_control"]
+            diffs = [abs(g) for g in cmp_.gaps]
+            neg = {"cell": c.id, "control": c.control, "comparison": cmp_,
+                   "verdict": cmp_.tost.verdict, "max_abs_rel_diff": max(diffs, default=None),
+                   "expected": "identical to the DP control within 1e-5 (same function)"}  # fmt: skip
+
+    h1 = {}
+    for c in scale_cells:
+        if c.kind == "hier" and c.baseline and c.baseline_full:
+            r = h1_test(losses, c.id, c.baseline, c.baseline_full, delta, alpha)
+            h1[c.id] = {"result": r, "flat_r": c.baseline, "flat_n": c.baseline_full,
+                        "verdict_vs_flat_r": r.vs_flat_r.tost.verdict,
+                        "verdict_vs_flat_n": r.vs_flat_n.tost.verdict}  # fmt: skip
+    h2, h4 = _trends(design, scale, cells)
+
+    baselines = {c.id: c.baseline for c in scale_cells if c.kind == "mechanism" and c.baseline}
+    ranking = []
+    for m in rank_mechanisms(losses, baselines, design.promotion_sd):
+        ci = paired_ci(m.improvements, design.ci_level)
+        ranking.append(dict(to_jsonable(m), ci_lo=ci.lo, ci_hi=ci.hi, half_width=ci.half_width))
+    h3 = {"rule": f"promoted iff mean paired improvement over flat DiLoCo at the same M > "
+                  f"{design.promotion_sd:g} sd of the per-seed improvement",
+          "ranking": ranking, "promoted": [r["cell"] for r in ranking if r["promoted"]],
+          "by_cell": {r["cell"]: r for r in ranking}}  # fmt: skip
+
+    power = {}
+    for cid, e in cells.items():
+        if "vs_control" in e:
+            p = e["power"]
+            power[cid] = {"verdict": e["verdict"], "n": p.n, "mean_gap": p.mean, "sd": p.sd,
+                          "half_width": p.half_width, "seeds_for_half_width":
+                          p.seeds_for_half_width, "seeds_for_equivalence":
+                          p.seeds_for_equivalence}  # fmt: skip
+    counts = _job_counts(jobs, latest)
+    invocations = []
+    inv = out / INVOCATIONS_FILE
+    if inv.exists():
+        invocations = [json.loads(x) for x in inv.read_text().splitlines() if x.strip()]
+    summary = {
+        "protocol": design.protocol,
+        "prereg": {
+            "file": pre.path.name,
+            "design_sha256": pre.design_sha256,
+            "registered_utc": pre.registered_utc,
+        },
+        "scale": design.scale(scale),
+        "seeds": design.seeds,
+        "delta": delta,
+        "alpha": alpha,
+        "ci_level": design.ci_level,
+        "counts": counts,
+        "coverage": coverage,
+        "stale_rows_ignored": stale,
+        "job_seconds_total": math.fsum(r.get("wall_s") or 0.0 for r in latest.values()),
+        "invocations": invocations,
+        "wall_s_total": math.fsum(i.get("wall_s", 0.0) for i in invocations),
+        "selection_rule": design.selection_rule,
+        "winners_curse": WINNERS_CURSE,
+        "cells": cells,
+        "negative_control": neg,
+        "h1": h1,
+        "h2": h2,
+        "h3": h3,
+        "h4": h4,
+        "power": power,
+    }
+    return to_jsonable(summary), _csv_rows(jobs, latest)
+
+
+def summarize(
+    prereg: str | Path | None, scale: str, out: str | Path | None = None, plots: bool = True
+) -> dict[str, Any]:
+    """Write ``parity_grid.csv``, ``summary.json`` (and the plots) into ``out``; return the summary."""
+    pre = load_checked(prereg)
+    out = Path(out) if out is not None else default_out(scale)
+    if not (out / RUNS_FILE).exists():
+        out.mkdir(parents=True, exist_ok=True)
+    summary, csv_rows = build_summary(pre, scale, out)
+    tmp = out / (CSV_FILE + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS))
+        w.writeheader()
+        w.writerows(csv_rows)
+    os.replace(tmp, out / CSV_FILE)
+    tmp = out / (SUMMARY_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1, sort_keys=False, allow_nan=False) + "\n")
+    os.replace(tmp, out / SUMMARY_FILE)
+    if plots:
+        from hypertrain.sim.plots import make_plots
+
+        make_plots(summary, read_rows(out), out)
+    return summary
