@@ -143,8 +143,8 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_step(m: int, inner: InnerConfig) -> int:
-    reps = _setup(m, "batched", inner)[1]
+def ops_per_step(m: int, inner: InnerConfig, path: str = "batched") -> int:
+    reps = _setup(m, path, inner)[1]
     reps.train_step(0)
     with _OpCounter() as counter:
         reps.train_step(1)
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     muon_extra = max(0.0, t_mu - rows[m_mu]["batched"]["step_s_median"]) / m_mu
     ops = {m: ops_per_step(m, adamw) for m in MS}
     muon_ops = (ops_per_step(m_mu, muon) - ops[m_mu]) / m_mu
+    ops_per_replica_path = ops_per_step(32, adamw, "per_replica")
     t_eval = eval_seconds(64 if args.quick else 512)
     extra = {
         "n_params": n_params,
@@ -273,9 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         "muon_extra_s_per_replica": muon_extra,
         "muon_ops_per_replica": muon_ops,
         "eval_s_512": t_eval,
+        "ops_per_step_per_replica_path_m32": ops_per_replica_path,
     }
-    print(f"muon extra per replica-step {muon_extra * 1e3:.1f} ms; ops/step {ops}; "
-          f"eval of 512 windows {t_eval:.1f} s")  # fmt: skip
+    print(f"dispatched ops per step, batched: {ops}; per-replica at M=32: "
+          f"{ops_per_replica_path}")  # fmt: skip
+    print(f"muon (torch's bf16 Newton-Schulz, per replica in both paths): +{muon_extra:.2f} s "
+          f"per replica-step; eval of the 512 holdout windows {t_eval:.1f} s")  # fmt: skip
     grid = project_grid(rows, extra, workers)
     print(
         f"full grid ({grid.get('cells')} cells, {grid.get('jobs')} jobs): "

@@ -128,6 +128,12 @@ class Auditor:
         self.trusted = trusted
         self.bytes = 0
         self.entries = 0
+        # Digests of state the replay has not changed since it last digested it: one
+        # entry's "post" is the next one's "pre", so each is computed once.
+        self._theta_digest: str | None = None
+        self._outer_digest: str | None = None
+        self._residual_digests: dict[str, str] = {}
+        self._base: torch.Tensor | None = None  # a region's base, reused round after round
 
     # -- helpers ------------------------------------------------------------------
     def _fail(self, tape: Path, e: Entry, why: str) -> AuditError:
@@ -154,8 +160,13 @@ class Auditor:
                 f"step not pinned: sync_step {s}, merge_step {b.get('merge_step')}, tau {tau}",
             )
 
-    def _input(self, tape: Path, folder: Path, e: Entry, signer: str) -> bytes:
-        """A recorded input: signature by the sender, blob present and unchanged."""
+    def _input(
+        self, tape: Path, folder: Path, e: Entry, signer: str, known: bytes | None = None
+    ) -> bytes:
+        """A recorded input: signature by the sender, blob present and unchanged.
+
+        ``known``: bytes whose sha256 the replay already found equal to the entry's
+        digest (a relay's recomputed forward); a blob equal to them is not hashed again."""
         b = e.body
         message = transfer_message(
             self.cfg.run_id,
@@ -176,7 +187,7 @@ class Auditor:
         if not path.is_file():
             raise self._fail(tape, e, f"missing input {b['digest']} from {b['sender']} ({path})")
         data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != b["digest"]:
+        if data != known and hashlib.sha256(data).hexdigest() != b["digest"]:
             raise self._fail(tape, e, f"changed input: {path} no longer has sha256 {b['digest']}")
         self.bytes += len(data)
         return data
@@ -190,7 +201,7 @@ class Auditor:
         latest = sorted((folder / "checkpoints").glob("round-*.pt"))
         if not latest:
             return
-        ck = torch.load(latest[-1], weights_only=True)
+        ck = torch.load(latest[-1], weights_only=True, mmap=True)  # tensors left unread
         seq, head = int(ck["tape_seq"]), ck["tape_head"]
         if len(entries) < seq:
             raise AuditError(
@@ -203,6 +214,8 @@ class Auditor:
     # -- the replay -----------------------------------------------------------------
     def run(self, from_round: int | None = None) -> AuditReport:
         cfg, lay = self.cfg, self.layout
+        self._theta_digest, self._outer_digest, self._residual_digests = None, None, {}
+        self._base = None
         tapes = {AGGREGATOR_KEY: (lay.aggregator, lay.aggregator / "tape")}
         tapes.update({relay_key(r): (d, d / "tape") for r, d in lay.relays.items()})
         verified: dict[str, list[Entry]] = {}
@@ -257,41 +270,63 @@ class Auditor:
         cfg, topo = self.cfg, self.cfg.topology
         rcodec, gcodec = make_codec(cfg.regional_codec), make_codec(cfg.global_codec)
         forwarded: dict[str, str] = {}
+        recomputed: dict[str, bytes] = {}  # forward digest -> the replay's forward bytes
+        theta_digest = self._theta_digest or flat_digest(theta)
+        if self._base is None:
+            self._base = torch.empty_like(theta)
+        base = self._base
         for region, stream in relays.items():
-            base = theta.clone()
+            base_digest = theta_digest  # the region's base starts as theta
             folder = self.layout.relays[region]
+            merged = False
             while True:
                 inputs: dict[str, bytes] = {}
+                digests: dict[str, str] = {}  # sha256 of each input, checked by _input
                 while stream.peek_kind() == "input":
                     e = stream.next("input")
-                    inputs[e.body["sender"]] = self._input(
-                        stream.path, folder, e, island_key(e.body["sender"])
-                    )
+                    sender = e.body["sender"]
+                    inputs[sender] = self._input(stream.path, folder, e, island_key(sender))
+                    digests[sender] = e.body["digest"]
                 m = stream.next("regional_merge")
                 self._pinned(stream.path, m, topo.h_r)
-                if [x[0] for x in m.body["members"]] != sorted(inputs) or {
-                    k: hashlib.sha256(v).hexdigest() for k, v in inputs.items()
-                } != dict(m.body["members"]):
+                if [x[0] for x in m.body["members"]] != sorted(inputs) or digests != dict(
+                    m.body["members"]
+                ):
                     raise self._fail(stream.path, m, "members differ from the accepted inputs")
-                self._expect(stream.path, m, "pre_base", flat_digest(base))
+                self._expect(stream.path, m, "pre_base", base_digest)
                 mean, commitment = aggregate(inputs, rcodec, tuple(theta.shape))
                 self._expect(stream.path, m, "mean", commitment.output_digest)
                 self._expect(stream.path, m, "commitment", commitment.digest)
-                base.sub_(mean)
-                self._expect(stream.path, m, "post_base", flat_digest(base))
+                if merged:
+                    base.sub_(mean)
+                else:  # base = theta - mean, without a copy of theta first
+                    torch.sub(theta, mean, out=base)
+                    merged = True
+                base_digest = flat_digest(base)
+                self._expect(stream.path, m, "post_base", base_digest)
                 if m.body["sync_step"] % topo.h_g == 0:
                     break
             f = stream.next("forward")
-            self._expect(stream.path, f, "pre_residual", flat_digest(feedback[region].residual))
-            blob = feedback[region].encode(theta - base)
+            ef = feedback[region]
+            pre_residual = self._residual_digests.get(region) or flat_digest(ef.residual)
+            self._expect(stream.path, f, "pre_residual", pre_residual)
+            blob = ef.encode(torch.sub(theta, base, out=base))  # theta - base; base is done
             self._expect(stream.path, f, "digest", hashlib.sha256(blob).hexdigest())
-            self._expect(stream.path, f, "post_residual", flat_digest(feedback[region].residual))
+            recomputed[f.body["digest"]] = blob
+            self._residual_digests[region] = flat_digest(ef.residual)
+            self._expect(stream.path, f, "post_residual", self._residual_digests[region])
             forwarded[region] = f.body["digest"]
         inputs = {}
         while agg.peek_kind() == "input":
             e = agg.next("input")
             region = e.body["sender"]
-            inputs[region] = self._input(agg.path, self.layout.aggregator, e, relay_key(region))
+            inputs[region] = self._input(
+                agg.path,
+                self.layout.aggregator,
+                e,
+                relay_key(region),
+                recomputed.get(e.body["digest"]),
+            )
             if forwarded.get(region) != e.body["digest"]:
                 raise self._fail(
                     agg.path, e, f"input from {region} is not what relay {region} forwarded"
@@ -300,18 +335,20 @@ class Auditor:
         self._pinned(agg.path, g, topo.h_g)
         if sorted(inputs) != sorted(topo.regions):
             raise self._fail(agg.path, g, f"members {sorted(inputs)} are not every region")
-        self._expect(agg.path, g, "pre_state", flat_digest(theta))
-        self._expect(agg.path, g, "pre_outer", outer_state_digest(outer.state_dict()))
+        self._expect(agg.path, g, "pre_state", theta_digest)
+        pre_outer = self._outer_digest or outer_state_digest(outer.state_dict())
+        self._expect(agg.path, g, "pre_outer", pre_outer)
         mean, commitment = aggregate(inputs, gcodec, tuple(theta.shape))
         self._expect(agg.path, g, "mean", commitment.output_digest)
         self._expect(agg.path, g, "commitment", commitment.digest)
-        theta = theta.clone()
-        outer.step(theta, mean)
-        self._expect(agg.path, g, "post_state", flat_digest(theta))
-        self._expect(agg.path, g, "post_outer", outer_state_digest(outer.state_dict()))
+        outer.step(theta, mean)  # in place: theta is the replay's own (initial or loaded)
+        self._theta_digest = flat_digest(theta)
+        self._expect(agg.path, g, "post_state", self._theta_digest)
+        self._outer_digest = outer_state_digest(outer.state_dict())
+        self._expect(agg.path, g, "post_outer", self._outer_digest)
         for stream in relays.values():
             a = stream.next("global_applied")
-            self._expect(stream.path, a, "theta", flat_digest(theta))
+            self._expect(stream.path, a, "theta", self._theta_digest)
         return theta
 
     def _load_segment(

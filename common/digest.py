@@ -19,19 +19,24 @@ import hashlib
 import os
 import struct
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 CHUNK_BYTES = 1 << 20
+TASK_BYTES = 4 * CHUNK_BYTES
+"""Least bytes one pool task hashes (several chunks, or many small tensors' chunks):
+scheduling a task costs more than hashing a small tensor's one chunk."""
+_TASKS_PER_WORKER = 8
+_WORKERS = os.cpu_count() or 1
 _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="digest")
+        _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="digest")
     return _POOL
 
 
@@ -41,38 +46,76 @@ def blob_digest(data: bytes | bytearray | memoryview) -> str:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    flat = t.detach().contiguous().reshape(-1)
-    array: Any = flat.view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
+    """The tensor's bytes in row-major order (no copy when it is contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    array: Any
+    try:  # fast path for the dtypes numpy has
+        array = t.numpy()
+        return memoryview(array).cast("B")
+    except (TypeError, ValueError, RuntimeError):  # bfloat16, empty tensors, ...
+        array = t.reshape(-1).view(torch.uint8).numpy()
+        return memoryview(array).cast("B")
 
 
-def _leaf(buf: memoryview) -> bytes:
-    return hashlib.sha256(buf).digest()
+def _leaves(chunks: list[memoryview]) -> list[bytes]:
+    return [hashlib.sha256(c).digest() for c in chunks]
+
+
+def _header(t: torch.Tensor, nbytes: int) -> bytes:
+    """What a tensor root hashes before its leaves: tag, dtype, shape, byte count."""
+    dtype = str(t.dtype).encode()
+    dim = t.dim()
+    return b"".join(
+        (
+            b"ht-tensor-v1",
+            struct.pack("<B", len(dtype)),
+            dtype,
+            struct.pack("<B", dim),
+            struct.pack(f"<{dim}Q", *t.shape),
+            struct.pack("<Q", nbytes),
+        )
+    )
 
 
 def _roots(tensors: list[torch.Tensor], parallel: bool) -> list[bytes]:
-    """Hash-tree roots of several tensors; all their chunks go to one pool map."""
-    raws = [_raw(t) for t in tensors]
-    spans: list[tuple[int, int]] = []
-    chunks: list[memoryview] = []
-    for raw in raws:
-        first = len(chunks)
-        chunks.extend(raw[i : i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES))
-        spans.append((first, len(chunks)))
-    if parallel and len(chunks) > 1:
-        leaves = list(_pool().map(_leaf, chunks))
-    else:
-        leaves = [_leaf(c) for c in chunks]
+    """Hash-tree roots of several tensors.
+
+    The chunks of all the tensors, in order, are cut into tasks of at least
+    ``TASK_BYTES`` (and about ``_TASKS_PER_WORKER`` tasks per worker for a big
+    state, so one slow thread does not hold up the end); each task goes to the
+    pool as soon as it is full, while the next tensors are still being cut.  The
+    leaves, hence the roots, do not depend on this grouping."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    pool = _pool() if parallel and _WORKERS > 1 and total > TASK_BYTES else None
+    target = max(TASK_BYTES, total // (_WORKERS * _TASKS_PER_WORKER))
+    tasks: list[Future[list[bytes]] | list[bytes]] = []
+    group: list[memoryview] = []
+    size = 0
+    sizes: list[int] = []
+    for t in tensors:
+        raw = _raw(t)
+        n = len(raw)
+        sizes.append(n)
+        for i in range(0, n, CHUNK_BYTES):
+            chunk = raw[i : i + CHUNK_BYTES]
+            group.append(chunk)
+            size += len(chunk)
+            if pool is not None and size >= target:
+                tasks.append(pool.submit(_leaves, group))
+                group, size = [], 0
+    if group:
+        tasks.append(_leaves(group))  # the last, short task: this thread has nothing else to do
+    leaves: list[bytes] = []
+    for task in tasks:
+        leaves.extend(task if isinstance(task, list) else task.result())
     roots = []
-    for t, raw, (lo, hi) in zip(tensors, raws, spans, strict=True):
-        h = hashlib.sha256(b"ht-tensor-v1")
-        dtype = str(t.dtype).encode()
-        h.update(struct.pack("<B", len(dtype)) + dtype)
-        h.update(struct.pack("<B", t.dim()) + b"".join(struct.pack("<Q", d) for d in t.shape))
-        h.update(struct.pack("<Q", len(raw)))
-        for leaf in leaves[lo:hi]:
-            h.update(leaf)
-        roots.append(h.digest())
+    first = 0
+    for t, n in zip(tensors, sizes, strict=True):
+        last = first + -(-n // CHUNK_BYTES)
+        roots.append(hashlib.sha256(b"".join([_header(t, n), *leaves[first:last]])).digest())
+        first = last
     return roots
 
 
