@@ -135,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeviceMismatch as e:
         print(f"device check FAILED: {e}")
         return 1
+    except HypertrainError as e:  # e.g. CUDA requested where there is none
+        print(f"device check: error: {e}")
+        return 2
     for row in report.rows:
         print(f"  {row['key']}: cpu {row['cpu_loss']} {args.device} {row['device_loss']}")
     print(f"device check ok: {args.device} within {args.rel_tol:.4%} on {len(report.rows)} jobs")
