@@ -86,6 +86,18 @@ def params_digest(names_views: dict[str, torch.Tensor]) -> str:
     return state_digest(names_views)
 
 
+def tape_safe(obj: Any) -> Any:
+    """``obj`` with every float replaced by its repr string (tape entries hold no floats:
+    a float's text could re-serialize differently; see common/tape_format.py)."""
+    if isinstance(obj, float):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: tape_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [tape_safe(v) for v in obj]
+    return obj
+
+
 def merge_members(commitment: Commitment) -> list[list[str]]:
     return [[m, d] for m, d in zip(commitment.members, commitment.input_digests, strict=True)]
 
@@ -96,7 +108,7 @@ def regional_merge_body(cfg: RunConfig, c: Committed) -> dict[str, Any]:
         "sync_step": c.sync_step,
         "tau": cfg.topology.tau,
         "merge_step": c.merge_step,
-        "codec": c.commitment.codec,
+        "codec": tape_safe(c.commitment.codec),
         "members": merge_members(c.commitment),
         "mean": c.commitment.output_digest,
         "commitment": c.commitment.digest,
@@ -123,10 +135,8 @@ def global_merge_body(cfg: RunConfig, c: Committed) -> dict[str, Any]:
         "sync_step": c.sync_step,
         "tau": cfg.topology.tau,
         "merge_step": c.merge_step,
-        "codec": c.commitment.codec,
-        "outer": {
-            k: repr(v) if isinstance(v, float) else v for k, v in cfg.outer.to_dict().items()
-        },
+        "codec": tape_safe(c.commitment.codec),
+        "outer": tape_safe(cfg.outer.to_dict()),
         "members": merge_members(c.commitment),
         "mean": c.commitment.output_digest,
         "commitment": c.commitment.digest,
