@@ -111,7 +111,6 @@ class AggregatorService:
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("aggregator")
         self.intake = Intake(state_dir, self.numel, self.board, self.metrics, tape=tape)
-        self.final_fetches: set[str] = set()
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         self.evaluator = Evaluator(cfg, self.metrics)
         if self._recover() is None:
@@ -137,10 +136,11 @@ class AggregatorService:
         merge = self.board.wait(self.machine.merge_for, request.sync_step, context)
         yield from merge_chunks(self.board.header(merge), merge.payload)
         if request.sync_step == self.cfg.steps:
-            with self.board.cond:
-                self.final_fetches.add(request.requester)
-                if self.final_fetches >= set(self.machine.level.members):
-                    self.shutdown.request("run complete: every relay has the final state")
+            self.board.fetched_final(
+                request.requester,
+                self.machine.level.members,
+                "run complete: every relay has the final state",
+            )
 
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

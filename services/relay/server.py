@@ -79,7 +79,6 @@ class RelayService:
         self.metrics = metrics or Metrics("relay")
         self.intake = Intake(state_dir, self.numel, self.board, self.metrics, region, tape)
         self.forwards: queue.Queue[Forward | None] = queue.Queue()
-        self.final_fetches: set[str] = set()
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
         self.forwarder.start()
 
@@ -114,10 +113,11 @@ class RelayService:
         header = self.board.header(merge)
         yield from merge_chunks(header, merge.payload)
         if merge.kind == "global" and request.sync_step == self.cfg.steps:
-            with self.board.cond:
-                self.final_fetches.add(request.requester)
-                if self.final_fetches >= set(self.machine.level.members):
-                    self.shutdown.request("run complete: every island has the final merge")
+            self.board.fetched_final(
+                request.requester,
+                self.machine.level.members,
+                "run complete: every island has the final merge",
+            )
 
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

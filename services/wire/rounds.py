@@ -56,6 +56,7 @@ class MergeBoard:
         self.shutdown = shutdown
         self.cond = threading.Condition()
         self.headers: dict[int, pb.MergeHeader] = {}
+        self.final_fetches: set[str] = set()
 
     def wait(self, lookup: Any, sync_step: int, context: grpc.ServicerContext) -> Committed:
         """Block (under ``cond``) until ``lookup(sync_step)`` exists; abort if the call ends."""
@@ -69,6 +70,14 @@ class MergeBoard:
                 if not context.is_active():
                     raise WireError(grpc.StatusCode.CANCELLED, "caller went away")
                 self.cond.wait(WAIT_SLICE_S)
+
+    def fetched_final(self, requester: str, members: tuple[str, ...], reason: str) -> None:
+        """Record that ``requester`` has the run's final merge; once every member has it,
+        the daemon's work is done and it asks to shut down with ``reason``."""
+        with self.cond:
+            self.final_fetches.add(requester)
+            if self.final_fetches >= set(members):
+                self.shutdown.request(reason)
 
     def header(self, merge: Committed) -> pb.MergeHeader:
         h = self.headers.get(merge.sync_step)
