@@ -28,6 +28,8 @@ On CPU the replay is bit-exact: the daemons computed the same functions.
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from hypertrain.common.aggregate import aggregate
+from hypertrain.common.aggregate import Blob, Commitment, aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import state_digest
@@ -56,6 +58,26 @@ from hypertrain.common.tape import Entry, verify_tape
 
 class AuditError(HypertrainError):
     """The audit found a problem; the message names the first bad entry and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Input:
+    """An accepted input of a merge: its tape entry, its published file, its bytes."""
+
+    entry: Entry
+    path: Path
+    data: Blob
+
+
+def map_file(path: Path) -> Blob:
+    """A read-only view of a file's bytes: its page cache mapped, not copied (a replay
+    reads hundreds of MB of published inputs; copying them costs as much as hashing)."""
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return b""
+        flags = getattr(mmap, "MAP_POPULATE", 0) | mmap.MAP_SHARED
+        return memoryview(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +182,11 @@ class Auditor:
                 f"step not pinned: sync_step {s}, merge_step {b.get('merge_step')}, tau {tau}",
             )
 
-    def _input(
-        self, tape: Path, folder: Path, e: Entry, signer: str, known: bytes | None = None
-    ) -> bytes:
-        """A recorded input: signature by the sender, blob present and unchanged.
+    def _input(self, tape: Path, folder: Path, e: Entry, signer: str) -> _Input:
+        """A recorded input: signed by the sender, its blob present (mapped, not read).
 
-        ``known``: bytes whose sha256 the replay already found equal to the entry's
-        digest (a relay's recomputed forward); a blob equal to them is not hashed again."""
+        Its sha256 is checked by :meth:`_aggregate`, which hashes each input once
+        anyway (the commitment's input digests)."""
         b = e.body
         message = transfer_message(
             self.cfg.run_id,
@@ -186,11 +206,38 @@ class Auditor:
         path = folder / "published" / b["digest"]
         if not path.is_file():
             raise self._fail(tape, e, f"missing input {b['digest']} from {b['sender']} ({path})")
-        data = path.read_bytes()
-        if data != known and hashlib.sha256(data).hexdigest() != b["digest"]:
-            raise self._fail(tape, e, f"changed input: {path} no longer has sha256 {b['digest']}")
+        data = map_file(path)
         self.bytes += len(data)
-        return data
+        return _Input(e, path, data)
+
+    def _aggregate(
+        self, tape: Path, inputs: dict[str, _Input], codec: Any, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, Commitment]:
+        """``aggregate`` of the inputs' bytes, each blob's sha256 checked against its entry.
+
+        The commitment's input digests are the sha256 of the bytes aggregated, so a
+        changed blob is named from them; one that no longer decodes is found by
+        hashing the inputs after the error."""
+        blobs = {sender: x.data for sender, x in inputs.items()}
+        try:
+            mean, commitment = aggregate(blobs, codec, shape)
+        except HypertrainError:
+            for x in inputs.values():
+                self._check_unchanged(tape, x, hashlib.sha256(x.data).hexdigest())
+            raise
+        for x, digest in zip(
+            (inputs[m] for m in commitment.members), commitment.input_digests, strict=True
+        ):
+            self._check_unchanged(tape, x, digest)
+        return mean, commitment
+
+    def _check_unchanged(self, tape: Path, x: _Input, digest: str) -> None:
+        if digest != x.entry.body["digest"]:
+            raise self._fail(
+                tape,
+                x.entry,
+                f"changed input: {x.path} no longer has sha256 {x.entry.body['digest']}",
+            )
 
     def _check_reaches_latest_checkpoint(
         self, tape: Path, folder: Path, entries: list[Entry]
@@ -270,7 +317,6 @@ class Auditor:
         cfg, topo = self.cfg, self.cfg.topology
         rcodec, gcodec = make_codec(cfg.regional_codec), make_codec(cfg.global_codec)
         forwarded: dict[str, str] = {}
-        recomputed: dict[str, bytes] = {}  # forward digest -> the replay's forward bytes
         theta_digest = self._theta_digest or flat_digest(theta)
         if self._base is None:
             self._base = torch.empty_like(theta)
@@ -280,8 +326,8 @@ class Auditor:
             folder = self.layout.relays[region]
             merged = False
             while True:
-                inputs: dict[str, bytes] = {}
-                digests: dict[str, str] = {}  # sha256 of each input, checked by _input
+                inputs: dict[str, _Input] = {}
+                digests: dict[str, str] = {}  # recorded sha256 of each input
                 while stream.peek_kind() == "input":
                     e = stream.next("input")
                     sender = e.body["sender"]
@@ -294,7 +340,7 @@ class Auditor:
                 ):
                     raise self._fail(stream.path, m, "members differ from the accepted inputs")
                 self._expect(stream.path, m, "pre_base", base_digest)
-                mean, commitment = aggregate(inputs, rcodec, tuple(theta.shape))
+                mean, commitment = self._aggregate(stream.path, inputs, rcodec, tuple(theta.shape))
                 self._expect(stream.path, m, "mean", commitment.output_digest)
                 self._expect(stream.path, m, "commitment", commitment.digest)
                 if merged:
@@ -312,20 +358,15 @@ class Auditor:
             self._expect(stream.path, f, "pre_residual", pre_residual)
             blob = ef.encode(torch.sub(theta, base, out=base))  # theta - base; base is done
             self._expect(stream.path, f, "digest", hashlib.sha256(blob).hexdigest())
-            recomputed[f.body["digest"]] = blob
             self._residual_digests[region] = flat_digest(ef.residual)
             self._expect(stream.path, f, "post_residual", self._residual_digests[region])
             forwarded[region] = f.body["digest"]
-        inputs = {}
+        global_inputs: dict[str, _Input] = {}
         while agg.peek_kind() == "input":
             e = agg.next("input")
             region = e.body["sender"]
-            inputs[region] = self._input(
-                agg.path,
-                self.layout.aggregator,
-                e,
-                relay_key(region),
-                recomputed.get(e.body["digest"]),
+            global_inputs[region] = self._input(
+                agg.path, self.layout.aggregator, e, relay_key(region)
             )
             if forwarded.get(region) != e.body["digest"]:
                 raise self._fail(
@@ -333,12 +374,12 @@ class Auditor:
                 )
         g = agg.next("global_merge")
         self._pinned(agg.path, g, topo.h_g)
-        if sorted(inputs) != sorted(topo.regions):
-            raise self._fail(agg.path, g, f"members {sorted(inputs)} are not every region")
+        if sorted(global_inputs) != sorted(topo.regions):
+            raise self._fail(agg.path, g, f"members {sorted(global_inputs)} are not every region")
         self._expect(agg.path, g, "pre_state", theta_digest)
         pre_outer = self._outer_digest or outer_state_digest(outer.state_dict())
         self._expect(agg.path, g, "pre_outer", pre_outer)
-        mean, commitment = aggregate(inputs, gcodec, tuple(theta.shape))
+        mean, commitment = self._aggregate(agg.path, global_inputs, gcodec, tuple(theta.shape))
         self._expect(agg.path, g, "mean", commitment.output_digest)
         self._expect(agg.path, g, "commitment", commitment.digest)
         outer.step(theta, mean)  # in place: theta is the replay's own (initial or loaded)

@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,11 +40,39 @@ def initial_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
     return layout, layout.flatten(model)
 
 
+class RankGroup(Protocol):
+    """The data-parallel ranks of one island, as its core needs them.
+
+    The island daemon implements it with ``torch.distributed``; the core only asks for
+    its rank, the group size and the mean of every rank's gradients.
+    """
+
+    rank: int
+    size: int
+
+    def average_gradients(self, model: torch.nn.Module, loss: float) -> float:
+        """Replace each ``p.grad`` by the mean over ranks; returns the mean of ``loss``."""
+        ...
+
+
 class IslandCore:
-    """One island: a model replica with its inner optimizer and its data slice."""
+    """One island: a model replica with its inner optimizer and its data slice.
+
+    With ``ranks`` (K data-parallel ranks), each rank trains on its K-th of the
+    island's batch, rows ``[r*b/K, (r+1)*b/K)`` of the island's rows, and the
+    gradients are averaged over ranks before the inner step: the same global batch
+    and the same math as one rank, in a different summation order.  Every rank runs
+    the same inner steps and merges, so their states stay equal.
+    """
 
     def __init__(
-        self, cfg: RunConfig, island_id: str, stream: SampleStream, theta0: torch.Tensor
+        self,
+        cfg: RunConfig,
+        island_id: str,
+        stream: SampleStream,
+        theta0: torch.Tensor,
+        ranks: RankGroup | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         topo = cfg.topology
         self.cfg = cfg
@@ -52,10 +80,18 @@ class IslandCore:
         self.region = topo.region_of(island_id)
         self.data_index = topo.island_ids().index(island_id)
         self.stream = stream
-        self.model: GPT = build_model(preset(cfg.model), seed=cfg.seed)
+        self.ranks = ranks
+        k = 1 if ranks is None else ranks.size
+        if cfg.batch_per_island % k:
+            raise HypertrainError(
+                f"island {island_id}: batch_per_island {cfg.batch_per_island} is not divisible "
+                f"by its {k} ranks"
+            )
+        self.device = torch.device(device)
+        self.model: GPT = build_model(preset(cfg.model), seed=cfg.seed).to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.layout.load(self.model, theta0)
-        self.base = theta0.clone()
+        self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
         self.optimizer = InnerOptimizer(self.model, cfg.inner)
         self.codec = make_codec(cfg.regional_codec)
         self.feedback = ErrorFeedback(self.codec, self.layout.numel, beta=cfg.ef_beta)
@@ -65,24 +101,39 @@ class IslandCore:
 
     def train_step(self) -> float:
         """One inner step on this island's slice of the global batch at ``self.step``."""
-        windows = self.stream.replica_batch(self.step, self.data_index, self.cfg.topology.n_islands)
+        n = self.cfg.topology.n_islands
+        if self.ranks is None:
+            windows = self.stream.replica_batch(self.step, self.data_index, n)
+        else:  # this rank's contiguous share of the island's rows
+            k = self.ranks.size
+            windows = self.stream.replica_batch(
+                self.step, self.data_index * k + self.ranks.rank, n * k
+            )
         self.optimizer.set_lr_factor(wsd_factor(self.step, self.cfg.steps, self.cfg.inner))
         self.optimizer.zero_grad()
-        loss = self.model.loss(windows)
+        loss = self.model.loss(windows.to(self.device))
         loss.backward()
+        value = float(loss.detach())
+        if self.ranks is not None:
+            value = self.ranks.average_gradients(self.model, value)
         self.optimizer.step()
         self.step += 1
-        return float(loss.detach())
+        return value
 
     def params(self) -> torch.Tensor:
         return self.layout.flatten(self.model)
 
-    def sync(self) -> bytes:
+    def sync(self, encode: bool = True) -> bytes:
         """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
-        with error feedback.  With tau > 0 it also snapshots theta for the overlap rule."""
+        with error feedback.  With tau > 0 it also snapshots theta for the overlap rule.
+
+        ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
+        only takes the snapshot and returns no bytes."""
         theta = self.params()
         if self.cfg.topology.tau:
             self.snapshots[self.step] = theta.clone()
+        if not encode:
+            return b""
         delta = self.base - theta
         self.last_delta_norm = float(torch.linalg.vector_norm(delta))
         return self.feedback.encode(delta)

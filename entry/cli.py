@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also start a local Prometheus (if installed) scraping the cluster, on 127.0.0.1",
     )
+    up.add_argument(
+        "--island-ranks",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run each island as K data-parallel ranks under torchrun (gloo; default 1)",
+    )
     add_run_config_flags(up)
     up.set_defaults(func=lambda a: __import__("hypertrain.up", fromlist=["cmd_up"]).cmd_up(a))
     data_cmd.register(sub)

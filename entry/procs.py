@@ -9,8 +9,6 @@ daemons behind.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import queue
 import re
@@ -24,6 +22,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hypertrain.wire.daemon import die_with_parent
+
 LISTEN_RE = re.compile(r"^hypertrain-(?P<role>[a-z]+) listening on (?P<address>\S+:\d+)$")
 METRICS_RE = re.compile(r"^hypertrain-(?P<role>[a-z]+) metrics on (?P<url>http://\S+/metrics)$")
 _PAIR_RE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
@@ -35,15 +35,9 @@ def parse_logfmt(line: str) -> dict[str, str]:
     return fields if "event" in fields else {}
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _preexec(nice: int) -> Callable[[], None]:
     def setup() -> None:
-        _die_with_parent()
+        die_with_parent()
         if nice:
             os.nice(nice)
 
@@ -142,6 +136,16 @@ class Child:
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-u", "-m", module, *args]
+
+
+def torchrun(ranks: int, module: str, *args: str) -> list[str]:
+    """``python -m module args`` as ``ranks`` data-parallel processes on this host.
+
+    torchrun (``torch.distributed.run``) with a standalone rendezvous on a free local
+    port; it forwards SIGTERM to its ranks and stops them all when one fails.
+    """
+    launcher = ("torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks))
+    return [sys.executable, "-u", "-m", *launcher, "--module", module, *args]
 
 
 def child_env() -> dict[str, str]:

@@ -21,13 +21,15 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import HypertrainError
 from hypertrain.common.keys import daemon_key_names, init_keys
 from hypertrain.common.roles import initial_parameters
-from hypertrain.procs import Child, child_env, python_module
+from hypertrain.procs import Child, child_env, python_module, torchrun
 from hypertrain.prom import PromHandle, start_prometheus
 from hypertrain.runflags import run_config_from_args
 
@@ -91,9 +93,17 @@ class Progress:
 
 
 def start_cluster(
-    cfg: RunConfig, run_dir: Path, progress: Progress, extra_env: dict[str, str] | None = None
+    cfg: RunConfig,
+    run_dir: Path,
+    progress: Progress,
+    extra_env: dict[str, str] | None = None,
+    island_ranks: Mapping[str, int] | None = None,
 ) -> list[Child]:
-    """Start aggregator, relays and islands; returns them in start order."""
+    """Start aggregator, relays and islands; returns them in start order.
+
+    ``island_ranks`` maps island ids to a number of data-parallel ranks: those
+    islands run under ``torchrun --standalone --nproc-per-node K`` (gloo on the CPU).
+    """
     conf = run_dir / "run.toml"
     logs = run_dir / "logs"
     keys = run_dir / "keys"
@@ -102,11 +112,10 @@ def start_cluster(
     env = child_env() | (extra_env or {})
     children: list[Child] = []
 
-    def spawn(name: str, module: str, *args: str, nice: int = 0) -> Child:
+    def spawn(name: str, module: str, *args: str, nice: int = 0, ranks: int = 1) -> Child:
         key = keys / f"{name}.key"
-        argv = python_module(
-            module, "--config", str(conf), "--metrics-port", "0", "--signing-key", str(key), *args
-        )
+        flags = ("--config", str(conf), "--metrics-port", "0", "--signing-key", str(key), *args)
+        argv = python_module(module, *flags) if ranks == 1 else torchrun(ranks, module, *flags)
         child = Child(name, argv, logs / f"{name}.log", progress.on_event, env, nice=nice)
         children.append(child)
         return child
@@ -145,6 +154,7 @@ def start_cluster(
             *("--region", region, "--index", index, "--relay", addrs[region]),
             *("--state-dir", str(run_dir / f"island-{island}")),
             nice=ISLAND_NICE,
+            ranks=(island_ranks or {}).get(island, 1),
         )
     return children
 
@@ -235,7 +245,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     prom: PromHandle | None = None
     t0 = time.monotonic()
     try:
-        children = start_cluster(cfg, run_dir, progress)
+        if args.island_ranks < 1 or cfg.batch_per_island % args.island_ranks:
+            raise HypertrainError(
+                f"--island-ranks {args.island_ranks} must be >= 1 and divide batch_per_island "
+                f"{cfg.batch_per_island}"
+            )
+        ranks = dict.fromkeys(topo.island_ids(), args.island_ranks)
+        children = start_cluster(cfg, run_dir, progress, island_ranks=ranks)
         (run_dir / "processes.txt").write_text(
             "".join(f"{c.name} {c.proc.pid}\n" for c in children)
         )

@@ -78,7 +78,7 @@ class Evaluator:
             round_, step, theta = job
             self.layout.load(self.model, theta)
             loss = evaluate(self.model, self.windows)
-            self.metrics.heldout_loss.set(loss)
+            self.metrics.heldout_loss.labels("aggregator").set(loss)
             log_event(
                 "eval", role="aggregator", round=round_, step=step, heldout_loss=round(loss, 6)
             )

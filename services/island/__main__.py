@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from hypertrain.common.errors import HypertrainError
+from hypertrain.island import ranks as island_ranks
 from hypertrain.island.daemon import Island
 from hypertrain.wire.daemon import (
     daemon_parser,
+    die_with_parent,
     fail,
     load_identity,
     load_run_config,
@@ -28,8 +35,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--region", help="the island's region (e.g. eu)")
     p.add_argument("--index", type=int, help="the island's index in its region (default 0)")
     p.add_argument("--relay", help="HOST:PORT of the region's relay")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="where to train (default cpu); under torchrun, cuda means cuda:LOCAL_RANK",
+    )
     args = p.parse_args(argv)
     island = None
+    ranks = None
     try:
         cfg = load_run_config(args)
         table = section(args, "island")
@@ -47,14 +60,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if not relay:
             return fail("island", "--relay HOST:PORT is required")
+        device = torch.device(setting(args, table, "device", "cpu"))
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return fail("island", "--device cuda: no CUDA device is visible to this process")
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         key, _ = load_identity(args, table, "island")
+        stop = threading.Event()
+        if island_ranks.world_size() > 1:
+            die_with_parent(signal.SIGKILL)  # never outlive torchrun
+        ranks = island_ranks.from_environment(stop, device)
+        lead = ranks is None or ranks.rank == 0
         metrics = Metrics("island")
-        start_metrics(args, table, metrics)
+        if lead:  # one island, one metrics endpoint
+            start_metrics(args, table, metrics)
         island_id = f"{region}-{index}"
         state_dir = Path(setting(args, table, "state_dir") or f"island-{island_id}")
-        island = Island(cfg, island_id, relay_peer(relay), metrics, key, state_dir)
+        peer = relay_peer(relay) if lead else None
+        island = Island(cfg, island_id, peer, metrics, key, state_dir, ranks, stop, device)
         island.install_signals()
         island.run()
+        island.close()
+        island = None
+        if ranks is not None:
+            ranks.close()  # after a clean run only: the others wait for us here
         return 0
     except KeyboardInterrupt:
         log_event("stopped", role="island", reason="signal")
@@ -62,11 +91,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HypertrainError, ValueError) as e:  # bad config or flags
         return fail("island", str(e))
     except WireError as e:  # the relay refused us or went away mid-run
+        if island is not None and island.stop.is_set():  # a signal ended the wait
+            log_event("stopped", role="island", reason="signal")
+            return 130
         return fail("island", str(e), code=1)
+    except RuntimeError as e:  # torch.distributed: another rank of this island is gone
+        if ranks is None:
+            raise
+        if island is not None and island.stop.is_set():
+            log_event("stopped", role="island", reason="signal")
+            return 130
+        return fail("island", f"rank {ranks.rank} of {ranks.size}: {e}", code=1)
     finally:
         if island is not None:
             island.close()
 
 
+def exit_rank(code: int) -> None:
+    """End a rank of a multi-rank island without interpreter teardown.
+
+    torch's teardown of a gloo process group races with its own threads and can
+    abort the process (SIGABRT, "terminate called without an active exception")
+    after a run that succeeded; everything that must last is written and flushed
+    by now, so skip it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if island_ranks.world_size() > 1:
+        exit_rank(status)
+    sys.exit(status)

@@ -12,6 +12,10 @@ timing.  After the last step the final global parameters are fetched and
 loaded (no steps follow, so there is no overlap progress to keep).
 
 SIGTERM / Ctrl-C stop the island between steps, never inside a merge.
+
+Under ``torchrun`` the island is K data-parallel ranks (``ranks.py``): rank 0 does
+all the talking (relay, tape signature, rejoin state, metrics, log lines) and
+broadcasts each merge to the others; every rank applies it at the same step.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from hypertrain.common.ledger import TRANSFER_FIELDS, transfer_message
 from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
+from hypertrain.island.ranks import TorchRanks
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.daemon import atomic_write, log_event
 from hypertrain.wire.metrics import Metrics
@@ -48,24 +53,33 @@ class Island:
         self,
         cfg: RunConfig,
         island_id: str,
-        relay: Peer,
+        relay: Peer | None,
         metrics: Metrics | None = None,
         key: SigningKey | None = None,
         state_dir: Path | None = None,
+        ranks: TorchRanks | None = None,
+        stop: threading.Event | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
+        """``relay`` is None exactly on ranks other than 0 of a multi-rank island."""
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.island_id = island_id
+        self.ranks = ranks
+        self.lead = ranks is None or ranks.rank == 0
+        if (relay is None) == self.lead:
+            raise ValueError("rank 0 (and only rank 0) of an island talks to the relay")
         self.relay = relay
         mcfg = preset(cfg.model)
         stream = SampleStream(open_dataset(cfg), mcfg.seq_len, cfg.global_batch, cfg.seed)
         _, theta0 = initial_parameters(cfg)
-        self.core = IslandCore(cfg, island_id, stream, theta0)
+        self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device)
         self.numel = theta0.numel()
+        self.received = torch.empty(self.numel, dtype=torch.float32)
         self.codec = str(self.core.codec.spec)
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir else None
-        self.stop = threading.Event()
+        self.stop = stop or threading.Event()
         self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self.blocked_s = 0.0
         self.bytes_sent = 0
@@ -87,16 +101,29 @@ class Island:
         if self.key is not None:
             fields = (getattr(header, f) for f in TRANSFER_FIELDS)
             header.signature = self.key.sign(transfer_message(*fields))
+        assert self.relay is not None
         return self.relay.push(header, blob, self.stop.is_set)
 
     def _fetch(self, step: int, kind: str) -> torch.Tensor:
+        """The merge of ``step``: from the relay on rank 0, then on every rank."""
+        if self.relay is None:  # a rank other than 0: rank 0 fetches and broadcasts it
+            assert self.ranks is not None
+            return self.ranks.broadcast(self.received)
         request = pb.MergeRequest(
             run_id=self.cfg.run_id, requester=self.island_id, sync_step=step, kind=kind
         )
-        header, payload = self.relay.fetch(request, self.numel, self.stop.is_set)
+        # One receive buffer for the whole run: each merge is applied (copied into the
+        # model and base) before the next fetch.
+        header, payload = self.relay.fetch(request, self.numel, self.stop.is_set, self.received)
         if header.sync_step != step or header.kind != kind:
             raise RuntimeError(f"relay sent the {header.kind} merge of step {header.sync_step}")
+        if self.ranks is not None:
+            self.ranks.broadcast(payload)
         return payload
+
+    def _stopping(self) -> bool:
+        """Stop before the next step?  On a multi-rank island all ranks agree."""
+        return self.stop.is_set() if self.ranks is None else self.ranks.stopping
 
     def run(self) -> str:
         """Train to the end; returns the final state digest."""
@@ -107,16 +134,17 @@ class Island:
         m, labels = self.metrics, self._labels
         first = self._resume() + 1
         for step in range(first, cfg.steps + 1):
-            if self.stop.is_set():
+            if self._stopping():
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)
             if pending is None and step % topo.h_r == 0:
                 t0 = time.perf_counter()
-                blob = self.core.sync()
+                blob = self.core.sync(encode=self.lead)
                 kind = "global" if step % topo.h_g == 0 else "regional"
-                pending = (step, kind, self.pusher.submit(self._push, step, blob))
+                push = self.pusher.submit(self._push, step, blob) if self.lead else _done()
+                pending = (step, kind, push)
                 self._sent(blob, time.perf_counter() - t0)
                 m.train_loss.labels(**labels).set(sum(losses) / len(losses))
                 m.tokens_per_second.labels(**labels).set(
@@ -136,7 +164,7 @@ class Island:
                 pending = None
                 if kind == "global":
                     self._save()
-                log_event(
+                self._log(
                     "sync",
                     role="island",
                     island=self.island_id,
@@ -156,8 +184,10 @@ class Island:
         self.blocked_s += time.perf_counter() - t0
         self.core.finish(theta)
         digest = state_digest(self.core.layout.unflatten(self.core.params()))
+        if self.ranks is not None:
+            self.ranks.check_equal(digest)
         wall = time.perf_counter() - t_start
-        log_event(
+        self._log(
             "done",
             role="island",
             island=self.island_id,
@@ -167,12 +197,20 @@ class Island:
             blocked_s=round(self.blocked_s, 4),
             wall_s=round(wall, 3),
             blocked_share=round(self.blocked_s / wall, 5),
+            ranks=1 if self.ranks is None else self.ranks.size,
         )
         return digest
 
+    def _log(self, event: str, **fields: object) -> None:
+        if self.lead:  # one island, one voice
+            log_event(event, **fields)
+
     def _save(self) -> None:
-        """After a global merge: the state this island rejoins from after a crash."""
-        if self.state_path is not None:
+        """After a global merge: the state this island rejoins from after a crash.
+
+        Rank 0 writes it; every rank of a restarted island loads it (their states
+        are equal)."""
+        if self.state_path is not None and self.lead:
             buf = io.BytesIO()
             torch.save(
                 {"run_id": self.cfg.run_id, "config": self.cfg.digest, **self.core.state_dict()},
@@ -191,10 +229,12 @@ class Island:
         if state["run_id"] != self.cfg.run_id or state["config"] != self.cfg.digest:
             raise ConfigError(f"{self.state_path} belongs to another run or config")
         self.core.load_state_dict(state)
-        log_event("resumed", role="island", island=self.island_id, step=self.core.step)
+        self._log("resumed", role="island", island=self.island_id, step=self.core.step)
         return self.core.step
 
     def _sent(self, blob: bytes, encode_s: float) -> None:
+        if not self.lead:  # ranks other than 0 encode and send nothing
+            return
         m, region = self.metrics, self.core.region
         self.bytes_sent += len(blob)
         self.syncs += 1
@@ -221,4 +261,12 @@ class Island:
     def close(self) -> None:
         self.stop.set()
         self.pusher.shutdown(wait=True, cancel_futures=True)
-        self.relay.close()
+        if self.relay is not None:
+            self.relay.close()
+
+
+def _done() -> Future[pb.PushAck]:
+    """A finished push (ranks other than 0 push nothing)."""
+    future: Future[pb.PushAck] = Future()
+    future.set_result(pb.PushAck())
+    return future

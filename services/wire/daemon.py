@@ -9,6 +9,9 @@ Log lines go to stdout, one per event, as logfmt so that both a person and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
 import os
 import signal
 import sys
@@ -153,6 +156,29 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux only).
+
+    For children whose parent may be killed outright: ``up``'s daemons, and the ranks
+    of an island under torchrun (a rank blocked in a collective never runs its
+    SIGTERM handler, so an orphaned rank would wait there for an hour)."""
+    if _LIBC is not None:
+        with contextlib.suppress(AttributeError):  # no prctl: not Linux
+            _LIBC.prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    # Loaded once at import: die_with_parent also runs between fork and exec, where
+    # find_library (which may start ldconfig) must not.
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
 
 
 def fail(role: str, message: str, code: int = 2) -> int:

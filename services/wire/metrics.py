@@ -65,8 +65,13 @@ class Metrics:
             isl,
             registry=r,
         )
+        # Labelled by role so that only the daemon that evaluates (the aggregator)
+        # exports it: a label-less gauge would read 0 on every other daemon.
         self.heldout_loss = Gauge(
-            "hypertrain_heldout_loss", "Held-out loss of the latest global state", registry=r
+            "hypertrain_heldout_loss",
+            "Held-out loss of the latest global state",
+            ["role"],
+            registry=r,
         )
         self.pseudo_grad_norm = Gauge(
             "hypertrain_pseudo_gradient_norm",

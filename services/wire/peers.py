@@ -3,7 +3,9 @@
 Built on ``client.py``'s stubs.  The daemons' retry policy differs from
 ``client.retrying`` in one way: besides UNAVAILABLE (peer down) it waits out
 FAILED_PRECONDITION ("not now": the round is not open yet) and DEADLINE_EXCEEDED
-(a fetch whose merge is not ready yet), for as long as the run goes on.  Every
+(a fetch whose merge is not ready yet: the peer holds it up to ``rounds.HOLD_S``,
+then says so, and the fetch is asked again at once), for as long as the run goes
+on, checking between tries whether it was asked to stop.  Every
 other status is an answer and is raised as :class:`WireError` naming the peer.
 """
 
@@ -65,6 +67,8 @@ class Peer:
                     ) from None
                 if stop():
                     raise WireError(code, f"{what}: stopped while waiting ({detail})") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue  # the peer held the call while waiting: ask again at once
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
 
@@ -79,12 +83,22 @@ class Peer:
         )
 
     def fetch(
-        self, request: pb.MergeRequest, numel: int, stop: Callable[[], bool] = _never
+        self,
+        request: pb.MergeRequest,
+        numel: int,
+        stop: Callable[[], bool] = _never,
+        out: torch.Tensor | None = None,
     ) -> tuple[pb.MergeHeader, torch.Tensor]:
-        """Block until the merge of ``request.sync_step`` exists, then download and verify it."""
+        """Block until the merge of ``request.sync_step`` exists, then download and verify it.
+
+        ``out``: a buffer of ``numel`` fp32 to download into (and return) instead of a
+        new tensor; a caller done with each merge before the next keeps one buffer and
+        never touches fresh memory (bench/bench_transport.py: merge vs merge/reuse)."""
         return self._wait_out(
             f"fetch of the {request.kind} merge of step {request.sync_step}",
-            lambda: fetch_merge(self._fetch, request, numel=numel, timeout=FETCH_DEADLINE_S),
+            lambda: fetch_merge(
+                self._fetch, request, numel=numel, out=out, timeout=FETCH_DEADLINE_S
+            ),
             stop,
         )
 

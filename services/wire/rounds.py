@@ -32,6 +32,11 @@ from hypertrain.wire.protocol_codes import STATUS
 from hypertrain.wire.server import Shutdown
 
 WAIT_SLICE_S = 0.5
+#: The longest a fetch is held waiting for its merge; then it is answered
+#: DEADLINE_EXCEEDED ("not committed yet") and the caller asks again.  Short, so a
+#: waiting caller gets to check whether it was asked to stop, and the caller's own
+#: deadline is left for the download.
+HOLD_S = 2.0
 
 
 def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
@@ -60,6 +65,7 @@ class MergeBoard:
 
     def wait(self, lookup: Any, sync_step: int, context: grpc.ServicerContext) -> Committed:
         """Block (under ``cond``) until ``lookup(sync_step)`` exists; abort if the call ends."""
+        until = time.monotonic() + HOLD_S
         with self.cond:
             while True:
                 merge = lookup(sync_step)
@@ -69,7 +75,13 @@ class MergeBoard:
                     raise WireError(grpc.StatusCode.UNAVAILABLE, "shutting down")
                 if not context.is_active():
                     raise WireError(grpc.StatusCode.CANCELLED, "caller went away")
-                self.cond.wait(WAIT_SLICE_S)
+                left = until - time.monotonic()
+                if left <= 0:
+                    raise WireError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the merge of sync step {sync_step} is not committed yet; ask again",
+                    )
+                self.cond.wait(min(WAIT_SLICE_S, left))
 
     def fetched_final(self, requester: str, members: tuple[str, ...], reason: str) -> None:
         """Record that ``requester`` has the run's final merge; once every member has it,

@@ -220,8 +220,14 @@ def _reject(method: Callable[..., Any], context: grpc.ServicerContext, exc: Exce
     status = status_of(exc)
     if status is None:
         return  # not ours: a bug; gRPC logs it and answers UNKNOWN
-    log.warning("%s rejected: %s: %s", method.__qualname__, status[0].name, status[1])
+    # "Not yet" answers (a round not open, a merge not committed) are part of the
+    # protocol's waiting, asked again every few seconds: not worth a warning each.
+    level = logging.DEBUG if status[0] in _NOT_YET else logging.WARNING
+    log.log(level, "%s rejected: %s: %s", method.__qualname__, status[0].name, status[1])
     abort(context, *status)
+
+
+_NOT_YET = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def maps_errors(method: F) -> F:

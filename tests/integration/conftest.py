@@ -31,9 +31,13 @@ class Cluster:
         self.children.append(child)
         return child
 
-    def run_all(self, timeout_s: float = 300) -> Child | None:
+    def run_all(
+        self, timeout_s: float = 300, island_ranks: dict[str, int] | None = None
+    ) -> Child | None:
         """Start the whole cluster and wait for it; returns a failed child or None."""
-        self.children.extend(start_cluster(self.cfg, self.run_dir, self.progress))
+        self.children.extend(
+            start_cluster(self.cfg, self.run_dir, self.progress, island_ranks=island_ranks)
+        )
         return supervise(self.children, deadline_s=timeout_s)
 
     def stop(self) -> None:

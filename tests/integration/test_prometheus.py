@@ -514,6 +514,9 @@ def test_every_panel_and_alert_returns_data_from_a_live_cluster(tmp_path: Path) 
             for g in [next(x["labels"] for x in listed if x["targets"][0] in t["scrapeUrl"])]
         )
         assert got == want
+        # held-out loss comes from the aggregator alone (no zeros from other daemons)
+        series = _get(f"{base}/api/v1/query?query=hypertrain_heldout_loss")["data"]["result"]
+        assert [s["metric"]["job"] for s in series] == ["hypertrain-aggregator"], series
 
         # the refused deltas make HypertrainRejectedInputsRising fire, "not now" excepted
         firing = [

@@ -497,3 +497,51 @@ def test_sigterm_drains_and_exits_zero() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+class NeverCommitted(pb_grpc.RelayServicer):
+    """FetchMerge waits on a real MergeBoard for a merge that never comes."""
+
+    def __init__(self) -> None:
+        from hypertrain.common.config import RunConfig
+        from hypertrain.wire.rounds import MergeBoard
+
+        self.board = MergeBoard(RunConfig(), Shutdown())
+        self.calls = 0
+
+    @maps_errors
+    def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.calls += 1
+        self.board.wait(lambda step: None, request.sync_step, context)
+        yield from ()  # unreachable: wait raises
+
+
+def test_a_waiting_fetch_is_held_then_asked_again_and_honours_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server holds a fetch for a merge not committed yet at most HOLD_S, then
+    answers DEADLINE_EXCEEDED naming the step; Peer.fetch asks again at once and, between
+    tries, sees that it was asked to stop (an island's SIGTERM ends its wait)."""
+    from hypertrain.wire import rounds
+    from hypertrain.wire.peers import relay_peer
+
+    monkeypatch.setattr(rounds, "HOLD_S", 0.2)
+    servicer = NeverCommitted()
+    server = make_server(max_workers=4)
+    add_servicer(servicer, server, "Relay")
+    address = bind(server, "127.0.0.1:0")
+    server.start()
+    peer = relay_peer(address)
+    try:
+        with pytest.raises(grpc.RpcError) as raw:
+            fetch_merge(relay_stub(peer.channel).FetchMerge, pb.MergeRequest(sync_step=7))
+        assert raw.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "merge of sync step 7 is not committed yet" in raw.value.details()
+        asked = servicer.calls
+        with pytest.raises(WireError) as stopped:
+            peer.fetch(pb.MergeRequest(sync_step=7), 4, stop=lambda: servicer.calls >= asked + 3)
+        assert "stopped while waiting" in stopped.value.message
+        assert servicer.calls == asked + 3  # held, answered, asked again: no busy loop
+    finally:
+        peer.close()
+        server.stop(0)

@@ -281,12 +281,32 @@ def test_references_resolve() -> None:
                 secrets.add(vol["secret"]["secretName"])
             for src in vol.get("projected", {}).get("sources", []):
                 secrets.add(src["secret"]["name"])
-    template = {d["metadata"]["name"] for d in manifests()["secrets.yaml"]}
+    template = {d["metadata"]["name"] for d in manifests()["secrets.yaml"] if d["kind"] == "Secret"}
     assert secrets == template
 
 
+def test_every_daemon_pins_the_trusted_keys_config_map() -> None:
+    """Daemons verify signatures against pinned public keys: each pod mounts the
+    hypertrain-trusted-keys ConfigMap (a template in secrets.yaml, like the keys) and
+    passes the file in it as --trusted-keys; islands train on their GPUs."""
+    maps = [d for d in manifests()["secrets.yaml"] if d["kind"] == "ConfigMap"]
+    assert [m["metadata"]["name"] for m in maps] == ["hypertrain-trusted-keys"]
+    assert list(maps[0]["data"]) == ["trusted_keys.json"]
+    for _, template in pod_specs():
+        spec = template["spec"]
+        main = spec["containers"][0]
+        vols = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+        path = flag(main["args"], "--trusted-keys")
+        folder, _, name = path.rpartition("/")
+        assert name == "trusted_keys.json"
+        assert vols[mounts[folder]]["configMap"]["name"] == "hypertrain-trusted-keys"
+        if main["args"][0] == "torchrun":
+            assert flag(main["args"], "--device") == "cuda"
+
+
 def test_one_secret_per_daemon_named_like_keys_init(run_config: RunConfig) -> None:
-    secrets = manifests()["secrets.yaml"]
+    secrets = [d for d in manifests()["secrets.yaml"] if d["kind"] == "Secret"]
     want = {f"hypertrain-key-{n}" for n in daemon_key_names(run_config.topology)}
     assert {s["metadata"]["name"] for s in secrets} == want
     for s in secrets:
