@@ -227,7 +227,8 @@ def receive_merge(
     ``header.numel`` elements, is filled and returned (flattened) instead of a new
     tensor: a receiver that keeps one buffer across rounds never touches fresh
     memory.  On error its contents are undefined.  The copy into the tensor and the
-    digest's leaf hashes run on a worker thread, overlapped with the transfer.
+    digest's leaf hashes run on two worker threads, overlapped with the transfer and
+    with each other.
     """
     parts = iter(chunks)
     header = _first_header(parts, pb.MergeChunk)
@@ -239,19 +240,22 @@ def receive_merge(
     tensor = torch.empty(header.numel, dtype=torch.float32) if out is None else out
     buf = _fp32_bytes(tensor)  # checks that out is contiguous fp32: filled in place
     tensor = tensor.view(-1)
-    hasher = TensorHasher(tensor, buf)
-
-    def fill(offset: int, data: Data) -> None:
-        spool.copy_into(buf, offset, data)
-        hasher.advance(offset + len(data))
-
-    filler = spool.Worker("wire-fill", fill, spool.DEPTH)
+    hasher = TensorHasher(tensor, buf.nbytes)
+    # Two workers, each fed every chunk: one copies it into the tensor, one hashes it.
+    workers = [
+        spool.Worker(
+            "wire-fill", lambda offset, data: spool.copy_into(buf, offset, data), spool.DEPTH
+        ),
+        spool.Worker("wire-hash", hasher.feed, spool.DEPTH),
+    ]
     try:
-        _fill(parts, filler, buf.nbytes, header.numel)
+        _fill(parts, workers, buf.nbytes, header.numel)
     finally:
-        filler.stop()
-    if filler.error is not None:
-        raise spool.failure(filler.error)
+        for worker in workers:
+            worker.stop()
+    for worker in workers:
+        if worker.error is not None:
+            raise spool.failure(worker.error)
     digest = hasher.hexdigest()
     if digest != header.digest:
         raise WireError(
@@ -261,7 +265,7 @@ def receive_merge(
     return header, tensor
 
 
-def _fill(parts: Iterator[object], filler: spool.Worker, size: int, numel: int) -> None:
+def _fill(parts: Iterator[object], workers: list[spool.Worker], size: int, numel: int) -> None:
     offset = 0
     for part in parts:
         _, data = _split(part, pb.MergeChunk)
@@ -270,7 +274,8 @@ def _fill(parts: Iterator[object], filler: spool.Worker, size: int, numel: int) 
         n = len(data)
         if offset + n > size:
             raise WireError(_INVALID, f"too long: more than the {size} bytes of {numel} fp32")
-        filler.put(offset, data)
+        for worker in workers:
+            worker.put(offset, data)
         offset += n
     if offset != size:
         raise WireError(_INVALID, f"short stream: {offset} of the {size} bytes of {numel} fp32")

@@ -31,7 +31,7 @@ from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
 from hypertrain.wire import frames
 from hypertrain.wire.chunks import delta_chunks, receive_merge
 from hypertrain.wire.errors import WireError
-from hypertrain.wire.options import CHANNEL_OPTIONS
+from hypertrain.wire.options import CHANNEL_OPTIONS, tune_allocator
 
 log = logging.getLogger("hypertrain.wire")
 T = TypeVar("T")
@@ -40,6 +40,7 @@ _CHUNKS = (pb.DeltaChunk, pb.MergeChunk)
 
 def connect(address: str, timeout: float = 30.0) -> grpc.Channel:
     """An insecure channel to "HOST:PORT", once it is ready; WireError(UNAVAILABLE) if not."""
+    tune_allocator()
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)

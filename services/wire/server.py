@@ -40,7 +40,7 @@ import grpc
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
 from hypertrain.wire.errors import status_of
-from hypertrain.wire.options import SERVER_OPTIONS
+from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
 
 log = logging.getLogger("hypertrain.wire")
 
@@ -60,6 +60,7 @@ def make_server(max_workers: int = 16) -> grpc.Server:
     ``max_workers`` bounds concurrent RPCs: each in-flight push or a blocked FetchMerge
     holds one thread.
     """
+    tune_allocator()
     pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc")
     return grpc.server(pool, options=SERVER_OPTIONS, maximum_concurrent_rpcs=None)
 

@@ -545,3 +545,31 @@ def test_a_waiting_fetch_is_held_then_asked_again_and_honours_stop(
     finally:
         peer.close()
         server.stop(0)
+
+
+def test_allocator_tuning_is_applied_once_per_process() -> None:
+    """Every process that moves chunks tunes glibc malloc (options.tune_allocator): this
+    test process already connected, so it is on, and asking again changes nothing."""
+    from hypertrain.wire.options import tune_allocator
+
+    make_server(max_workers=1).stop(0)
+    assert tune_allocator() is True  # glibc: the Linux machines this runs on
+    assert tune_allocator() is True
+
+
+@pytest.mark.parametrize("piece", [4093, LEAF - 1, LEAF, LEAF + 1, 3 * LEAF])
+def test_tensor_hasher_fed_in_any_pieces_equals_tensor_digest(piece: int) -> None:
+    from hypertrain.wire.tensorhash import TensorHasher
+
+    theta = _theta(5 * LEAF // 8 + 3)  # 2.5 leaves and a bit
+    raw = theta.view(torch.uint8).numpy().tobytes()
+    hasher = TensorHasher(theta, len(raw))
+    for start in range(0, len(raw), piece):
+        hasher.feed(start, raw[start : start + piece])
+    assert hasher.hexdigest() == tensor_digest(theta)
+    with pytest.raises(ValueError, match="expected"):
+        TensorHasher(theta, len(raw)).feed(8, raw[8:16])  # out of order
+    short = TensorHasher(theta, len(raw))
+    short.feed(0, raw[:-1])
+    with pytest.raises(ValueError, match="fed"):
+        short.hexdigest()
