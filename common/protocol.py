@@ -310,6 +310,25 @@ class RelayMachine:
         """The merge islands apply for ``sync_step``, once it exists."""
         return self.merges.get(sync_step)
 
+    def restore(
+        self,
+        theta: torch.Tensor,
+        residual: torch.Tensor,
+        sync_step: int,
+        accepted: dict[tuple[int, str], str],
+    ) -> None:
+        """Resume after the global round of ``sync_step`` (a durable relay checkpoint):
+        theta_{g+1} (the base too), the global codec's error-feedback residual, and
+        every (step, island) -> digest ever accepted, so that islands re-sending what
+        the relay already took are answered as duplicates.  Islands that had not yet
+        fetched that global merge can."""
+        self.global_pending = sync_step
+        self.on_global(sync_step, theta.clone())
+        self.core.feedback.residual.copy_(residual)
+        self.level.open_step = sync_step + self.cfg.topology.h_r
+        self.level.inputs = {}
+        self.level.accepted = dict(accepted)
+
 
 class AggregatorMachine:
     """The global round logic: one delta per region per round, then the outer step."""

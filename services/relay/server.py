@@ -21,7 +21,7 @@ import io
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest, tensor_digest
+from hypertrain.common.errors import ConfigError
 from hypertrain.common.keys import SigningKey, TrustedKeys
 from hypertrain.common.ledger import (
     TRANSFER_FIELDS,
@@ -37,12 +38,12 @@ from hypertrain.common.ledger import (
     regional_merge_body,
     transfer_message,
 )
-from hypertrain.common.protocol import Committed, Effect, Forward, RelayMachine
+from hypertrain.common.protocol import Committed, Delta, Effect, Forward, Publish, RelayMachine
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.tape import TapeWriter
+from hypertrain.common.tape import Entry, TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
-from hypertrain.wire.daemon import atomic_write, log_event
+from hypertrain.wire.daemon import atomic_write, fault_point, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
@@ -79,6 +80,7 @@ class RelayService:
         self.metrics = metrics or Metrics("relay")
         self.intake = Intake(state_dir, self.numel, self.board, self.metrics, region, tape)
         self.forwards: queue.Queue[Forward | None] = queue.Queue()
+        self._recover()
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
         self.forwarder.start()
 
@@ -89,10 +91,12 @@ class RelayService:
 
     def _on_effect(self, effect: Effect) -> None:
         if isinstance(effect, Committed):
+            fault_point("relay_before_merge_entry")
             self.intake.record("regional_merge", regional_merge_body(self.cfg, effect))
             self._log_commit(effect)
         elif isinstance(effect, Forward):
             self.intake.record("forward", forward_body(effect))
+            fault_point("relay_after_forward_entry")
             self.forwards.put(effect)
 
     @maps_errors
@@ -145,7 +149,11 @@ class RelayService:
                 self.shutdown.request(f"forwarding failed: {e}")
                 return
 
-    def _forward(self, fwd: Forward) -> None:
+    def _forward(self, fwd: Forward, taped: dict[str, Any] | None = None) -> None:
+        """Push the region's delta, fetch theta_{g+1}, apply it, checkpoint.
+
+        ``taped``: the ``global_applied`` body already on the tape (recovery redoes a
+        round whose checkpoint a crash cut off): checked, not recorded again."""
         t0 = time.perf_counter()
         header = pb.TransferHeader(
             run_id=self.cfg.run_id,
@@ -169,15 +177,19 @@ class RelayService:
         agg_header, theta = self.aggregator.fetch(request, self.numel, stop)
         with self.board.cond:
             merge = self.machine.on_global(fwd.sync_step, theta)
-            self.intake.record(
-                "global_applied",
-                {
-                    "round": fwd.round,
-                    "sync_step": fwd.sync_step,
-                    "merge_step": merge.merge_step,
-                    "theta": merge.post_digest,
-                },
-            )
+            body = {
+                "round": fwd.round,
+                "sync_step": fwd.sync_step,
+                "merge_step": merge.merge_step,
+                "theta": merge.post_digest,
+            }
+            if taped is None:
+                self.intake.record("global_applied", body)
+            elif taped != body:
+                raise ConfigError(
+                    f"relay {self.region}: the aggregator's state for step {fwd.sync_step} "
+                    f"({body['theta']}) is not the one on this relay's tape ({taped['theta']})"
+                )
             self.save_checkpoint(fwd.round)
             self.board.headers[fwd.sync_step] = (
                 agg_header  # islands get the aggregator's commitment
@@ -205,10 +217,123 @@ class RelayService:
             "residual": core.feedback.residual,
             "tape_seq": tape.next_seq if tape else 0,
             "tape_head": tape.head if tape else "",
+            "config_digest": self.cfg.digest,
         }
         buf = io.BytesIO()
         torch.save(state, buf)
         atomic_write(self.state_dir / "checkpoints" / f"round-{round_:06d}.pt", buf.getvalue())
+
+    # -- restart --------------------------------------------------------------------
+    def _recover(self) -> None:
+        """After a restart: resume from the last checkpoint, then redo from the tape and
+        the published inputs what came after it, checking every redone merge and
+        forward against its tape entry bit for bit.
+
+        A global round whose theta was taped but not checkpointed is fetched again
+        from the aggregator (it keeps the last round) and checked against the tape;
+        a forward on the tape without its global merge is sent again (the aggregator
+        answers an identical resend as a duplicate); merges the crash cut off before
+        they were taped are taped now.  Islands meanwhile wait (UNAVAILABLE), then
+        re-send what the relay may not have acknowledged: answered as duplicates."""
+        tape = self.intake.tape
+        checkpoints = sorted((self.state_dir / "checkpoints").glob("round-*.pt"))
+        if tape is None:
+            if checkpoints or any(self.intake.published.iterdir()):
+                raise ConfigError(
+                    f"{self.state_dir} holds the state of an earlier start but this relay keeps "
+                    "no tape (no --signing-key), so it cannot resume: start it with its key, "
+                    "or with a new --state-dir for a new run"
+                )
+            return
+        entries = tape.entries
+        start, resumed_round = 0, None
+        if checkpoints:
+            ck = torch.load(checkpoints[-1], weights_only=True)
+            if (ck["run_id"], ck["region"]) != (self.cfg.run_id, self.region) or ck.get(
+                "config_digest", self.cfg.digest
+            ) != self.cfg.digest:
+                raise ConfigError(
+                    f"{checkpoints[-1]} belongs to another run, region or config; "
+                    "use a new --state-dir"
+                )
+            start = int(ck["tape_seq"])
+            if len(entries) < start or (start and entries[start - 1].hash != ck["tape_head"]):
+                raise ConfigError(
+                    f"tape {tape.path} does not contain what {checkpoints[-1]} recorded "
+                    f"({start} entries ending in {ck['tape_head'][:16]})"
+                )
+            resumed_round = int(ck["round"])
+            accepted = {
+                (e.body["sync_step"], e.body["sender"]): e.body["digest"]
+                for e in entries[:start]
+                if e.kind == "input"
+            }
+            sync_step = (resumed_round + 1) * self.cfg.topology.h_g
+            self.machine.restore(ck["theta"], ck["residual"], sync_step, accepted)
+        elif not entries:
+            return  # a fresh start
+        self._redo(entries[start:])  # before the server and the forwarder start: alone
+        log_event(
+            "recovered",
+            role="relay",
+            region=self.region,
+            checkpoint_round=resumed_round,
+            entries_redone=len(entries) - start,
+            open_step=self.machine.level.open_step,
+        )
+
+    def _redo(self, entries: Sequence[Entry]) -> None:
+        """Feed taped inputs back through the machine; check what it does against the tape."""
+        cfg = self.cfg
+        pending: list[Effect] = []  # computed by the redo, their entries not seen yet
+        forwarded: Forward | None = None
+        for e in entries:
+            b = e.body
+            if e.kind == "input":
+                path = self.intake.published / b["digest"]
+                if not path.is_file():
+                    raise ConfigError(f"tape entry {e.seq}: published input {path} is missing")
+                delta = Delta(
+                    cfg.run_id,
+                    b["round"],
+                    b["sync_step"],
+                    b["sender"],
+                    b["digest"],
+                    b["codec"],
+                    path.read_bytes(),
+                    bytes.fromhex(b["signature"]),
+                )
+                decision, effects = self.machine.on_delta(delta)
+                if not decision.accepted or decision.duplicate:
+                    raise ConfigError(f"cannot redo tape entry {e.seq}: {decision.reason}")
+                pending.extend(x for x in effects if not isinstance(x, Publish))
+            elif e.kind in ("regional_merge", "forward"):
+                effect = pending.pop(0) if pending else None
+                redone = (
+                    regional_merge_body(cfg, effect)
+                    if isinstance(effect, Committed)
+                    else forward_body(effect)
+                    if isinstance(effect, Forward)
+                    else None
+                )
+                if redone != b:
+                    raise ConfigError(
+                        f"tape entry {e.seq} ({e.kind}): the redone round differs from the tape"
+                    )
+                if isinstance(effect, Forward):
+                    forwarded = effect
+            elif e.kind == "global_applied":
+                if forwarded is None or forwarded.sync_step != b["sync_step"]:
+                    raise ConfigError(f"tape entry {e.seq}: a global merge without its forward")
+                self._forward(forwarded, taped=b)
+                forwarded = None
+        for effect in pending:  # the crash came before these were taped
+            with self.board.cond:
+                self._on_effect(effect)
+            if isinstance(effect, Forward):
+                forwarded = None  # _on_effect queued it
+        if forwarded is not None:  # taped, but its global merge never came back
+            self.forwards.put(forwarded)
 
     def _log_commit(self, c: Committed) -> None:
         log_event(
