@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,13 @@ import pytest
 from hypertrain.common.config import RunConfig
 from hypertrain.procs import Child, child_env, python_module
 from hypertrain.up import Progress, config_toml, start_cluster, supervise
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a daemon that must come back on the same one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Cluster:

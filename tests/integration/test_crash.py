@@ -11,7 +11,6 @@ applied twice) with tapes that audit clean.  A few trials run by default,
 from __future__ import annotations
 
 import random
-import socket
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.keys import TrustedKeys, daemon_key_names, init_keys
 from hypertrain.common.reference import run_reference
 from hypertrain.procs import Child, child_env
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, free_port
 
 CFG = RunConfig.from_dict(
     {
@@ -47,17 +46,11 @@ def reference_digest() -> str:
     return run_reference(CFG).final_digest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _trial(tmp: Path, point: str, n: int, reference: str) -> None:
     cluster = Cluster(CFG, tmp / "run")
     run_dir = cluster.run_dir
     init_keys(run_dir / "keys", daemon_key_names(CFG.topology))
-    port = _free_port()
+    port = free_port()
     args = (
         "--listen",
         f"127.0.0.1:{port}",

@@ -12,7 +12,6 @@ the checkpoint file not yet renamed into place: recovery fetches theta again).
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.keys import TrustedKeys, daemon_key_names, init_keys
 from hypertrain.common.reference import run_reference
 from hypertrain.procs import Child, child_env, python_module
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, free_port
 
 CFG = RunConfig.from_dict(
     {
@@ -38,12 +37,6 @@ CFG = RunConfig.from_dict(
 @pytest.fixture(scope="module")
 def reference_digest() -> str:
     return run_reference(CFG).final_digest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # point -> how many times relay eu passes it in a run of 3 global rounds, excluding
@@ -87,7 +80,7 @@ def _trial(tmp_path: Path, reference_digest: str, fault: str) -> None:
     run_dir = cluster.run_dir
     keys = run_dir / "keys"
     init_keys(keys, daemon_key_names(CFG.topology))
-    port = _free_port()
+    port = free_port()
 
     def start(name: str, module: str, *args: str, env: dict[str, str] | None = None) -> Child:
         key = keys / f"{name.removesuffix('-again')}.key"
