@@ -154,3 +154,18 @@ def test_daemon_refuses_a_bad_signing_key(tmp_path: Path, mode: int, words: str)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hypertrain-aggregator: error:"), out.stderr
     assert words in lines[0]
+
+
+def test_island_ranks_that_do_not_split_the_batch_are_refused(tmp_path: Path) -> None:
+    """`up --island-ranks K`: each rank takes batch_per_island / K rows, so K must
+    divide it; otherwise one readable line and exit 2, before any process starts."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "hypertrain", "up", "--island-ranks", "3"]
+    done = subprocess.run(
+        [*argv, "--run-dir", str(run_dir)], capture_output=True, text=True, env=child_env()
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        "hypertrain up: error: --island-ranks 3 must be >= 1 and divide batch_per_island 32"
+    )
+    assert not (run_dir / "processes.txt").exists()
