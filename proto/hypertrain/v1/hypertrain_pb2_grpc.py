@@ -62,7 +62,9 @@ class RelayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchMerge(self, request, context):
-        """Blocks until the merge for (sync_step, kind) is committed, then streams it.
+        """Streams the merge for (sync_step, kind) once it is committed.  A merge not yet
+        committed holds the call up to a few seconds, then ends it with DEADLINE_EXCEEDED
+        ("not committed yet; ask again"): callers ask again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -222,7 +224,8 @@ class AggregatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchGlobal(self, request, context):
-        """Blocks until the global round of sync_step is applied, then streams theta.
+        """Streams theta once the global round of sync_step is applied; until then, as
+        FetchMerge: held a few seconds, then DEADLINE_EXCEEDED, and asked again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
