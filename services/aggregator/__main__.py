@@ -46,8 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HypertrainError, ValueError) as e:
         return fail("aggregator", str(e))
     server.start()
-    announce("aggregator", address)
-    return run_until_signal(server, on_stop=service.close, shutdown=shutdown)
+    return run_until_signal(
+        server,
+        on_stop=service.close,
+        shutdown=shutdown,
+        ready=lambda: announce("aggregator", address),
+    )
 
 
 if __name__ == "__main__":

@@ -83,9 +83,13 @@ class Evaluator:
                 "eval", role="aggregator", round=round_, step=step, heldout_loss=round(loss, 6)
             )
 
-    def close(self) -> None:
+    def close(self, finish: bool = True) -> None:
+        """Stop after the queued evaluations (``finish``: the run's final held-out loss
+        is part of its result), or only wait a little for the one in progress (a stop
+        mid-run: at the lowest priority on a busy host it may take long, and a held-out
+        loss is not worth holding up a stop)."""
         self.jobs.put(None)
-        self.thread.join()
+        self.thread.join(timeout=None if finish else 5)
 
 
 class AggregatorService:
@@ -135,15 +139,11 @@ class AggregatorService:
             )
         merge = self.board.wait(self.machine.merge_for, request.sync_step, context)
         yield from merge_chunks(self.board.header(merge), merge.payload)
-        if request.sync_step == self.cfg.steps:
-            self.board.fetched_final(
-                request.requester,
-                self.machine.level.members,
-                "run complete: every relay has the final state",
-            )
 
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        if request.requester or request.applied_step:
+            self._applied(request)
         with self.board.cond:
             return pb.StatusReply(
                 run_id=self.cfg.run_id,
@@ -200,6 +200,29 @@ class AggregatorService:
         atomic_write(self.state_dir / "checkpoints" / f"round-{c.round:06d}.pt", data)
         fault_point("between_checkpoints")
         atomic_write(self.state_dir / "state.pt", data)
+
+    def _applied(self, request: pb.StatusRequest) -> None:
+        """A relay reports the global merge of ``applied_step`` applied and durable.
+
+        The aggregator's work ends when every relay has reported the run's last step,
+        not when each fetched it: a relay killed between fetching the final state and
+        its checkpoint fetches it again after its restart, so the aggregator must
+        still be there."""
+        if request.requester not in self.machine.level.members:
+            raise WireError(
+                grpc.StatusCode.PERMISSION_DENIED, f"{request.requester!r} is not a region"
+            )
+        if request.applied_step == self.cfg.steps:
+            if self.machine.merge_for(self.cfg.steps) is None:
+                raise WireError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the last step {self.cfg.steps} is not applied here yet",
+                )
+            self.board.fetched_final(
+                request.requester,
+                self.machine.level.members,
+                "run complete: every relay has applied the final state",
+            )
 
     def _recover(self) -> int | None:
         """After a restart: resume from ``state.pt``, then redo from the tape what came
@@ -287,6 +310,6 @@ class AggregatorService:
 
     def close(self) -> None:
         self.intake.close()
-        self.evaluator.close()
+        self.evaluator.close(finish=self.machine.done)
         with self.board.cond:
             self.board.cond.notify_all()

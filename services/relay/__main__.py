@@ -69,8 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HypertrainError, WireError, ValueError) as e:
         return fail("relay", str(e))
     server.start()
-    announce("relay", address)
-    code = run_until_signal(server, on_stop=service.close, shutdown=shutdown)
+    code = run_until_signal(
+        server,
+        on_stop=service.close,
+        shutdown=shutdown,
+        ready=lambda: announce("relay", address),
+    )
     return 1 if shutdown.reason and shutdown.reason.startswith("forwarding failed") else code
 
 

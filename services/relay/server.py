@@ -50,6 +50,12 @@ from hypertrain.wire.peers import Peer
 from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
 
+#: Marker file: the aggregator has been told that the final state is durable here.
+FINAL_REPORTED = "final-reported"
+#: How long a relay tries to report the final state before giving up (the aggregator
+#: may already have ended the run).
+FINAL_REPORT_WAIT_S = 60.0
+
 
 class RelayService:
     """The Relay servicer: validate and translate; the RelayMachine decides."""
@@ -191,6 +197,7 @@ class RelayService:
                     f"({body['theta']}) is not the one on this relay's tape ({taped['theta']})"
                 )
             self.save_checkpoint(fwd.round)
+            final = fwd.sync_step == self.cfg.steps
             self.board.headers[fwd.sync_step] = (
                 agg_header  # islands get the aggregator's commitment
             )
@@ -204,6 +211,12 @@ class RelayService:
             bytes=len(fwd.data),
             seconds=round(time.perf_counter() - t0, 4),
         )
+        if final:  # durable here: the aggregator may stop once every relay says so
+            self._report_final(stop)
+
+    def _report_final(self, stop: Any) -> None:
+        self.aggregator.report_applied(self.region, self.cfg.steps, stop)
+        atomic_write(self.state_dir / FINAL_REPORTED, b"")
 
     def save_checkpoint(self, round_: int) -> None:
         """After global round ``round_``: what a segment audit of this region starts from."""
@@ -273,6 +286,15 @@ class RelayService:
         elif not entries:
             return  # a fresh start
         self._redo(entries[start:])  # before the server and the forwarder start: alone
+        if self.machine.done and not (self.state_dir / FINAL_REPORTED).exists():
+            # The final checkpoint was written, its report perhaps not, and the aggregator
+            # waits for it.  It may also have been sent just before the crash and the
+            # aggregator be gone: then give up after a while (it only ends the aggregator).
+            give_up = time.monotonic() + FINAL_REPORT_WAIT_S
+            try:
+                self._report_final(lambda: time.monotonic() > give_up)
+            except WireError as e:
+                log_event("warning", role="relay", region=self.region, message=str(e))
         log_event(
             "recovered",
             role="relay",
@@ -350,5 +372,7 @@ class RelayService:
     def close(self) -> None:
         self.intake.close()
         self.forwards.put(None)
+        # The forwarder may be reporting the final round to the aggregator: let it.
+        self.forwarder.join(timeout=FINAL_REPORT_WAIT_S)
         with self.board.cond:
             self.board.cond.notify_all()

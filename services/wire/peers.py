@@ -102,9 +102,17 @@ class Peer:
             stop,
         )
 
-    def status(self) -> pb.StatusReply:
-        reply: pb.StatusReply = self._status(pb.StatusRequest(), timeout=10)
+    def status(self, request: pb.StatusRequest | None = None) -> pb.StatusReply:
+        reply: pb.StatusReply = self._status(request or pb.StatusRequest(), timeout=10)
         return reply
+
+    def report_applied(
+        self, requester: str, step: int, stop: Callable[[], bool] = _never
+    ) -> pb.StatusReply:
+        """Tell the peer that the merge of ``step`` is applied and durable here; waits
+        while the peer is down."""
+        request = pb.StatusRequest(requester=requester, applied_step=step)
+        return self._wait_out(f"report of step {step} applied", lambda: self.status(request), stop)
 
     def close(self) -> None:
         self.channel.close()

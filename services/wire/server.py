@@ -4,8 +4,10 @@
     add_servicer(RelayService(...), server, "Relay")        # not add_RelayServicer_to_server
     address = bind(server, args.listen)                      # "127.0.0.1:0" -> "127.0.0.1:41237"
     server.start()
-    announce("relay", address)                               # stdout: hypertrain-relay listening on 127.0.0.1:41237
-    return run_until_signal(server, on_stop=relay.close, shutdown=shutdown)
+    return run_until_signal(                                 # SIGTERM/SIGINT handlers, then
+        server, on_stop=relay.close, shutdown=shutdown,      # stdout: hypertrain-relay listening
+        ready=lambda: announce("relay", address),            #   on 127.0.0.1:41237
+    )
 
 The announce line is the one stdout line a daemon prints about its address, flushed at
 once, matching ``ANNOUNCE_RE``:
@@ -179,13 +181,16 @@ def run_until_signal(
     grace: float = 5.0,
     *,
     shutdown: Shutdown | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT or ``shutdown.request``; then ``on_stop``, drain, return 0.
 
     Signal handlers are installed only when called from the main thread (elsewhere,
     e.g. in tests, stop it with ``shutdown``) and restored before draining, so a second
-    Ctrl-C interrupts a slow drain.  ``server.stop(grace)`` lets calls in flight finish
-    for ``grace`` seconds, then cancels them.
+    Ctrl-C interrupts a slow drain.  ``ready`` (the daemons' "listening on" line) runs
+    once they are installed: whoever reads that line and signals at once gets a clean
+    stop, not the default SIGTERM death.  ``server.stop(grace)`` lets calls in flight
+    finish for ``grace`` seconds, then cancels them.
     """
     stop = shutdown if shutdown is not None else Shutdown()
 
@@ -196,6 +201,8 @@ def run_until_signal(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, on_signal)
+    if ready is not None:
+        ready()
     try:
         while not stop.wait(0.5):  # short waits: the main thread must run signal handlers
             pass

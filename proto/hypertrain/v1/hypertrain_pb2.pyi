@@ -85,8 +85,12 @@ class MergeRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., requester: _Optional[str] = ..., sync_step: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("requester", "applied_step")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    applied_step: int
+    def __init__(self, requester: _Optional[str] = ..., applied_step: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("run_id", "role", "round", "last_step", "state_digest", "done", "config_digest")
