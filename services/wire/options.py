@@ -19,8 +19,8 @@ One list, used on both ends, so that message limits and keepalive agree.
   ``bytes``.  By default glibc serves that from its own mmap (256 page faults to
   map it, an munmap to free it) or trims the heap right after; on this VM that kernel
   work was a quarter of a receive.  Chunk-sized blocks come from the heap instead
-  (mmap only from 32 MiB up), and up to 64 MiB of freed heap is kept for the next
-  chunks.  Measured (bench/bench_transport.py, 256 MiB, 2 cores): the relay's
+  (mmap only from 32 MiB up), and up to 16 MiB of freed heap is kept for the next
+  chunks (64 MiB measured the same and costs a relay more resident memory).  Measured (bench/bench_transport.py, 256 MiB, 2 cores): the relay's
   receive path 0.275 -> 0.32 of TCP, a download into a kept buffer 0.32 -> 0.355.
 """
 
@@ -65,7 +65,7 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = list(_COMMON)
 #: glibc ``mallopt`` parameters (malloc.h) and the values ``tune_allocator`` sets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 << 20
-TRIM_THRESHOLD_BYTES = 64 << 20
+TRIM_THRESHOLD_BYTES = 16 << 20
 _tuned: bool | None = None
 _tune_lock = threading.Lock()
 

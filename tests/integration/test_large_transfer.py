@@ -17,6 +17,9 @@ from hypertrain.wire.chunks import CHUNK_BYTES
 from hypertrain.wire.client import connect, push_delta, relay_stub
 from tests.integration.conftest import Cluster
 
+#: What a relay may hold besides one copy of the payload (see the assertion).
+SLACK_BYTES = 64 << 20
+
 CFG = RunConfig.from_dict(
     {
         "model": "gpt-125m",
@@ -91,8 +94,10 @@ def test_large_delta_streams_intact_with_bounded_relay_memory(tmp_path: Path) ->
     stored = cluster.run_dir / "relay-eu" / "published" / ack.digest
     assert stored.read_bytes() == blob
     grown = peak[0] - before
-    # One copy of the payload (receive buffer or page cache of the spool file) plus
-    # slack; never one copy per chunk in flight, never a decoded fp32 copy (4x the size).
-    assert grown < 1.5 * len(blob), (
+    # One copy of the payload (receive buffer or page cache of the spool file) plus a
+    # fixed slack (chunks in flight, gRPC's buffers, the heap the allocator keeps:
+    # options.TRIM_THRESHOLD_BYTES); never one copy per chunk in flight, never a decoded
+    # fp32 copy (4x the size).  Measured: 162-171 MiB for this 120 MiB delta.
+    assert grown < len(blob) + SLACK_BYTES, (
         f"relay RSS grew {grown / 2**20:.0f} MiB for a {len(blob) / 2**20:.0f} MiB delta"
     )
