@@ -13,6 +13,7 @@ from hypertrain.wire.daemon import (
     fail,
     load_identity,
     load_run_config,
+    log_event,
     section,
     setting,
     start_metrics,
@@ -46,12 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HypertrainError, ValueError) as e:
         return fail("aggregator", str(e))
     server.start()
-    return run_until_signal(
+    code = run_until_signal(
         server,
         on_stop=service.close,
         shutdown=shutdown,
         ready=lambda: announce("aggregator", address),
     )
+    log_event("stopped", role="aggregator", reason=shutdown.reason)
+    return code
 
 
 if __name__ == "__main__":

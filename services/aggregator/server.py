@@ -112,13 +112,17 @@ class AggregatorService:
         tape = TapeWriter.open(state_dir / "tape", cfg.run_id, key) if key else None
         self.state_dir = state_dir
         self.shutdown = shutdown
-        self.board = MergeBoard(cfg, shutdown)
+        self.board = MergeBoard(cfg, shutdown, state_dir / "final")
         self.metrics = metrics or Metrics("aggregator")
         self.intake = Intake(state_dir, self.numel, self.board, self.metrics, tape=tape)
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         self.evaluator = Evaluator(cfg, self.metrics)
         if self._recover() is None:
             self.evaluator.submit(-1, 0, theta0.clone())
+        elif self.machine.done:  # restarted after the run: done if every relay reported
+            self.board.check_final(
+                self.machine.level.members, "run complete: every relay has applied the final state"
+            )
 
     @maps_errors
     def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
@@ -238,6 +242,12 @@ class AggregatorService:
                 raise ConfigError(f"{path} belongs to another run or config; use a new --state-dir")
             self.machine.restore(ck["theta"], ck["outer"], int(ck["sync_step"]))
             start = int(ck["tape_seq"])
+            if tape is not None:  # a relay re-sending a forward we took: a duplicate
+                self.machine.level.accepted.update(
+                    ((e.body["sync_step"], e.body["sender"]), e.body["digest"])
+                    for e in tape.entries[:start]
+                    if e.kind == "input"
+                )
         elif tape is None or not tape.entries:
             return None
         redone = 0

@@ -114,5 +114,7 @@ def from_environment(stop: threading.Event, device: torch.device) -> TorchRanks 
     if world_size() <= 1:
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":  # NCCL's own collectives (barrier, objects) use this device
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     return TorchRanks(stop, device)

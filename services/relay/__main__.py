@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hypertrain.common.errors import HypertrainError
-from hypertrain.relay.server import RelayService
+from hypertrain.relay.server import FINAL_REPORTED, RelayService
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
     load_identity,
     load_run_config,
+    log_event,
     section,
     setting,
     start_metrics,
@@ -57,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg,
             region,
             Path(state_dir),
-            aggregator_peer(aggregator),
+            # A relay whose run is over (it reported the final state) may be restarted
+            # to serve islands after the aggregator has gone: it need not reach it.
+            aggregator_peer(aggregator, not (Path(state_dir) / FINAL_REPORTED).exists()),
             shutdown,
             metrics,
             key,
@@ -75,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown=shutdown,
         ready=lambda: announce("relay", address),
     )
+    log_event("stopped", role="relay", region=region, reason=shutdown.reason)
     return 1 if shutdown.reason and shutdown.reason.startswith("forwarding failed") else code
 
 

@@ -82,7 +82,7 @@ class RelayService:
         tape = TapeWriter.open(state_dir / "tape", cfg.run_id, key) if key else None
         self.aggregator = aggregator
         self.shutdown = shutdown
-        self.board = MergeBoard(cfg, shutdown)
+        self.board = MergeBoard(cfg, shutdown, state_dir / "final")
         self.metrics = metrics or Metrics("relay")
         self.intake = Intake(state_dir, self.numel, self.board, self.metrics, region, tape)
         self.forwards: queue.Queue[Forward | None] = queue.Queue()
@@ -212,10 +212,15 @@ class RelayService:
             seconds=round(time.perf_counter() - t0, 4),
         )
         if final:  # durable here: the aggregator may stop once every relay says so
-            self._report_final(stop)
+            self._report_final()
 
-    def _report_final(self, stop: Any) -> None:
-        self.aggregator.report_applied(self.region, self.cfg.steps, stop)
+    def _report_final(self) -> None:
+        """Report the final state applied and durable; keep trying for a while even when
+        this relay is already stopping (the aggregator waits for every report)."""
+        give_up = time.monotonic() + FINAL_REPORT_WAIT_S
+        self.aggregator.report_applied(
+            self.region, self.cfg.steps, lambda: time.monotonic() > give_up
+        )
         atomic_write(self.state_dir / FINAL_REPORTED, b"")
 
     def save_checkpoint(self, round_: int) -> None:
@@ -290,11 +295,14 @@ class RelayService:
             # The final checkpoint was written, its report perhaps not, and the aggregator
             # waits for it.  It may also have been sent just before the crash and the
             # aggregator be gone: then give up after a while (it only ends the aggregator).
-            give_up = time.monotonic() + FINAL_REPORT_WAIT_S
             try:
-                self._report_final(lambda: time.monotonic() > give_up)
+                self._report_final()
             except WireError as e:
                 log_event("warning", role="relay", region=self.region, message=str(e))
+        if self.machine.done:  # islands that had the final merge before the restart are done
+            self.board.check_final(
+                self.machine.level.members, "run complete: every island has the final merge"
+            )
         log_event(
             "recovered",
             role="relay",
@@ -370,9 +378,10 @@ class RelayService:
         )
 
     def close(self) -> None:
-        self.intake.close()
+        # The forwarder first (it may be reporting the final round, or applying a global
+        # round that it must tape before its checkpoint), then the tape.
         self.forwards.put(None)
-        # The forwarder may be reporting the final round to the aggregator: let it.
         self.forwarder.join(timeout=FINAL_REPORT_WAIT_S)
+        self.intake.close()
         with self.board.cond:
             self.board.cond.notify_all()

@@ -38,10 +38,15 @@ T = TypeVar("T")
 _CHUNKS = (pb.DeltaChunk, pb.MergeChunk)
 
 
+def insecure_channel(address: str) -> grpc.Channel:
+    """A channel to "HOST:PORT" with hypertrain's options; it connects at the first call."""
+    tune_allocator()
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
 def connect(address: str, timeout: float = 30.0) -> grpc.Channel:
     """An insecure channel to "HOST:PORT", once it is ready; WireError(UNAVAILABLE) if not."""
-    tune_allocator()
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    channel = insecure_channel(address)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:

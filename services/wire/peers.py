@@ -19,7 +19,14 @@ import grpc
 import torch
 
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.client import aggregator_stub, connect, fetch_merge, push_delta, relay_stub
+from hypertrain.wire.client import (
+    aggregator_stub,
+    connect,
+    fetch_merge,
+    insecure_channel,
+    push_delta,
+    relay_stub,
+)
 from hypertrain.wire.errors import WireError
 
 WAIT_CODES = (
@@ -38,10 +45,12 @@ def _never() -> bool:
 class Peer:
     """An upstream daemon: push deltas to it, fetch merges from it."""
 
-    def __init__(self, address: str, service: str) -> None:
+    def __init__(self, address: str, service: str, wait_ready: bool = True) -> None:
+        """``wait_ready``: fail now (UNAVAILABLE) if the peer is not reachable within
+        ``connect``'s timeout; False: connect lazily, at the first call."""
         self.address = address
         self.service = service
-        self.channel = connect(address)
+        self.channel = connect(address) if wait_ready else insecure_channel(address)
         stub: Any = (
             relay_stub(self.channel) if service == "Relay" else aggregator_stub(self.channel)
         )
@@ -122,5 +131,5 @@ def relay_peer(address: str) -> Peer:
     return Peer(address, "Relay")
 
 
-def aggregator_peer(address: str) -> Peer:
-    return Peer(address, "Aggregator")
+def aggregator_peer(address: str, wait_ready: bool = True) -> Peer:
+    return Peer(address, "Aggregator", wait_ready)

@@ -26,6 +26,7 @@ from hypertrain.common.tape import TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import spool
 from hypertrain.wire.chunks import discard, publish, receive_delta
+from hypertrain.wire.daemon import atomic_write
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.protocol_codes import STATUS
@@ -56,12 +57,17 @@ def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
 class MergeBoard:
     """Committed merges with their wire headers, and a condition to wait on them."""
 
-    def __init__(self, cfg: RunConfig, shutdown: Shutdown) -> None:
+    def __init__(self, cfg: RunConfig, shutdown: Shutdown, final_dir: Path | None = None) -> None:
+        """``final_dir``: where the members that have the final merge are recorded (one
+        empty file each), so a restarted daemon still knows who is done."""
         self.cfg = cfg
         self.shutdown = shutdown
         self.cond = threading.Condition()
         self.headers: dict[int, pb.MergeHeader] = {}
+        self.final_dir = final_dir
         self.final_fetches: set[str] = set()
+        if final_dir is not None and final_dir.is_dir():
+            self.final_fetches = {f.name for f in final_dir.iterdir() if not f.name.startswith(".")}
 
     def wait(self, lookup: Any, sync_step: int, context: grpc.ServicerContext) -> Committed:
         """Block (under ``cond``) until ``lookup(sync_step)`` exists; abort if the call ends."""
@@ -87,7 +93,14 @@ class MergeBoard:
         """Record that ``requester`` has the run's final merge; once every member has it,
         the daemon's work is done and it asks to shut down with ``reason``."""
         with self.cond:
+            if self.final_dir is not None and requester not in self.final_fetches:
+                atomic_write(self.final_dir / requester, b"")
             self.final_fetches.add(requester)
+            self.check_final(members, reason)
+
+    def check_final(self, members: tuple[str, ...], reason: str) -> None:
+        """Ask to shut down with ``reason`` if every member has the final merge."""
+        with self.cond:
             if self.final_fetches >= set(members):
                 self.shutdown.request(reason)
 
@@ -128,6 +141,8 @@ class Intake:
         """``region``: the relay's region ("" at the aggregator), a metrics label.
         ``tape``: where accepted inputs, rejections and merges are recorded."""
         self.tape = tape
+        self.taped = tape is not None
+        self.closed = False
         self.published = state_dir / "published"
         self.spool = state_dir / "spool"
         for d in (self.published, self.spool):
@@ -141,7 +156,10 @@ class Intake:
         self.level = "regional" if metrics.role == "relay" else "global"
 
     def record(self, kind: str, body: dict[str, Any]) -> None:
-        """Append one entry to the tape (callers hold ``board.cond``)."""
+        """Append one entry to the tape (callers hold ``board.cond``); after ``close`` of a
+        taped intake, raise: an entry that cannot be taped must not be acted on."""
+        if self.closed and self.taped:
+            raise RuntimeError(f"tape closed: cannot record {kind}")
         if self.tape is not None:
             self.tape.append(kind, body)
             self.metrics.tape_entries.labels(*self.labels).inc()
@@ -153,6 +171,7 @@ class Intake:
         """On shutdown: a final signed checkpoint, so the tape's end is attested; then
         no more entries (a late call's rejection is logged, not taped)."""
         with self.board.cond:
+            self.closed = True
             tape, self.tape = self.tape, None
             if tape is not None:
                 cp = tape.last_checkpoint

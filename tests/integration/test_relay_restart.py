@@ -173,3 +173,29 @@ def test_a_relay_without_a_tape_refuses_to_resume_an_earlier_state(tmp_path: Pat
         cluster.stop()
     assert done.returncode == 2, done.stdout + done.stderr
     assert "cannot resume" in done.stderr and str(state) in done.stderr, done.stderr
+
+
+def test_daemons_restarted_after_the_run_see_it_is_over_and_exit(tmp_path: Path) -> None:
+    """Who has the final state is kept on disk (``<state>/final/<member>``): the
+    aggregator and a relay started again after a finished run (the aggregator gone,
+    for the relay) recover, see that every member has the final state, and exit 0
+    without waiting for anyone."""
+    cluster = Cluster(CFG, tmp_path / "run")
+    try:
+        failed = cluster.run_all(timeout_s=300)
+        assert failed is None, failed.failure_message()
+        argv = {c.name: c.argv for c in cluster.children}
+        for name in ("aggregator", "relay-eu"):
+            again = Child(
+                f"{name}-again",
+                argv[name],
+                cluster.run_dir / "logs" / f"{name}-again.log",
+                None,
+                child_env(),
+            )
+            cluster.children.append(again)
+            assert again.proc.wait(timeout=120) == 0, again.failure_message()
+            log = again.log_path.read_text()
+            assert "event=recovered" in log and "run complete" in log, log
+    finally:
+        cluster.stop()
