@@ -38,7 +38,7 @@ from hypertrain.common.errors import ConfigError
 from hypertrain.common.keys import SigningKey, TrustedKeys
 from hypertrain.common.ledger import global_merge_body
 from hypertrain.common.model import build_model, evaluate, preset
-from hypertrain.common.protocol import AggregatorMachine, Committed, Delta, Effect
+from hypertrain.common.protocol import AggregatorMachine, Committed, Effect
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.tape import Entry, TapeWriter
@@ -47,7 +47,7 @@ from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import atomic_write, fault_point, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
-from hypertrain.wire.rounds import Intake, MergeBoard
+from hypertrain.wire.rounds import Intake, MergeBoard, taped_delta, taped_inputs
 from hypertrain.wire.server import Shutdown, maps_errors
 
 
@@ -243,11 +243,7 @@ class AggregatorService:
             self.machine.restore(ck["theta"], ck["outer"], int(ck["sync_step"]))
             start = int(ck["tape_seq"])
             if tape is not None:  # a relay re-sending a forward we took: a duplicate
-                self.machine.level.accepted.update(
-                    ((e.body["sync_step"], e.body["sender"]), e.body["digest"])
-                    for e in tape.entries[:start]
-                    if e.kind == "input"
-                )
+                self.machine.level.accepted.update(taped_inputs(tape.entries[:start]))
         elif tape is None or not tape.entries:
             return None
         redone = 0
@@ -290,18 +286,7 @@ class AggregatorService:
         redone = 0
         for e in entries:
             if e.kind == "input":
-                b = e.body
-                data = (self.intake.published / b["digest"]).read_bytes()
-                delta = Delta(
-                    self.cfg.run_id,
-                    b["round"],
-                    b["sync_step"],
-                    b["sender"],
-                    b["digest"],
-                    b["codec"],
-                    data,
-                    bytes.fromhex(b["signature"]),
-                )
+                delta = taped_delta(self.cfg.run_id, e, self.intake.published)
                 decision, effects = self.machine.on_regional(delta)
                 if not decision.accepted:
                     raise ConfigError(f"cannot redo tape entry {e.seq}: {decision.reason}")

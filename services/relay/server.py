@@ -38,7 +38,7 @@ from hypertrain.common.ledger import (
     regional_merge_body,
     transfer_message,
 )
-from hypertrain.common.protocol import Committed, Delta, Effect, Forward, Publish, RelayMachine
+from hypertrain.common.protocol import Committed, Effect, Forward, Publish, RelayMachine
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.tape import Entry, TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
@@ -47,7 +47,7 @@ from hypertrain.wire.daemon import atomic_write, fault_point, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
-from hypertrain.wire.rounds import Intake, MergeBoard
+from hypertrain.wire.rounds import Intake, MergeBoard, taped_delta, taped_inputs
 from hypertrain.wire.server import Shutdown, maps_errors
 
 #: Marker file: the aggregator has been told that the final state is durable here.
@@ -281,11 +281,7 @@ class RelayService:
                     f"({start} entries ending in {ck['tape_head'][:16]})"
                 )
             resumed_round = int(ck["round"])
-            accepted = {
-                (e.body["sync_step"], e.body["sender"]): e.body["digest"]
-                for e in entries[:start]
-                if e.kind == "input"
-            }
+            accepted = taped_inputs(entries[:start])
             sync_step = (resumed_round + 1) * self.cfg.topology.h_g
             self.machine.restore(ck["theta"], ck["residual"], sync_step, accepted)
         elif not entries:
@@ -320,19 +316,7 @@ class RelayService:
         for e in entries:
             b = e.body
             if e.kind == "input":
-                path = self.intake.published / b["digest"]
-                if not path.is_file():
-                    raise ConfigError(f"tape entry {e.seq}: published input {path} is missing")
-                delta = Delta(
-                    cfg.run_id,
-                    b["round"],
-                    b["sync_step"],
-                    b["sender"],
-                    b["digest"],
-                    b["codec"],
-                    path.read_bytes(),
-                    bytes.fromhex(b["signature"]),
-                )
+                delta = taped_delta(cfg.run_id, e, self.intake.published)
                 decision, effects = self.machine.on_delta(delta)
                 if not decision.accepted or decision.duplicate:
                     raise ConfigError(f"cannot redo tape entry {e.seq}: {decision.reason}")

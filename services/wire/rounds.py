@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,9 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
+from hypertrain.common.errors import ConfigError
 from hypertrain.common.protocol import Committed, Decision, Delta, Effect, Publish
-from hypertrain.common.tape import TapeWriter
+from hypertrain.common.tape import Entry, TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import spool
 from hypertrain.wire.chunks import discard, publish, receive_delta
@@ -123,6 +124,34 @@ def input_body(d: Delta) -> dict[str, Any]:
         "size": len(d.data),
         "codec": d.codec,
         "signature": d.signature.hex(),
+    }
+
+
+def taped_delta(run_id: str, e: Entry, published: Path) -> Delta:
+    """The delta of a taped ``input`` entry, its bytes read back from ``published``
+    (the inverse of :func:`input_body`; what a restarted daemon redoes)."""
+    b = e.body
+    path = published / b["digest"]
+    if not path.is_file():
+        raise ConfigError(f"tape entry {e.seq}: published input {path} is missing")
+    return Delta(
+        run_id,
+        b["round"],
+        b["sync_step"],
+        b["sender"],
+        b["digest"],
+        b["codec"],
+        path.read_bytes(),
+        bytes.fromhex(b["signature"]),
+    )
+
+
+def taped_inputs(entries: Sequence[Entry]) -> dict[tuple[int, str], str]:
+    """(sync_step, sender) -> digest of every taped ``input`` entry: what was accepted."""
+    return {
+        (e.body["sync_step"], e.body["sender"]): e.body["digest"]
+        for e in entries
+        if e.kind == "input"
     }
 
 
