@@ -1,5 +1,7 @@
 """The sans-I/O relay and aggregator machines: membership by step, idempotence, refusals."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,3 +145,38 @@ def test_aggregator_applies_one_outer_step_per_round(theta0: torch.Tensor) -> No
     assert not torch.equal(merge.payload, theta0) and agg.round == 1
     bad = agg.on_regional(Delta(CFG.run_id, 0, 5, "eu", "x", str(g.spec), b""))[0]
     assert bad.code == INVALID and "not a sync step" in bad.reason
+
+
+def test_relay_takes_only_deltas_signed_by_the_sender_s_pinned_key(
+    theta0: torch.Tensor, tmp_path: Path
+) -> None:
+    """With pinned keys the relay verifies each delta's signature before accepting:
+    unsigned, signed by another island's key, or signed over other fields is refused
+    as INVALID naming the sender; the island's own signature is accepted."""
+    from hypertrain.common.keys import TrustedKeys, daemon_key_names, init_keys, load_signing_key
+    from hypertrain.common.ledger import transfer_message
+
+    keys = tmp_path / "keys"
+    init_keys(keys, daemon_key_names(CFG.topology))
+    relay = RelayMachine(CFG, "eu", theta0, TrustedKeys.load(keys / "trusted_keys.json"))
+    d = _delta(theta0, "eu-0", 5)
+
+    def signed(delta: Delta, key: str, step: int | None = None) -> Delta:
+        message = transfer_message(
+            delta.run_id, delta.round, step or delta.sync_step, delta.sender, delta.digest,
+            len(delta.data), delta.codec,
+        )  # fmt: skip
+        sig = load_signing_key(keys / f"{key}.key").sign(message)
+        return Delta(
+            **{**{f: getattr(delta, f) for f in Delta.__dataclass_fields__}, "signature": sig}
+        )
+
+    for bad, words in [
+        (d, "unsigned delta from eu-0"),
+        (signed(d, "island-eu-1"), "bad signature on the delta from eu-0"),
+        (signed(d, "island-eu-0", step=10), "bad signature on the delta from eu-0"),
+    ]:
+        decision, effects = relay.on_delta(bad)
+        assert decision.code == INVALID and words in decision.reason and not effects
+    decision, effects = relay.on_delta(signed(d, "island-eu-0"))
+    assert decision.accepted and isinstance(effects[0], Publish)
