@@ -178,7 +178,7 @@ def project_grid(
     jobs = 0
     for c in cells:
         m = c.m
-        n_jobs = seeds * max(1, len(c.outer_lrs))
+        n_jobs = seeds * max(1, len(design.sweep(c, "full")))
         row = rows[m]  # every M of the grid is measured
         t_step = row["batched"]["step_s_median"]
         ops = extra["ops_per_step"][m]

@@ -104,7 +104,7 @@ def cmd_device_check(args: argparse.Namespace) -> int:
     # A few real arms, one seed and the middle eta of each sweep: DP, flat, hierarchy, mechanisms.
     picked, kinds = [], set()
     for j in jobs:
-        sweep = j.cell.outer_lrs
+        sweep = pre.design.sweep(j.cell, args.scale)
         mid = sweep[len(sweep) // 2] if sweep else None
         tag = (j.cell.kind, j.cell.inner, j.cell.fragments > 1)
         if j.seed == pre.design.seeds[0] and j.eta == mid and tag not in kinds:

@@ -116,6 +116,10 @@ class Scale:
     """The runner stops starting jobs after this many seconds (the rest are censored)."""
     process_cap: int
     """At most this many worker processes."""
+    nesterov_outer_lrs: tuple[float, ...] | None = None
+    """The eta_g sweep of every Nesterov cell at this scale; None = the cells' own sweep
+    (S2's starting grid).  A short run has few outer steps, so its best eta can lie below
+    the starting grid; a scale registers the sweep that brackets it."""
 
     def __post_init__(self) -> None:
         where = f"scale {self.name!r}"
@@ -134,6 +138,13 @@ class Scale:
             raise PreregError(f"{where}: warmup_steps must be in [0, steps)")
         if self.wall_clock_cap_s < 1 or self.process_cap < 1:
             raise PreregError(f"{where}: wall_clock_cap_s and process_cap must be >= 1")
+        lrs = self.nesterov_outer_lrs
+        if lrs is not None and (
+            not lrs or not all(e > 0 for e in lrs) or list(lrs) != sorted(set(lrs))
+        ):
+            raise PreregError(
+                f"{where}: nesterov_outer_lrs must be distinct positive values, ascending"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,7 +250,8 @@ class Design:
         "etas with no divergent run; ties to the smaller eta"
     )
     lawa_checkpoints: int = 5
-    """LAWA cells average the last this-many global-round checkpoints of the decay."""
+    """LAWA cells average the last this-many global-round checkpoints (one per H_g steps;
+    in a short run they reach back before the decay starts)."""
     inner: InnerSettings = field(default_factory=InnerSettings)
     divergence: Divergence = field(default_factory=Divergence)
     scales: tuple[Scale, ...] = ()
@@ -292,6 +304,12 @@ class Design:
         """The cells run at ``scale``, in design order."""
         ids = self.scale(scale).cells
         return self.cells if ids is None else tuple(c for c in self.cells if c.id in set(ids))
+
+    def sweep(self, cell: Cell, scale: str) -> tuple[float, ...]:
+        """The etas ``cell`` runs at ``scale``: the scale's Nesterov sweep where it registers
+        one, else the cell's own; () for a control."""
+        lrs = self.scale(scale).nesterov_outer_lrs
+        return lrs if lrs is not None and cell.outer == "nesterov" else cell.outer_lrs
 
     def cell(self, cell_id: str) -> Cell:
         for c in self.cells:

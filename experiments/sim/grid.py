@@ -137,8 +137,9 @@ def job_for(
             raise ConfigError(f"grid: control {cell.id} has no outer lr")
         h = _dp_h(design, scale)
         return SimJob(dp=True, h_r=h, h_g=h, **common)
-    if eta is None or eta not in cell.outer_lrs:
-        raise ConfigError(f"grid: eta {eta} is not in {cell.id}'s sweep {cell.outer_lrs}")
+    sweep = design.sweep(cell, scale.name)
+    if eta is None or eta not in sweep:
+        raise ConfigError(f"grid: eta {eta} is not in {cell.id}'s sweep {sweep} at {scale.name}")
     assert cell.outer is not None and cell.h_g is not None and cell.h_r is not None
     outer = OuterConfig(name=cell.outer, eta=eta, mu=cell.outer_momentum)
     return SimJob(
@@ -182,7 +183,8 @@ def plan_jobs(
     sc = design.scale(scale)
     jobs = []
     for cell in cell_priority(design, scale):
-        etas: Iterable[float | None] = cell.outer_lrs if cell.kind != "control" else (None,)
+        sweep = design.sweep(cell, scale)
+        etas: Iterable[float | None] = sweep if cell.kind != "control" else (None,)
         for eta in etas:
             for seed in design.seeds:
                 sim = job_for(design, sc, cell, seed, eta, device=device, path=path)

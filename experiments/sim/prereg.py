@@ -92,6 +92,11 @@ MECHANISM_H_G = 30
 OUTER_LRS = (0.4, 0.6, 0.8, 1.0)
 """S2's starting grid for eta_g, with momentum 0.9."""
 OUTER_MOMENTUM = 0.9
+CPU_TINY_OUTER_LRS = (0.05, 0.1, 0.2, 0.4)
+"""cpu-tiny's Nesterov sweep.  Its 300 steps give 10 or 30 outer steps, where the
+starting grid overshoots: the first registration (2026-11-29T10:28:30Z, S2's grid)
+found the loss rising with eta from 0.4 in every arm that ran.  Log-spaced, so a
+best eta anywhere from about 0.07 to 0.3 is bracketed."""
 INNER_LR = 3e-3
 """The matched inner lr: every arm and the primary DP control."""
 CONTROL_SECOND_LR = 6e-3
@@ -193,16 +198,18 @@ def registered_scales() -> tuple[Scale, ...]:
         ),
         Scale(
             name="cpu-tiny",
-            note="reduced: tiny model, 300 steps, H_g 10 and 30, "
-            "hierarchies at H_r 5, mechanisms at M 8; fits a 2-core CPU",
+            note="reduced: tiny model, 300 steps, H_g 10 and 30, hierarchies at H_r 5, "
+            "mechanisms at M 8, Nesterov eta swept 0.05-0.4 (the first registration's "
+            "0.4-1.0 had its best at 0.4 for every arm); about an hour on 2 idle cores",
             steps=300,
             **tiny,
             global_batch=32,
             holdout_windows=256,
             warmup_steps=20,
             cells=_cpu_cells(),
-            wall_clock_cap_s=4 * 3600,
+            wall_clock_cap_s=2 * 3600,
             process_cap=2,
+            nesterov_outer_lrs=CPU_TINY_OUTER_LRS,
         ),
         Scale(
             name="smoke",

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from hypertrain import sim_cmd
+from hypertrain.common.errors import ConfigError
 from hypertrain.sim.design import Design, PreregError, Scale
 from hypertrain.sim.grid import (
     RUNS_FILE,
@@ -67,14 +68,23 @@ def test_plan_covers_every_registered_job() -> None:
     design = registered_design()
     for sc in design.scales:
         jobs = plan_jobs(design, sc.name)
-        want = sum(len(design.seeds) * max(1, len(c.outer_lrs)) for c in design.cells_of(sc.name))
+        cells = design.cells_of(sc.name)
+        want = sum(len(design.seeds) * max(1, len(design.sweep(c, sc.name))) for c in cells)
         assert len(jobs) == want == len({j.job_id for j in jobs})
         assert jobs[0].cell.kind in ("control", "negative_control")
     tiny = design.scale("cpu-tiny")
     cell = design.cell("mech-M8-Hg30-lawa")
-    job = job_for(design, tiny, cell, 1, 0.6)
-    assert (job.n_replicas, job.h_g, job.lawa_k, job.outer.eta, job.seed) == (8, 30, 5, 0.6, 1)
+    job = job_for(design, tiny, cell, 1, 0.2)
+    assert (job.n_replicas, job.h_g, job.lawa_k, job.outer.eta, job.seed) == (8, 30, 5, 0.2, 1)
     assert job.model_config().d_model == tiny.d_model and job.steps == tiny.steps
+    # cpu-tiny registers its own Nesterov sweep; the full scale keeps S2's starting grid,
+    # and cells with another outer keep theirs at every scale.
+    assert design.sweep(cell, "cpu-tiny") == (0.05, 0.1, 0.2, 0.4)
+    assert design.sweep(cell, "full") == (0.4, 0.6, 0.8, 1.0)
+    sparse = design.cell("mech-M8-Hg30-sparseloco")
+    assert design.sweep(sparse, "cpu-tiny") == sparse.outer_lrs == (0.4, 0.6, 0.8, 1.0)
+    with pytest.raises(ConfigError, match=r"not in .* sweep"):
+        job_for(design, tiny, cell, 1, 0.6)
 
 
 def test_refuses_altered_or_foreign_registration(prereg: Path, tmp_path: Path) -> None:
