@@ -19,11 +19,13 @@ What it measures, on the ``proxy`` preset (4 x 128, seq 256) with global batch
   merges), measured per path;
 - the batched / per-replica speedup at each M (targets: >= 1 everywhere,
   >= 1.5 at M = 32);
-- the achieved model FLOP rate of the batched path at M = 32,
-  ``6 * P * tokens / t_step`` (P = all 854,272 parameters, tokens = 32 x 256 per
-  step; attention-score FLOPs are not counted, so this understates the work),
-  against the fp32 rate of a 1024 x 1024 ``torch.mm`` measured here
-  (target >= 0.5);
+- the achieved model FLOP rate of the batched path at M = 32, model FLOPs per
+  token as MFU counts them (PaLM, appendix B: ``6 N + 12 L d T``, N the matmul
+  parameters) x 32 x 256 tokens / step time, against the fp32 rate of a
+  1024 x 1024 ``torch.mm`` measured here (target >= 0.5); the same with ``6 P``
+  only (all parameters, no attention term) is printed beside it;
+- the ceiling of the M = 32 speedup: per-replica M = 32 / dense M = 1 step time
+  (batched M = 32 does the dense model's FLOPs in smaller kernels);
 - the projected wall time of the full registered grid (S6 "full": 3000 steps,
   proxy, global batch 32, 3 seeds, the cells and eta sweeps of
   ``hypertrain.sim.prereg.registered_design()``), on this machine (jobs one
@@ -49,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hypertrain.common.data import ensure_default_dataset, holdout_windows
 from hypertrain.common.flat import ParamLayout
-from hypertrain.common.model import build_model, evaluate
+from hypertrain.common.model import GPT, build_model, evaluate
 from hypertrain.common.optim import InnerConfig
 from hypertrain.sim.engine import FragmentSync, make_replicas
 from hypertrain.sim.engine_job import SimJob, flat_job
@@ -151,6 +153,17 @@ def ops_per_step(m: int, inner: InnerConfig, path: str = "batched") -> int:
     return counter.n
 
 
+def model_flops_per_token(model: GPT) -> int:
+    """Training FLOPs per token as model FLOPs utilization counts them (PaLM, appendix B):
+    6 per matmul parameter (forward 2, backward 4) plus the attention scores and their
+    weighted sum, 12 * n_layer * d_model * seq_len (counted in full although half the causal
+    scores are masked).  Matmul parameters: all but the position table, a lookup (the token
+    table is counted: it is also the output layer)."""
+    cfg = model.cfg
+    n = sum(p.numel() for name, p in model.named_parameters() if name != "wpe.weight")
+    return 6 * n + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
 def eval_seconds(windows: int) -> float:
     """Seconds to evaluate the registered 512 holdout windows (measured on ``windows``)."""
     model = build_model("proxy", seed=0)
@@ -173,7 +186,7 @@ def project_grid(
         source = "hypertrain.sim.prereg.registered_design() scale 'full'"
     except ImportError:  # pragma: no cover - prereg.py is part of the tree
         return {"error": "hypertrain.sim.prereg not importable"}
-    flops_step = 6 * extra["n_params"] * GLOBAL_BATCH * 256
+    flops_step = extra["model_flops_per_token"] * GLOBAL_BATCH * 256
     cpu_s = gpu_s = 0.0
     jobs = 0
     for c in cells:
@@ -201,7 +214,7 @@ def project_grid(
         "cpu_assumption": f"{workers} jobs at a time, each at the measured per-step cost",
         "gpu_hours_one_gpu": gpu_s / 3600,
         "gpu_assumption": (
-            f"step = max(6*P*tokens / {GPU_FP32_TFLOPS:g} TFLOP/s achieved fp32, "
+            f"step = max(model FLOPs / {GPU_FP32_TFLOPS:g} TFLOP/s achieved fp32, "
             f"ops per step x {GPU_US_PER_OP:g} us per eager op); ops counted here per M; "
             "codecs and syncs stay on the CPU at the measured cost; one job at a time"
         ),
@@ -250,13 +263,24 @@ def main(argv: list[str] | None = None) -> int:
             f" ({bat['steps_per_s_with_sync_H30']:.3f}) | {r['speedup_train']:.2f}x / "
             f"{r['speedup_with_sync']:.2f}x"
         )
-    n_params = sum(p.numel() for p in build_model("proxy").parameters())
-    flops = 6 * n_params * GLOBAL_BATCH * 256
-    achieved = flops / rows[32]["batched"]["step_s_median"] / 1e9
+    model = build_model("proxy")
+    n_params = sum(p.numel() for p in model.parameters())
+    per_token = model_flops_per_token(model)
+    tokens = GLOBAL_BATCH * model.cfg.seq_len
+    t32 = rows[32]["batched"]["step_s_median"]
+    achieved = per_token * tokens / t32 / 1e9
+    achieved_6p = 6 * n_params * tokens / t32 / 1e9
     print(
-        f"batched M=32 model FLOP rate: 6*{n_params}*{GLOBAL_BATCH * 256} / "
-        f"{rows[32]['batched']['step_s_median']:.3f} s = {achieved:.1f} GFLOP/s = "
-        f"{achieved / rate:.2f} x the mm rate"
+        f"batched M=32 model FLOP rate: {per_token} FLOP/token (6N + 12*L*d*T) x {tokens} tokens"
+        f" / {t32:.3f} s = {achieved:.1f} GFLOP/s = {achieved / rate:.2f} x the mm rate "
+        f"(counting 6 * all {n_params} parameters only: {achieved_6p / rate:.2f} x)"
+    )
+    # Batched M = 32 computes the FLOPs of the dense M = 1 model, in 32x smaller kernels: its
+    # speedup over per-replica M = 32 is bounded by per-replica M = 32 / dense M = 1.
+    ceiling = rows[32]["per_replica"]["step_s_median"] / rows[1]["per_replica"]["step_s_median"]
+    print(
+        f"ceiling of the M=32 speedup: per-replica M=32 step / dense (M=1) step = {ceiling:.2f}x "
+        "(the batched step does the dense model's FLOPs; it cannot beat the dense model's kernels)"
     )
     # Muon's per-replica Newton-Schulz (torch's own code) costs extra per replica.
     m_mu = 8 if 8 in rows else MS[-1]
@@ -270,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     t_eval = eval_seconds(64 if args.quick else 512)
     extra = {
         "n_params": n_params,
+        "model_flops_per_token": per_token,
         "ops_per_step": ops,
         "muon_extra_s_per_replica": muon_extra,
         "muon_ops_per_replica": muon_ops,
@@ -300,9 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "mm_gflops": rate,
         "per_m": {str(m): r for m, r in rows.items()},
-        "flop_formula": "6 * n_params * (global_batch * seq_len) / batched median step time",
+        "flop_formula": (
+            "model FLOPs per token 6 * N + 12 * n_layer * d_model * seq_len (N: parameters "
+            "in matmuls, i.e. all but the position table; PaLM appendix B) x global_batch * "
+            "seq_len tokens / batched median step time"
+        ),
+        "model_flops_per_token": per_token,
         "batched_m32_gflops": achieved,
         "flop_ratio_vs_mm": achieved / rate,
+        "flop_ratio_vs_mm_6p_only": achieved_6p / rate,
+        "m32_speedup_ceiling": ceiling,
         "extra": {k: _str_keys(v) for k, v in extra.items()},
         "grid_projection": grid,
         "targets": targets,

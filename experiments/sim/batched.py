@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from hypertrain.common.data import SampleStream
+from hypertrain.common.errors import HypertrainError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT
 from hypertrain.common.optim import InnerConfig, InnerOptimizer, wsd_factor
@@ -116,7 +117,17 @@ class StackedInnerOptimizer(InnerOptimizer):
 
 
 class Batched:
-    """The batched path: N replicas as one stacked model (see the module docstring)."""
+    """The batched path: N replicas as one stacked model (see the module docstring).
+
+    On CPU one step's forward and backward run in chunks of whole replicas, at most
+    ``CHUNK_ROWS`` token rows each (one replica per chunk when a replica alone has more):
+    a replica's gradient depends only on its own rows and kernels, so chunking changes no
+    bit, and a chunk's activations stay in cache (bench/bench_sim.py measures it).  On
+    other devices the whole stack is one chunk (one set of large kernels).
+    """
+
+    CHUNK_ROWS = 2048
+    """Token rows per forward/backward chunk on CPU (whole replicas; >= 1 replica)."""
 
     def __init__(
         self,
@@ -148,17 +159,40 @@ class Batched:
         for p in self.stacks.values():
             p.requires_grad_(True)
         self.optimizer = StackedInnerOptimizer(model, self.stacks, inner)
+        rows = self.per_replica_batch * template.cfg.seq_len
+        self.chunk = n if device.type != "cpu" else max(1, min(n, self.CHUNK_ROWS // rows))
+        self._grads = (
+            {} if self.chunk == n else {k: torch.empty_like(v) for k, v in self.stacks.items()}
+        )
 
     def train_step(self, step: int) -> torch.Tensor:
         batch = self.stream.global_batch_at(step)
         windows = batch.view(self.n, self.per_replica_batch, batch.shape[1]).to(self.device)
         self.optimizer.set_lr_factor(wsd_factor(step, self.total_steps, self.inner))
         self.optimizer.zero_grad()
-        losses = self.forward.losses(self.stacks, windows)
-        # The sum's gradient w.r.t. each loss is exactly 1: replica i's gradient is its own.
-        losses.sum().backward()
+        if self.chunk == self.n:
+            losses = self.forward.losses(self.stacks, windows)
+            # The sum's gradient w.r.t. each loss is exactly 1: replica i's gradient is its own.
+            losses.sum().backward()
+        else:
+            losses = torch.cat([self._chunk(windows, i) for i in range(0, self.n, self.chunk)])
+            for name, p in self.stacks.items():
+                p.grad = self._grads[name]  # every row written by the chunks
         self.optimizer.step()
         return losses.detach().to("cpu", torch.float32)
+
+    def _chunk(self, windows: torch.Tensor, start: int) -> torch.Tensor:
+        """Forward and backward of replicas [start, start + chunk); gradients into ``_grads``."""
+        stop = min(self.n, start + self.chunk)
+        # Leaves sharing the stacks' storage: the chunk's gradients come out [stop - start, ...].
+        views = {k: v.detach()[start:stop].requires_grad_(True) for k, v in self.stacks.items()}
+        losses = self.forward.losses(views, windows[start:stop])
+        losses.sum().backward()
+        for name, view in views.items():
+            if view.grad is None:
+                raise HypertrainError(f"batched path: no gradient for {name}")
+            self._grads[name][start:stop].copy_(view.grad)
+        return losses.detach()
 
     @torch.no_grad()
     def read(self, frag: Fragment) -> torch.Tensor:

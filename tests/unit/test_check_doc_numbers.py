@@ -140,3 +140,30 @@ def test_fails_on_a_wrong_string_and_a_malformed_tag(tree: Path) -> None:
 def test_the_repository_docs_pass() -> None:
     out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_generated_parity_tables_pass_and_a_changed_value_fails(tmp_path: Path) -> None:
+    """scripts/parity_tables.py prints tags the checker accepts, for every committed grid."""
+    summaries = sorted(ROOT.glob("experiments/results/parity-*/summary.json"))
+    assert summaries, "no committed parity grid summary"
+    (tmp_path / "docs").mkdir()
+    for summary in summaries:
+        rel = summary.relative_to(ROOT)
+        (tmp_path / rel).parent.mkdir(parents=True)
+        (tmp_path / rel).write_bytes(summary.read_bytes())
+        tables = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "parity_tables.py"), str(rel)],
+            capture_output=True, text=True, timeout=60, cwd=ROOT, check=True,
+        ).stdout  # fmt: skip
+        assert tables.count("<!--num ") > 50
+        (tmp_path / "docs" / f"{rel.parent.name}.md").write_text(tables)
+    out = _run(tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # The same tables after the summary's numbers move: the checker notices.
+    data = json.loads((tmp_path / rel).read_text())
+    seed0 = str(data["seeds"][0])
+    data["cells"]["dp-adamw"]["losses"][seed0] += 0.01
+    (tmp_path / rel).write_text(json.dumps(data))
+    out = _run(tmp_path)
+    assert out.returncode == 1
+    assert f'cells["dp-adamw"].losses["{seed0}"]' in out.stdout + out.stderr

@@ -295,6 +295,9 @@ def test_design_validation_names_the_problem(design: Design) -> None:
         dataclasses.replace(design, alpha=0.1)
     with pytest.raises(PreregError, match="multiple of h_r"):
         dataclasses.replace(design.cells[-1], h_r=7)
+    for bad in ((), (0.2, 0.1), (0.1, 0.1), (-0.1, 0.2)):
+        with pytest.raises(PreregError, match="nesterov_outer_lrs must be distinct positive"):
+            dataclasses.replace(design.scales[1], nesterov_outer_lrs=bad)
 
 
 def test_divergence_rule() -> None:

@@ -19,8 +19,8 @@ from hypertrain.common.optim import InnerConfig, InnerOptimizer
 from hypertrain.common.outer import OuterConfig
 from hypertrain.common.reference import run_reference
 from hypertrain.sim import engine_device
-from hypertrain.sim.batched import StackedInnerOptimizer
-from hypertrain.sim.engine import _dataset, anneal_start, eval_steps, run_job
+from hypertrain.sim.batched import Batched, StackedInnerOptimizer
+from hypertrain.sim.engine import _dataset, anneal_start, eval_steps, make_replicas, run_job
 from hypertrain.sim.engine_job import DEVICE_ENV, JobResult, SimJob, dp_job, flat_job
 from hypertrain.sim.engine_stacked import StackedGPT
 from hypertrain.sim.streaming import partition, sync_level
@@ -105,6 +105,30 @@ def test_batched_equals_per_replica(changes: dict[str, Any]) -> None:
     # Stronger than the S6 tolerance: on CPU the two paths agree bit for bit.
     assert per.final_params is not None and bat.final_params is not None
     assert torch.equal(per.final_params, bat.final_params)
+
+
+@pytest.mark.parametrize("inner", [INNER, MUON], ids=["adamw", "muon"])
+def test_batched_in_replica_chunks_changes_no_bit(
+    inner: InnerConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU chunking of the batched step (whole replicas per chunk) is invisible in the bits."""
+    job = SimJob(**{**SMALL, "regions": 4, "h_r": 10, "h_g": 10, "inner": inner})
+    whole = run_job(job.replace(path="batched"))
+    rows = 2 * 64  # one replica: 2 sequences of 64 tokens
+    for chunk_rows, chunks in ((rows, 4), (3 * rows, 2)):  # 1+1+1+1 and 3+1 replicas
+        monkeypatch.setattr(Batched, "CHUNK_ROWS", chunk_rows)
+        reps = make_replicas(job.replace(path="batched"), *_init(job), torch.device("cpu"))
+        assert isinstance(reps, Batched) and -(-reps.n // reps.chunk) == chunks
+        part = run_job(job.replace(path="batched"))
+        assert whole.final_params is not None and part.final_params is not None
+        assert torch.equal(whole.final_params, part.final_params), chunk_rows
+        assert whole.curve == part.curve
+
+
+def _init(job: SimJob) -> tuple[GPT, ParamLayout, torch.Tensor]:
+    template = build_model(job.model_config(), seed=job.seed)
+    layout = ParamLayout.of(template)
+    return template, layout, layout.flatten(template)
 
 
 def _grads(template: torch.nn.Module, n: int, seed: int) -> dict[str, torch.Tensor]:

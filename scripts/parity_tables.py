@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Print the result tables of a parity grid as markdown whose every number is a checked tag.
+
+    python scripts/parity_tables.py experiments/results/parity-cpu-tiny/summary.json > /tmp/t.md
+
+The tables (negative control per seed, each arm against data-parallel, the eta
+sweep, H1, H2/H4, the H3 ranking, power) are what docs/parity.md quotes; each
+value is printed inside a ``<!--num FILE:KEY ...-->`` tag of
+scripts/check_doc_numbers.py, formatted exactly as the checker will format it, so
+pasting a table into a doc cannot introduce a typed number.  Prose around the
+tables is written by hand (and tags its numbers the same way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Tags:
+    """Formats values of one result file as checker tags (a null prints n/a, unscaled)."""
+
+    def __init__(self, rel: str, data: dict[str, Any]) -> None:
+        self.rel = rel
+        self.data = data
+
+    def value(self, key: str) -> Any:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from check_doc_numbers import resolve
+
+        return resolve(self.data, key)
+
+    def __call__(self, key: str, fmt: str | None = None, scale: float | None = None) -> str:
+        v = self.value(key)
+        spec = f"{self.rel}:{key}"
+        if v is None:
+            printed = "n/a"
+        elif isinstance(v, bool):
+            printed = "true" if v else "false"
+        elif isinstance(v, str):
+            printed = v
+        else:
+            x = v * scale if scale is not None else v
+            if scale is not None:
+                spec += f" x{scale:g}"
+            if fmt is not None:
+                spec += f" {fmt}"
+                printed = fmt % x
+            else:
+                printed = repr(x)
+        return f"<!--num {spec}-->{printed}<!--/num-->"
+
+
+def q(name: str) -> str:
+    return f'["{name}"]'
+
+
+def tables(t: Tags) -> str:
+    d = t.data
+    cells: dict[str, Any] = d["cells"]
+    out: list[str] = []
+
+    out.append("#### Negative control, per seed\n")
+    nc = d["negative_control"]
+    ctl = nc.get("control", "dp-adamw")
+    out.append(f"| seed | DP control `{ctl}` | negative control | DP at the second lr |")
+    out.append("|---|---|---|---|")
+    alt = cells[ctl].get("control_alt") or f"{ctl}-lr2"
+    ncell = nc["cell"]
+    for i, seed in enumerate(d["seeds"]):
+        s = q(str(seed))
+        row = [t(f"seeds[{i}]")]
+        row += [t(f"cells{q(c)}.losses{s}", "%.6f") for c in (ctl, ncell, alt)]
+        out.append("| " + " | ".join(row) + " |")
+
+    out.append("\n#### Each arm against data-parallel (gap in %, paired by seed)\n")
+    out.append(
+        "| cell | M | chosen eta | seeds | mean gap | 90% CI | verdict (primary) | "
+        "verdict (sensitivity: best DP lr) |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|")
+    for cid, c in cells.items():
+        if c["kind"] == "control":
+            continue
+        k = f"cells{q(cid)}"
+        if c.get("chosen_eta") is None:
+            out.append(f"| `{cid}` | {t(k + '.m')} | not selected | | | | "
+                       f"{t(k + '.verdict')} | {t(k + '.verdict_sensitivity')} |")  # fmt: skip
+            continue
+        ci = f"{k}.vs_control.tost.ci"
+        out.append(
+            f"| `{cid}` | {t(k + '.m')} | {t(k + '.chosen_eta')} | {t(ci + '.n')} | "
+            f"{t(ci + '.mean', '%+.2f', 100.0)} | [{t(ci + '.lo', '%+.2f', 100.0)}, {t(ci + '.hi', '%+.2f', 100.0)}] | "
+            f"{t(k + '.verdict')} | {t(k + '.verdict_sensitivity')} |"
+        )
+
+    out.append("\n#### The eta sweep: mean held-out loss over the seeds at each eta\n")
+    etas = sorted({float(e) for c in cells.values()
+                   for e in ((c.get("eta_selection") or {}).get("mean_by_eta") or {})})  # fmt: skip
+    out.append("| cell | " + " | ".join(f"eta {e:g}" for e in etas) + " |")
+    out.append("|---|" + "---|" * len(etas))
+    for cid, c in cells.items():
+        by_eta = (c.get("eta_selection") or {}).get("mean_by_eta") or {}
+        if c["kind"] in ("control", "negative_control") or not by_eta:
+            continue
+        keys = {float(e): e for e in by_eta}
+        row = []
+        for e in etas:
+            if e not in keys:
+                row.append("")
+                continue
+            cell = t(f"cells{q(cid)}.eta_selection.mean_by_eta{q(keys[e])}", "%.4f")
+            row.append(f"**{cell}**" if e == c.get("chosen_eta") else cell)
+        out.append(f"| `{cid}` | " + " | ".join(row) + " |")
+
+    out.append("\n#### H1: hierarchy against flat (gap in %, paired by seed)\n")
+    out.append("| hierarchy | against | seeds | mean gap | 90% CI | verdict |")
+    out.append("|---|---|---|---|---|---|")
+    for hid, h in d["h1"].items():
+        for side, ref_key in (("vs_flat_r", "flat_r"), ("vs_flat_n", "flat_n")):
+            ci = f"h1{q(hid)}.result.{side}.tost.ci"
+            ref = h[ref_key]
+            out.append(
+                f"| `{hid}` | `{ref}` | {t(ci + '.n')} | {t(ci + '.mean', '%+.2f', 100.0)} | "
+                f"[{t(ci + '.lo', '%+.2f', 100.0)}, {t(ci + '.hi', '%+.2f', 100.0)}] | "
+                f"{t(f'h1{q(hid)}.verdict_{side}')} |"
+            )
+
+    out.append("\n#### H2 and H4: trends in M\n")
+    for hyp, what in (("h2", "best eta"), ("h4", "mean gap to DP")):
+        for hg in d[hyp]:
+            k = f"{hyp}{q(hg)}"
+            tau = t(k + ".trend.tau", "%.2f")
+            out.append(
+                f"- {hyp.upper()} {hg} ({what} against M): {t(k + '.verdict')}; tau {tau}, "
+                f"one-sided p {t(k + '.trend.p_one_sided', '%.3f')}, n {t(k + '.trend.n')}"
+            )
+        if hyp == "h2":
+            for hg, v in d["h2"].items():
+                parts = [f"M = {m}: {t(f'h2{q(hg)}.eta_by_m{q(m)}')}" for m in v["eta_by_m"]]
+                out.append(f"  - {hg}, best eta by M: " + ", ".join(parts))
+
+    out.append("\n#### H3: mechanisms ranked by paired improvement over flat DiLoCo\n")
+    out.append(
+        "| rank | mechanism | against | seeds | mean improvement, % of loss | sd, % | "
+        "promotion threshold, % | promoted |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(d["h3"]["ranking"]):
+        k = f"h3.ranking[{i}]"
+        n = len(r["seeds"])
+        out.append(
+            f"| {t(k + '.rank')} | `{r['cell']}` | `{r['baseline']}` | {n} | "
+            f"{t(k + '.mean', '%+.2f', 100.0)} | {t(k + '.sd', '%.2f', 100.0)} | "
+            f"{t(k + '.threshold', '%.2f', 100.0)} | {t(k + '.promoted')} |"
+        )
+
+    out.append("\n#### Power\n")
+    out.append(
+        "| cell | seed spread (sd of the gaps), % | 90% half-width at n seeds, % | "
+        "seeds for a half-width inside the margin | seeds to demonstrate equivalence "
+        "if mean and sd held |"
+    )
+    out.append("|---|---|---|---|---|")
+    for cid in d["power"]:
+        k = f"power{q(cid)}"
+        out.append(
+            f"| `{cid}` | {t(k + '.sd', '%.2f', 100.0)} | {t(k + '.half_width', '%.2f', 100.0)} | "
+            f"{t(k + '.seeds_for_half_width')} | "
+            f"{t(k + '.seeds_for_equivalence')} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("summary", help="summary.json of a grid, relative to the repository")
+    args = ap.parse_args(argv)
+    path = Path(args.summary)
+    full = path if path.is_absolute() else ROOT / path
+    try:
+        data = json.loads(full.read_text())
+    except (OSError, ValueError) as e:
+        print(f"parity_tables: cannot read {args.summary}: {e}", file=sys.stderr)
+        return 2
+    rel = full.resolve().relative_to(ROOT).as_posix()
+    sys.stdout.write(tables(Tags(rel, data)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
