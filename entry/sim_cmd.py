@@ -6,6 +6,7 @@
                         [--out DIR] [--device cuda] [--prereg PATH]
     hypertrain sim summarize --scale cpu-tiny [--out DIR] [--no-plots]
     hypertrain sim device-check --device cuda [--scale cpu-tiny] [--steps 60]
+    hypertrain sim cross-check --scale cpu-tiny --with DIR   # shared jobs, bit for bit
 
 ``grid`` resumes from its results folder (default experiments/results/parity-<scale>):
 jobs already done or divergent there are not run again; it writes the summary and
@@ -53,6 +54,21 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
     _print_verdicts(summarize(args.prereg, args.scale, args.out, plots=not args.no_plots))
     return 0
+
+
+def cmd_cross_check(args: argparse.Namespace) -> int:
+    from hypertrain.sim.grid import default_out
+    from hypertrain.sim.summary import CROSS_CHECK_FILE, cross_check
+
+    out = args.out if args.out is not None else default_out(args.scale)
+    for d in (out, args.other):
+        if not (Path(d) / "parity_runs.jsonl").is_file():
+            print(f"{_PROG} cross-check: no parity_runs.jsonl in {d}", file=sys.stderr)
+            return 2
+    r = cross_check(out, args.other)
+    print(f"cross-check: {r['shared_jobs']} shared jobs, {r['identical']} identical, "
+          f"{len(r['differing'])} differ; {Path(out) / CROSS_CHECK_FILE}")  # fmt: skip
+    return 0 if not r["differing"] else 1
 
 
 def _print_verdicts(s: dict[str, Any]) -> None:
@@ -165,3 +181,9 @@ def register(sub: Any) -> None:
     d.add_argument("--max-jobs", type=int, default=4)
     d.add_argument("--rel-tol", type=float, default=None, help="default 5e-4 (0.05%%)")
     d.set_defaults(func=cmd_device_check)
+
+    x = ss.add_parser("cross-check", help="compare the jobs two results folders share, exactly")
+    _common(x)
+    x.add_argument("--with", dest="other", type=Path, required=True, metavar="DIR",
+                   help="the other results folder")  # fmt: skip
+    x.set_defaults(func=cmd_cross_check)

@@ -290,3 +290,41 @@ def summarize(
 
         make_plots(summary, read_rows(out), out)
     return summary
+
+
+CROSS_CHECK_FILE = "cross_check.json"
+
+
+def cross_check(out: str | Path, other: str | Path) -> dict[str, Any]:
+    """Compare the finished jobs two results folders share, bit for bit.
+
+    Jobs are matched by their design key (``SimJob.key``: model, data, steps, seed,
+    optimizers, eta, ...; not the registration), so a job registered twice, or run twice
+    on two machines, is found in both.  A shared job must have the same status, the same
+    final and initial held-out loss and the same curve, compared as floats exactly.
+    Writes ``cross_check.json`` into ``out`` and returns it."""
+    out, other = Path(out), Path(other)
+    mine, theirs = (
+        {r["key"]: r for r in read_rows(d) if r.get("status") in ("done", "divergent")}
+        for d in (out, other)
+    )
+    shared = sorted(set(mine) & set(theirs), key=lambda k: mine[k]["job_id"])
+    fields = ("status", "final_loss", "initial_loss", "curve")
+    differing = [mine[k]["job_id"] for k in shared
+                 if any(mine[k].get(f) != theirs[k].get(f) for f in fields)]  # fmt: skip
+    diffs = [abs(mine[k]["final_loss"] - theirs[k]["final_loss"]) for k in shared
+             if mine[k].get("final_loss") is not None
+             and theirs[k].get("final_loss") is not None]  # fmt: skip
+    report = {
+        "folder": out.as_posix(),
+        "other": other.as_posix(),
+        "rule": "jobs matched by design key; status, held-out losses and curve compared exactly",
+        "shared_jobs": len(shared),
+        "identical": len(shared) - len(differing),
+        "differing": differing,
+        "max_abs_final_loss_diff": max(diffs) if diffs else None,
+        "shared_job_ids": [mine[k]["job_id"] for k in shared],
+    }
+    with (out / CROSS_CHECK_FILE).open("w") as f:
+        json.dump(report, f, indent=1)
+    return report

@@ -9,6 +9,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,31 @@ def test_cli_device_check_on_cpu(prereg: Path, tmp_path: Path) -> None:
     report = json.loads((out / "device_check.json").read_text())
     assert report["ok"] and len(report["rows"]) == 2
     assert all(r["rel_diff"] == 0.0 for r in report["rows"])
+
+
+def test_cross_check_matches_jobs_by_design_key_bit_for_bit(tmp_path: Path) -> None:
+    def row(job: str, key: str, loss: float, status: str = "done") -> dict[str, Any]:
+        return dict(job_id=job, key=key, status=status, final_loss=loss, initial_loss=5.5,
+                    curve=[[10, 3.0], [20, loss]])  # fmt: skip
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, rows in (
+        (a, [row("x/seed0/eta0.4", "k1", 2.5), row("y/seed0", "k2", 2.25),
+             row("z/seed0/eta0.1", "k3", 2.0)]),
+        (b, [row("x/seed0/eta0.4", "k1", 2.5), row("y-renamed/seed0", "k2", 2.25),
+             row("w/seed0", "k4", 1.0), row("e/seed0", "k3", 2.0, status="error")]),
+    ):  # fmt: skip
+        d.mkdir()
+        (d / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _cli("sim", "cross-check", "--scale", "cpu-tiny", "--out", str(a), "--with", str(b)) == 0
+    report = json.loads((a / "cross_check.json").read_text())
+    assert (report["shared_jobs"], report["identical"], report["differing"]) == (2, 2, [])
+    # One ulp of difference in one shared job's loss fails the check and names the job.
+    rows = [json.loads(line) for line in (b / RUNS_FILE).read_text().splitlines()]
+    rows[0]["final_loss"] = math.nextafter(2.5, 3.0)
+    (b / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _cli("sim", "cross-check", "--scale", "cpu-tiny", "--out", str(a), "--with", str(b)) == 1
+    report = json.loads((a / "cross_check.json").read_text())
+    assert report["differing"] == ["x/seed0/eta0.4"] and report["max_abs_final_loss_diff"] > 0
+    assert _cli("sim", "cross-check", "--scale", "cpu-tiny", "--out", str(a),
+                "--with", str(tmp_path / "none")) == 2  # fmt: skip
