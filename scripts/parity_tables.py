@@ -102,8 +102,8 @@ def tables(t: Tags) -> str:
     out.append("\n#### The eta sweep: mean held-out loss over the seeds at each eta\n")
     etas = sorted({float(e) for c in cells.values()
                    for e in ((c.get("eta_selection") or {}).get("mean_by_eta") or {})})  # fmt: skip
-    out.append("| cell | " + " | ".join(f"eta {e:g}" for e in etas) + " |")
-    out.append("|---|" + "---|" * len(etas))
+    out.append("| cell | " + " | ".join(f"eta {e:g}" for e in etas) + " | chosen at an end |")
+    out.append("|---|" + "---|" * (len(etas) + 1))
     for cid, c in cells.items():
         by_eta = (c.get("eta_selection") or {}).get("mean_by_eta") or {}
         if c["kind"] in ("control", "negative_control") or not by_eta:
@@ -116,7 +116,9 @@ def tables(t: Tags) -> str:
                 continue
             cell = t(f"cells{q(cid)}.eta_selection.mean_by_eta{q(keys[e])}", "%.4f")
             row.append(f"**{cell}**" if e == c.get("chosen_eta") else cell)
-        out.append(f"| `{cid}` | " + " | ".join(row) + " |")
+        has_edge = "at_edge" in c["eta_selection"]  # summaries before the field: blank
+        edge = t(f"cells{q(cid)}.eta_selection.at_edge") if has_edge else ""
+        out.append(f"| `{cid}` | " + " | ".join(row) + f" | {edge} |")
 
     out.append("\n#### H1: hierarchy against flat (gap in %, paired by seed)\n")
     out.append("| hierarchy | against | seeds | mean gap | 90% CI | verdict |")

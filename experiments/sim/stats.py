@@ -309,15 +309,21 @@ def compare(
 
 
 def best_control(losses: Mapping[str, Losses], controls: Sequence[str]) -> str:
-    """The control with the lowest mean loss over its seeds; ties to the first listed.
+    """The control with the lowest mean loss; ties to the first listed.
 
     The sensitivity analysis compares each cell with this one (S6: "at the best
-    control learning rate"); a control with no finite losses is never best.
+    control learning rate").  The means are over the seeds every control has a
+    finite loss for, so a lost seed cannot make a control look better; a control
+    with no finite losses is never best.
     """
+    finite = {c: {s: float(v) for s, v in losses.get(c, {}).items() if math.isfinite(v)}
+              for c in controls}  # fmt: skip
+    usable = [c for c in controls if finite[c]]
+    common = set.intersection(*(set(finite[c]) for c in usable)) if usable else set()
     best, best_mean = controls[0], math.inf
     for cid in controls:
-        vals = [float(v) for v in losses.get(cid, {}).values()]
-        mean = math.fsum(vals) / len(vals) if vals and _all_finite(vals) else math.inf
+        vals = [finite[cid][s] for s in sorted(common)] if cid in usable else []
+        mean = math.fsum(vals) / len(vals) if vals else math.inf
         if mean < best_mean:
             best, best_mean = cid, mean
     return best
@@ -337,11 +343,19 @@ class EtaChoice(_Json):
     mean_by_eta: dict[float, float]
     """Mean held-out loss of every eligible eta."""
     excluded: dict[float, str]
-    """Ineligible etas and why (divergent or missing seeds)."""
+    """Ineligible etas and why (divergent or missing seeds; a registered eta with no
+    finished run is listed with every seed missing)."""
+    sweep: tuple[float, ...]
+    """The registered etas (and any other eta that ran), ascending."""
+    at_edge: str | None
+    """"lowest" or "highest" when the chosen eta is an end of the sweep (the sweep does
+    not bracket the best eta on that side), else None."""
 
 
 def select_outer_lr(
-    runs: Mapping[float, Mapping[int, float | None]], seeds: Sequence[int]
+    runs: Mapping[float, Mapping[int, float | None]],
+    seeds: Sequence[int],
+    sweep: Sequence[float] = (),
 ) -> EtaChoice:
     """Lowest mean held-out loss among non-divergent etas, ties to the smaller eta.
 
@@ -351,13 +365,16 @@ def select_outer_lr(
 
     ``runs[eta][seed]`` is the held-out loss, or None when that run diverged.
     An eta is eligible only if every registered seed ran, finitely and without
-    divergence: a mean over fewer seeds would not be comparable.
+    divergence: a mean over fewer seeds would not be comparable.  ``sweep`` is the
+    registered etas: one with no run at all is excluded (all seeds missing), not
+    silently left out of the comparison.
     """
     means: dict[float, float] = {}
     finite: dict[float, dict[int, float]] = {}
     excluded: dict[float, str] = {}
-    for eta in sorted(runs):
-        by_seed = runs[eta]
+    etas = tuple(sorted({*runs, *sweep}))
+    for eta in etas:
+        by_seed = runs.get(eta, {})
         missing = [s for s in seeds if s not in by_seed]
         good = {s: float(v) for s, v in by_seed.items() if v is not None and math.isfinite(v)}
         bad = [s for s in seeds if s in by_seed and s not in good]
@@ -373,9 +390,11 @@ def select_outer_lr(
         if chosen is None or means[eta] < means[chosen]:
             chosen = eta
     if chosen is None:
-        return EtaChoice(None, math.nan, {}, means, excluded)
-    picked = finite[chosen]
-    return EtaChoice(chosen, means[chosen], picked, means, excluded)
+        return EtaChoice(None, math.nan, {}, means, excluded, etas, None)
+    edge = None
+    if len(etas) > 1:
+        edge = "lowest" if chosen == etas[0] else "highest" if chosen == etas[-1] else None
+    return EtaChoice(chosen, means[chosen], finite[chosen], means, excluded, etas, edge)
 
 
 # -- trends (H2, H4) ----------------------------------------------------------------
@@ -507,6 +526,8 @@ class MechanismRank(_Json):
     cell: str
     baseline: str
     seeds: tuple[int, ...]
+    missing_seeds: tuple[int, ...]
+    """Seeds only one of the two arms has (not used)."""
     improvements: tuple[float, ...]
     """(L_baseline - L_cell) / L_baseline per seed: positive = the mechanism is better."""
     mean: float
@@ -528,7 +549,7 @@ def rank_mechanisms(
     """
     rows = []
     for cell, base in baselines.items():
-        seeds, _ = shared_seeds(losses.get(cell, {}), losses.get(base, {}))
+        seeds, missing = shared_seeds(losses.get(cell, {}), losses.get(base, {}))
         gaps = relative_gaps(losses.get(cell, {}), losses.get(base, {}))
         imp = tuple(-gaps[s] for s in seeds)
         ci = paired_ci(imp)
@@ -542,11 +563,11 @@ def rank_mechanisms(
                 f"mean improvement {ci.mean:.6g} {rel} {promotion_sd:g} sd = {threshold:.6g} "
                 f"over {len(imp)} seeds"
             )
-        rows.append((cell, base, seeds, imp, ci.mean, ci.sd, threshold, promoted, reason))
+        rows.append((cell, base, seeds, missing, imp, ci.mean, ci.sd, threshold, promoted, reason))
 
     def order(r: tuple[Any, ...]) -> tuple[bool, float, str]:
-        defined = math.isfinite(r[4]) and len(r[3]) >= 2
-        return (not defined, -r[4] if defined else 0.0, r[0])
+        defined = math.isfinite(r[5]) and len(r[4]) >= 2
+        return (not defined, -r[5] if defined else 0.0, r[0])
 
     rows.sort(key=order)
     return [MechanismRank(i + 1, *r) for i, r in enumerate(rows)]

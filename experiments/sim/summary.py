@@ -118,7 +118,8 @@ def _losses_of(
     choices: dict[str, EtaChoice] = {}
     for c in design.cells_of(scale):
         if c.kind != "control":
-            choices[c.id] = select_outer_lr(runs.get(c.id, {}), design.seeds)
+            sweep = design.sweep(c, scale)
+            choices[c.id] = select_outer_lr(runs.get(c.id, {}), design.seeds, sweep)
             losses[c.id] = choices[c.id].losses
     return losses, choices
 
@@ -167,7 +168,7 @@ def _trends(design: Design, scale: str, cells: Mapping[str, Any]) -> tuple[Any, 
         per_m = {}
         for c in at:
             ci = cells[c.id]["vs_control"].tost.ci
-            gaps[c.m] = ci.mean if ci.n else None
+            gaps[c.m] = ci.mean if ci.n >= 2 else None  # a one-seed mean is not an estimate
             per_m[str(c.m)] = {"cell": c.id, "n": ci.n, "mean": ci.mean, "lo": ci.lo, "hi": ci.hi}
         trend = h4_gap_trend(gaps, alpha, label=f"H4 gap to DP vs M at H_g = {hg}")
         h4[f"Hg{hg}"] = {"trend": trend, "verdict": trend.verdict, "gap_by_m": per_m}

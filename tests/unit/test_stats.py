@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hypertrain.sim.stats import (
+    best_control,
     compare,
     h1_test,
     h2_eta_trend,
@@ -215,6 +216,35 @@ def test_outer_lr_selection_rule() -> None:
     assert none.eta is None and math.isnan(none.mean_loss)
 
 
+def test_outer_lr_selection_sees_the_whole_registered_sweep() -> None:
+    """A registered eta with no finished run is excluded by name; an end of the sweep is flagged."""
+    seeds = [0, 1, 2]
+    runs: dict[float, dict[int, float | None]] = {
+        0.1: {0: 2.2, 1: 2.2, 2: 2.2},
+        0.2: {0: 2.1, 1: 2.1, 2: 2.1},
+    }
+    ch = select_outer_lr(runs, seeds, sweep=(0.05, 0.1, 0.2, 0.4))
+    assert ch.eta == 0.2 and ch.sweep == (0.05, 0.1, 0.2, 0.4) and ch.at_edge is None
+    assert ch.excluded == {0.05: "missing seeds [0, 1, 2]", 0.4: "missing seeds [0, 1, 2]"}
+    runs[0.4] = {0: 2.0, 1: 2.0, 2: 2.0}
+    runs[0.05] = {0: 2.3, 1: 2.3, 2: 2.3}
+    assert select_outer_lr(runs, seeds, sweep=(0.05, 0.1, 0.2, 0.4)).at_edge == "highest"
+    runs[0.05] = {0: 1.9, 1: 1.9, 2: 1.9}
+    assert select_outer_lr(runs, seeds, sweep=(0.05, 0.1, 0.2, 0.4)).at_edge == "lowest"
+
+
+def test_best_control_compares_controls_on_the_seeds_they_share() -> None:
+    losses = {
+        # lr1 is better on every seed, but lost seed 2 (its hardest); lr2 has all three.
+        "dp": {0: 2.0, 1: 2.0},
+        "dp-lr2": {0: 2.1, 1: 2.1, 2: 1.5},  # mean over all seeds 1.9 < 2.0
+        "dp-none": {},
+    }
+    assert best_control(losses, ["dp", "dp-lr2"]) == "dp"
+    assert best_control(losses, ["dp-none", "dp-lr2"]) == "dp-lr2"
+    assert best_control({"a": {0: math.nan}, "b": {0: 3.0}}, ["a", "b"]) == "b"
+
+
 def test_trend_exact_permutation_p_values() -> None:
     ms = [1, 2, 4, 8, 16, 32]
     up = trend_test(ms, [0.4, 0.5, 0.6, 0.7, 0.8, 1.0])
@@ -266,4 +296,5 @@ def test_mechanism_ranking_and_promotion_rule() -> None:
     assert good.promoted and not noisy.promoted and not bad.promoted and not lonely.promoted
     assert noisy.threshold == pytest.approx(0.010)
     assert "<=" in noisy.reason and lonely.reason.startswith("undefined")
+    assert lonely.seeds == (0,) and lonely.missing_seeds == (1, 2) and good.missing_seeds == ()
     json.dumps([r.to_dict() for r in ranks], allow_nan=False)
