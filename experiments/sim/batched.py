@@ -43,7 +43,6 @@ import torch
 from torch import nn
 
 from hypertrain.common.data import SampleStream
-from hypertrain.common.errors import HypertrainError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT
 from hypertrain.common.optim import InnerConfig, InnerOptimizer, wsd_factor
@@ -119,15 +118,17 @@ class StackedInnerOptimizer(InnerOptimizer):
 class Batched:
     """The batched path: N replicas as one stacked model (see the module docstring).
 
-    On CPU one step's forward and backward run in chunks of whole replicas, at most
-    ``CHUNK_ROWS`` token rows each (one replica per chunk when a replica alone has more):
-    a replica's gradient depends only on its own rows and kernels, so chunking changes no
-    bit, and a chunk's activations stay in cache (bench/bench_sim.py measures it).  On
-    other devices the whole stack is one chunk (one set of large kernels).
+    On CPU the stack is held in chunks of whole replicas, at most ``CHUNK_ROWS`` token rows
+    of a step each (one replica per chunk when a replica alone has more): every chunk is a
+    stacked model of its own (leaf tensors ``[n_chunk, *shape]`` and a
+    ``StackedInnerOptimizer``), stepped in turn.  A replica's gradient and update depend
+    only on its own rows and kernels, so chunking changes no bit, while a chunk's
+    activations stay in cache (bench/bench_sim.py measures it).  On other devices the whole
+    stack is one chunk (one set of large kernels).
     """
 
     CHUNK_ROWS = 2048
-    """Token rows per forward/backward chunk on CPU (whole replicas; >= 1 replica)."""
+    """Token rows per chunk on CPU (whole replicas; >= 1 replica)."""
 
     def __init__(
         self,
@@ -151,56 +152,53 @@ class Batched:
         model = copy.deepcopy(template).to(device)
         self.forward = StackedGPT(model)
         self.forward.check_against(model, stream.global_batch_at(0)[:1].to(device))
-        views = layout.unflatten(theta0)
-        self.stacks = {
-            name: views[name].to(device).unsqueeze(0).repeat(n, *([1] * views[name].ndim))
-            for name in layout.names
-        }
-        for p in self.stacks.values():
-            p.requires_grad_(True)
-        self.optimizer = StackedInnerOptimizer(model, self.stacks, inner)
         rows = self.per_replica_batch * template.cfg.seq_len
         self.chunk = n if device.type != "cpu" else max(1, min(n, self.CHUNK_ROWS // rows))
-        self._grads = (
-            {} if self.chunk == n else {k: torch.empty_like(v) for k, v in self.stacks.items()}
-        )
+        self.bounds = [(a, min(n, a + self.chunk)) for a in range(0, n, self.chunk)]
+        views = layout.unflatten(theta0)
+        self.chunks: list[dict[str, torch.Tensor]] = []
+        for a, b in self.bounds:
+            stacks = {
+                name: views[name].to(device).unsqueeze(0).repeat(b - a, *([1] * views[name].ndim))
+                for name in layout.names
+            }
+            for p in stacks.values():
+                p.requires_grad_(True)
+            self.chunks.append(stacks)
+        self.optimizers = [StackedInnerOptimizer(model, c, inner) for c in self.chunks]
 
     def train_step(self, step: int) -> torch.Tensor:
         batch = self.stream.global_batch_at(step)
         windows = batch.view(self.n, self.per_replica_batch, batch.shape[1]).to(self.device)
-        self.optimizer.set_lr_factor(wsd_factor(step, self.total_steps, self.inner))
-        self.optimizer.zero_grad()
-        if self.chunk == self.n:
-            losses = self.forward.losses(self.stacks, windows)
+        factor = wsd_factor(step, self.total_steps, self.inner)
+        out = []
+        for (a, b), stacks, opt in zip(self.bounds, self.chunks, self.optimizers, strict=True):
+            opt.set_lr_factor(factor)
+            opt.zero_grad()
+            losses = self.forward.losses(stacks, windows[a:b])
             # The sum's gradient w.r.t. each loss is exactly 1: replica i's gradient is its own.
             losses.sum().backward()
-        else:
-            losses = torch.cat([self._chunk(windows, i) for i in range(0, self.n, self.chunk)])
-            for name, p in self.stacks.items():
-                p.grad = self._grads[name]  # every row written by the chunks
-        self.optimizer.step()
-        return losses.detach().to("cpu", torch.float32)
-
-    def _chunk(self, windows: torch.Tensor, start: int) -> torch.Tensor:
-        """Forward and backward of replicas [start, start + chunk); gradients into ``_grads``."""
-        stop = min(self.n, start + self.chunk)
-        # Leaves sharing the stacks' storage: the chunk's gradients come out [stop - start, ...].
-        views = {k: v.detach()[start:stop].requires_grad_(True) for k, v in self.stacks.items()}
-        losses = self.forward.losses(views, windows[start:stop])
-        losses.sum().backward()
-        for name, view in views.items():
-            if view.grad is None:
-                raise HypertrainError(f"batched path: no gradient for {name}")
-            self._grads[name][start:stop].copy_(view.grad)
-        return losses.detach()
+            opt.step()
+            out.append(losses.detach())
+        return torch.cat(out).to("cpu", torch.float32)
 
     @torch.no_grad()
     def read(self, frag: Fragment) -> torch.Tensor:
-        rows = torch.cat([self.stacks[name].reshape(self.n, -1) for name in frag.names], dim=1)
+        rows = torch.cat(
+            [torch.cat([c[name].reshape(b - a, -1) for name in frag.names], dim=1)
+             for (a, b), c in zip(self.bounds, self.chunks, strict=True)]
+        )  # fmt: skip
         return rows.to("cpu", torch.float32, copy=True)
 
     @torch.no_grad()
     def write(self, frag: Fragment, start: int, stop: int, rows: torch.Tensor) -> None:
+        """Replicas [start, stop) take ``rows`` ([stop - start, numel], or one row for all)."""
         rows = rows.to(self.device)
-        for name, value in zip(frag.names, split_row(frag, rows), strict=True):
-            self.stacks[name][start:stop].copy_(value)  # broadcasts a single row
+        one = rows.dim() == 1
+        for (a, b), stacks in zip(self.bounds, self.chunks, strict=True):
+            lo, hi = max(a, start), min(b, stop)
+            if lo >= hi:
+                continue
+            part = rows if one else rows[lo - start : hi - start]
+            for name, value in zip(frag.names, split_row(frag, part), strict=True):
+                stacks[name][lo - a : hi - a].copy_(value)  # broadcasts a single row

@@ -14,7 +14,7 @@ op-level choices are made so that every gradient is bit-identical to the
 per-replica path's (tests/unit/test_sim_engine.py):
 
 - linear layers: ``bmm`` over ``[N, b*T, d]``, which per replica is the ``mm``
-  ``F.linear`` runs on ``[b*T, d]``;
+  ``F.linear`` runs on ``[b*T, d]`` (for N = 1, ``F.linear`` itself);
 - attention: one ``scaled_dot_product_attention`` over ``N*b`` sequences with
   the per-sequence memory layout of ``Block.forward``;
 - LayerNorm and the cross-entropy: the native kernels, called per replica (their
@@ -74,13 +74,23 @@ class StackedGPT:
         if any(m.eps != self.eps or not m.elementwise_affine for m in norms):
             raise HypertrainError("batched path: LayerNorms differ from the mirrored ones")
 
+    @staticmethod
+    def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x [N, rows, in] @ w [N, out, in]^T`` per replica: one ``bmm``, or for N = 1 the
+        very ``F.linear`` of the per-replica path (bmm of one matrix can be a slower kernel)."""
+        if x.shape[0] == 1:
+            return F.linear(x.squeeze(0), w.squeeze(0))[None]
+        return torch.bmm(x, w.transpose(1, 2))
+
     def _ln(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """LayerNorm per replica with the native kernel (bit-equal parameter gradients)."""
         # unbind, not x[i]: select's backward would zero-fill a full [N, ...] gradient per replica
         d = x.shape[-1]
+        if x.shape[0] == 1:  # squeeze's backward is a view: no copy of the gradient
+            return F.layer_norm(x.squeeze(0), (d,), w.squeeze(0), b.squeeze(0), self.eps)[None]
         parts = zip(x.unbind(0), w.unbind(0), b.unbind(0), strict=True)
         out = [F.layer_norm(xi, (d,), wi, bi, self.eps) for xi, wi, bi in parts]
-        return out[0].unsqueeze(0) if len(out) == 1 else torch.stack(out)  # N = 1: no copy
+        return torch.stack(out)
 
     def losses(self, params: dict[str, torch.Tensor], windows: torch.Tensor) -> torch.Tensor:
         """Per-replica ``GPT.loss`` for stacked ``params`` and windows ``[N, b, T+1]`` -> ``[N]``."""
@@ -97,15 +107,17 @@ class StackedGPT:
         for i in range(self.cfg.n_layer):
             p = {k: params[f"blocks.{i}.{k}.weight"] for k in _BLOCK}
             h = self._ln(x, p["ln1"], params[f"blocks.{i}.ln1.bias"])
-            q, k, v = torch.bmm(h, p["qkv"].transpose(1, 2)).split(d, dim=2)
+            q, k, v = self._linear(h, p["qkv"]).split(d, dim=2)
             q, k, v = (z.reshape(n * b, t, nh, d // nh).transpose(1, 2) for z in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + torch.bmm(y.transpose(1, 2).reshape(n, b * t, d), p["proj"].transpose(1, 2))
+            x = x + self._linear(y.transpose(1, 2).reshape(n, b * t, d), p["proj"])
             h = self._ln(x, p["ln2"], params[f"blocks.{i}.ln2.bias"])
-            h = F.gelu(torch.bmm(h, p["fc"].transpose(1, 2)))
-            x = x + torch.bmm(h, p["fc_out"].transpose(1, 2))
+            h = F.gelu(self._linear(h, p["fc"]))
+            x = x + self._linear(h, p["fc_out"])
         x = self._ln(x, params["ln_f.weight"], params["ln_f.bias"])
-        logits = torch.bmm(x, wte.transpose(1, 2))
+        logits = self._linear(x, wte)
+        if n == 1:
+            return F.cross_entropy(logits.squeeze(0), targets.reshape(b * t))[None]
         pairs = zip(logits.unbind(0), targets.reshape(n, b * t).unbind(0), strict=True)
         return torch.stack([F.cross_entropy(li, ti) for li, ti in pairs])
 

@@ -167,7 +167,7 @@ def plot_gap(summary: Mapping[str, Any], path: Path) -> None:
         series.append(("hierarchies (R x n_r at M = N)", pts, "s"))
     n_series = max(1, len(series))
     for j, (label, pts, fmt) in enumerate(series):
-        pts = sorted((m, g) for m, g in pts if g.get("mean") is not None)
+        pts = sorted(((m, g) for m, g in pts if g.get("mean") is not None), key=lambda p: p[0])
         if not pts:
             continue
         off = 2 ** (0.06 * (j - (n_series - 1) / 2))  # dodge the series apart on the log axis

@@ -6,6 +6,8 @@
 Every number comes from stats.py; this module only pairs the rows into the
 registered comparisons.  ``summary.json`` holds, keyed for the doc checker:
 
+- ``eta_edges``: the swept cells whose chosen eta is the lowest or the highest of their
+  sweep (not bracketed on that side) and those chosen inside it, with counts.
 - ``counts``: done / divergent / error / censored over the registered jobs;
   ``prereg`` (hash, time, file), ``scale`` (the registered scale), ``invocations``.
 - ``cells[<id>]``: the chosen eta (``select_outer_lr``, with the winner's-curse
@@ -193,6 +195,12 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
                     if 0 < e["jobs"]["done"] + e["jobs"]["divergent"] < e["jobs"]["total"]],
         "not_run": [c for c, e in cells.items() if e["jobs"]["done"] + e["jobs"]["divergent"] == 0],
     }  # fmt: skip
+    edges: dict[str, list[str]] = {"lowest": [], "highest": [], "interior": []}
+    for cid, e in cells.items():
+        if e.get("chosen_eta") is not None and len(e["eta_selection"].sweep) > 1:
+            edges[e["eta_selection"].at_edge or "interior"].append(cid)
+    eta_edges = {**edges, "n_swept": sum(len(v) for v in edges.values()),
+                 **{f"n_{k}": len(v) for k, v in edges.items()}}  # fmt: skip
     delta, alpha = design.margins.heldout_rel, design.alpha
     scale_cells = design.cells_of(scale)
 
@@ -257,6 +265,7 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
         "wall_s_total": math.fsum(i.get("wall_s", 0.0) for i in invocations),
         "selection_rule": design.selection_rule,
         "winners_curse": WINNERS_CURSE,
+        "eta_edges": eta_edges,
         "cells": cells,
         "negative_control": neg,
         "h1": h1,
@@ -296,6 +305,14 @@ def summarize(
 CROSS_CHECK_FILE = "cross_check.json"
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when inside it (reports stay portable)."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
 def cross_check(out: str | Path, other: str | Path) -> dict[str, Any]:
     """Compare the finished jobs two results folders share, bit for bit.
 
@@ -317,8 +334,8 @@ def cross_check(out: str | Path, other: str | Path) -> dict[str, Any]:
              if mine[k].get("final_loss") is not None
              and theirs[k].get("final_loss") is not None]  # fmt: skip
     report = {
-        "folder": out.as_posix(),
-        "other": other.as_posix(),
+        "folder": _shown(out),
+        "other": _shown(other),
         "rule": "jobs matched by design key; status, held-out losses and curve compared exactly",
         "shared_jobs": len(shared),
         "identical": len(shared) - len(differing),

@@ -228,3 +228,18 @@ def test_cross_check_matches_jobs_by_design_key_bit_for_bit(tmp_path: Path) -> N
     assert report["differing"] == ["x/seed0/eta0.4"] and report["max_abs_final_loss_diff"] > 0
     assert _cli("sim", "cross-check", "--scale", "cpu-tiny", "--out", str(a),
                 "--with", str(tmp_path / "none")) == 2  # fmt: skip
+
+
+def test_plots_of_every_committed_grid(tmp_path: Path) -> None:
+    """The plots draw from each committed summary (e.g. two hierarchies at the same M)."""
+    from hypertrain.sim.plots import make_plots
+
+    root = DEFAULT_PATH.parents[2]
+    summaries = sorted(root.glob("experiments/results/parity-*/summary.json"))
+    assert summaries
+    for i, path in enumerate(summaries):
+        out = tmp_path / str(i)
+        out.mkdir()
+        summary = json.loads(path.read_text())
+        for png in make_plots(summary, read_rows(path.parent), out):
+            assert png.stat().st_size > 10_000, png
