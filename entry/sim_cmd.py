@@ -68,6 +68,9 @@ def cmd_cross_check(args: argparse.Namespace) -> int:
     r = cross_check(out, args.other)
     print(f"cross-check: {r['shared_jobs']} shared jobs, {r['identical']} identical, "
           f"{len(r['differing'])} differ; {Path(out) / CROSS_CHECK_FILE}")  # fmt: skip
+    if not r["shared_jobs"]:
+        print(f"{_PROG} cross-check: the two folders share no finished job", file=sys.stderr)
+        return 1
     return 0 if not r["differing"] else 1
 
 

@@ -320,10 +320,11 @@ def best_control(losses: Mapping[str, Losses], controls: Sequence[str]) -> str:
               for c in controls}  # fmt: skip
     usable = [c for c in controls if finite[c]]
     common = set.intersection(*(set(finite[c]) for c in usable)) if usable else set()
-    best, best_mean = controls[0], math.inf
-    for cid in controls:
-        vals = [finite[cid][s] for s in sorted(common)] if cid in usable else []
-        mean = math.fsum(vals) / len(vals) if vals else math.inf
+    best, best_mean = (usable or list(controls))[0], math.inf
+    for cid in usable:
+        # on the shared seeds; with none shared, each over its own (better than no choice)
+        vals = [finite[cid][s] for s in sorted(common or finite[cid])]
+        mean = math.fsum(vals) / len(vals)
         if mean < best_mean:
             best, best_mean = cid, mean
     return best
@@ -348,8 +349,8 @@ class EtaChoice(_Json):
     sweep: tuple[float, ...]
     """The registered etas (and any other eta that ran), ascending."""
     at_edge: str | None
-    """"lowest" or "highest" when the chosen eta is an end of the sweep (the sweep does
-    not bracket the best eta on that side), else None."""
+    """"highest" (or "lowest") when no eta above (below) the chosen one ran in full, so the
+    sweep does not bracket the best eta on that side; else None."""
 
 
 def select_outer_lr(
@@ -391,9 +392,14 @@ def select_outer_lr(
             chosen = eta
     if chosen is None:
         return EtaChoice(None, math.nan, {}, means, excluded, etas, None)
+    # A side is bracketed by an eta there that ran in full: eligible, or divergent (worse).
+    ran = set(means) | {e for e, why in excluded.items() if why.startswith("divergent")}
     edge = None
     if len(etas) > 1:
-        edge = "lowest" if chosen == etas[0] else "highest" if chosen == etas[-1] else None
+        if not any(e > chosen for e in ran):
+            edge = "highest"
+        elif not any(e < chosen for e in ran):
+            edge = "lowest"
     return EtaChoice(chosen, means[chosen], finite[chosen], means, excluded, etas, edge)
 
 

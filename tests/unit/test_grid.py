@@ -228,6 +228,11 @@ def test_cross_check_matches_jobs_by_design_key_bit_for_bit(tmp_path: Path) -> N
     assert report["differing"] == ["x/seed0/eta0.4"] and report["max_abs_final_loss_diff"] > 0
     assert _cli("sim", "cross-check", "--scale", "cpu-tiny", "--out", str(a),
                 "--with", str(tmp_path / "none")) == 2  # fmt: skip
+    # Nothing in common is not a pass.
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / RUNS_FILE).write_text(json.dumps(row("v/seed0", "k9", 1.5)) + "\n")
+    assert _cli("sim", "cross-check", "--scale", "cpu-tiny", "--out", str(a), "--with", str(c)) == 1
 
 
 def test_plots_of_every_committed_grid(tmp_path: Path) -> None:

@@ -107,12 +107,22 @@ def test_batched_equals_per_replica(changes: dict[str, Any]) -> None:
     assert torch.equal(per.final_params, bat.final_params)
 
 
-@pytest.mark.parametrize("inner", [INNER, MUON], ids=["adamw", "muon"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(inner=INNER),
+        dict(inner=MUON),
+        # regions [0, 2) and [2, 4) straddle the 3+1 chunks; overlapped streaming writes
+        # [N, numel] blocks across the chunk boundary
+        dict(inner=INNER, regions=2, islands_per_region=2, h_r=5, fragments=3, tau=1),
+    ],
+    ids=["adamw", "muon", "hier-streaming-overlap"],
+)
 def test_batched_in_replica_chunks_changes_no_bit(
-    inner: InnerConfig, monkeypatch: pytest.MonkeyPatch
+    changes: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CPU chunking of the batched step (whole replicas per chunk) is invisible in the bits."""
-    job = SimJob(**{**SMALL, "regions": 4, "h_r": 10, "h_g": 10, "inner": inner})
+    job = SimJob(**{**SMALL, "regions": 4, "h_r": 10, "h_g": 10, **changes})
     whole = run_job(job.replace(path="batched"))
     rows = 2 * 64  # one replica: 2 sequences of 64 tokens
     for chunk_rows, chunks in ((rows, 4), (3 * rows, 2)):  # 1+1+1+1 and 3+1 replicas

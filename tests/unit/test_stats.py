@@ -224,13 +224,20 @@ def test_outer_lr_selection_sees_the_whole_registered_sweep() -> None:
         0.2: {0: 2.1, 1: 2.1, 2: 2.1},
     }
     ch = select_outer_lr(runs, seeds, sweep=(0.05, 0.1, 0.2, 0.4))
-    assert ch.eta == 0.2 and ch.sweep == (0.05, 0.1, 0.2, 0.4) and ch.at_edge is None
+    assert ch.eta == 0.2 and ch.sweep == (0.05, 0.1, 0.2, 0.4) and ch.at_edge == "highest"
     assert ch.excluded == {0.05: "missing seeds [0, 1, 2]", 0.4: "missing seeds [0, 1, 2]"}
     runs[0.4] = {0: 2.0, 1: 2.0, 2: 2.0}
     runs[0.05] = {0: 2.3, 1: 2.3, 2: 2.3}
     assert select_outer_lr(runs, seeds, sweep=(0.05, 0.1, 0.2, 0.4)).at_edge == "highest"
     runs[0.05] = {0: 1.9, 1: 1.9, 2: 1.9}
     assert select_outer_lr(runs, seeds, sweep=(0.05, 0.1, 0.2, 0.4)).at_edge == "lowest"
+    # Best at 0.2 with 0.4 never run, or run on two seeds only: not bracketed above.
+    partial = {0.1: {0: 2.2, 1: 2.2, 2: 2.2}, 0.2: {0: 2.1, 1: 2.1, 2: 2.1}}
+    assert select_outer_lr(partial, seeds, sweep=(0.1, 0.2, 0.4)).at_edge == "highest"
+    partial[0.4] = {0: 2.0, 1: 2.0}
+    assert select_outer_lr(partial, seeds, sweep=(0.1, 0.2, 0.4)).at_edge == "highest"
+    partial[0.4] = {0: 2.0, 1: None, 2: 2.0}  # diverged above: bracketed
+    assert select_outer_lr(partial, seeds, sweep=(0.1, 0.2, 0.4)).at_edge is None
 
 
 def test_best_control_compares_controls_on_the_seeds_they_share() -> None:
@@ -243,6 +250,8 @@ def test_best_control_compares_controls_on_the_seeds_they_share() -> None:
     assert best_control(losses, ["dp", "dp-lr2"]) == "dp"
     assert best_control(losses, ["dp-none", "dp-lr2"]) == "dp-lr2"
     assert best_control({"a": {0: math.nan}, "b": {0: 3.0}}, ["a", "b"]) == "b"
+    # No seed shared by the controls that have data: each on its own, never the empty one.
+    assert best_control({"a": {}, "b": {0: 1.0}, "c": {1: 0.5}}, ["a", "b", "c"]) == "c"
 
 
 def test_trend_exact_permutation_p_values() -> None:
