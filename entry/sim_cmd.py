@@ -57,13 +57,13 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def cmd_cross_check(args: argparse.Namespace) -> int:
-    from hypertrain.sim.grid import default_out
+    from hypertrain.sim.grid import RUNS_FILE, default_out
     from hypertrain.sim.summary import CROSS_CHECK_FILE, cross_check
 
     out = args.out if args.out is not None else default_out(args.scale)
     for d in (out, args.other):
-        if not (Path(d) / "parity_runs.jsonl").is_file():
-            print(f"{_PROG} cross-check: no parity_runs.jsonl in {d}", file=sys.stderr)
+        if not (Path(d) / RUNS_FILE).is_file():
+            print(f"{_PROG} cross-check: no {RUNS_FILE} in {d}", file=sys.stderr)
             return 2
     r = cross_check(out, args.other)
     print(f"cross-check: {r['shared_jobs']} shared jobs, {r['identical']} identical, "

@@ -160,6 +160,13 @@ def _rounded_match(value: float, printed: str) -> tuple[bool, str]:
     return ok, shown
 
 
+def printed_text(value: str | bool | None) -> str:
+    """How a value that is not a number prints in a doc: null as n/a, booleans lower-case."""
+    if value is None:
+        return "n/a"
+    return str(value).lower() if isinstance(value, bool) else value
+
+
 def check_tag(spec: str, printed: str, root: Path, cache: dict[Path, Any]) -> None:
     """Raise Problem unless the tag's value, scaled and formatted, equals ``printed``."""
     m = SPEC.match(spec)
@@ -179,9 +186,7 @@ def check_tag(spec: str, printed: str, root: Path, cache: dict[Path, Any]) -> No
     if value is None or isinstance(value, (str, bool)):
         if scale_text or fmt:
             raise Problem(f"{where}: value {value!r} is not a number, SCALE/FORMAT do not apply")
-        expected = (
-            "n/a" if value is None else str(value).lower() if isinstance(value, bool) else value
-        )
+        expected = printed_text(value)
         if printed != expected:
             raise Problem(f"{where}: printed {printed!r}, file has {expected!r}")
         return

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from check_doc_numbers import printed_text, resolve  # the checker beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,21 +31,11 @@ class Tags:
         self.rel = rel
         self.data = data
 
-    def value(self, key: str) -> Any:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from check_doc_numbers import resolve
-
-        return resolve(self.data, key)
-
     def __call__(self, key: str, fmt: str | None = None, scale: float | None = None) -> str:
-        v = self.value(key)
+        v = resolve(self.data, key)
         spec = f"{self.rel}:{key}"
-        if v is None:
-            printed = "n/a"
-        elif isinstance(v, bool):
-            printed = "true" if v else "false"
-        elif isinstance(v, str):
-            printed = v
+        if v is None or isinstance(v, (bool, str)):
+            printed = printed_text(v)
         else:
             x = v * scale if scale is not None else v
             if scale is not None:

@@ -373,12 +373,15 @@ def select_outer_lr(
     means: dict[float, float] = {}
     finite: dict[float, dict[int, float]] = {}
     excluded: dict[float, str] = {}
+    diverged: set[float] = set()
     etas = tuple(sorted({*runs, *sweep}))
     for eta in etas:
         by_seed = runs.get(eta, {})
         missing = [s for s in seeds if s not in by_seed]
         good = {s: float(v) for s, v in by_seed.items() if v is not None and math.isfinite(v)}
         bad = [s for s in seeds if s in by_seed and s not in good]
+        if bad:
+            diverged.add(eta)
         if missing or bad:
             why = [f"divergent seeds {bad}"] if bad else []
             why += [f"missing seeds {missing}"] if missing else []
@@ -393,7 +396,7 @@ def select_outer_lr(
     if chosen is None:
         return EtaChoice(None, math.nan, {}, means, excluded, etas, None)
     # A side is bracketed by an eta there that ran in full: eligible, or divergent (worse).
-    ran = set(means) | {e for e, why in excluded.items() if why.startswith("divergent")}
+    ran = set(means) | diverged
     edge = None
     if len(etas) > 1:
         if not any(e > chosen for e in ran):
