@@ -28,7 +28,7 @@ What it measures, on the ``proxy`` preset (4 x 128, seq 256) with global batch
   (batched M = 32 does the dense model's FLOPs in smaller kernels);
 - the projected wall time of the full registered grid (S6 "full": 3000 steps,
   proxy, global batch 32, 3 seeds, the cells and eta sweeps of
-  ``hypertrain.sim.prereg.registered_design()``), on this machine (jobs one
+  ``hypertrain.sim.study.prereg.registered_design()``), on this machine (jobs one
   after another, each using every core) and on one modern GPU (assumptions
   printed: an achieved fp32 rate and a per-op dispatch cost, the step time
   being whichever bound is larger; op counts are counted here).
@@ -53,11 +53,11 @@ from hypertrain.common.data import ensure_default_dataset, holdout_windows
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT, build_model, evaluate
 from hypertrain.common.optim import InnerConfig
-from hypertrain.sim.batched import Batched
-from hypertrain.sim.engine import FragmentSync, make_replicas
-from hypertrain.sim.engine_job import SimJob, flat_job
-from hypertrain.sim.engine_replicas import ReplicaSet
-from hypertrain.sim.streaming import partition
+from hypertrain.sim.engine.batched import Batched
+from hypertrain.sim.engine.job import SimJob, flat_job
+from hypertrain.sim.engine.replicas import ReplicaSet
+from hypertrain.sim.engine.run import FragmentSync, make_replicas
+from hypertrain.sim.engine.streaming import partition
 
 MS = (1, 2, 4, 8, 16, 32)
 GLOBAL_BATCH = 32
@@ -193,14 +193,14 @@ def project_grid(
     """Wall time of the full registered grid from the measured per-M costs (``workers``
     jobs at a time on this machine, one at a time on the GPU)."""
     try:
-        from hypertrain.sim.prereg import registered_design
+        from hypertrain.sim.study.prereg import registered_design
 
         design = registered_design()
         cells = design.cells_of("full")
         seeds = len(design.seeds)
-        source = "hypertrain.sim.prereg.registered_design() scale 'full'"
+        source = "hypertrain.sim.study.prereg.registered_design() scale 'full'"
     except ImportError:  # pragma: no cover - prereg.py is part of the tree
-        return {"error": "hypertrain.sim.prereg not importable"}
+        return {"error": "hypertrain.sim.study.prereg not importable"}
     flops_step = extra["model_flops_per_token"] * GLOBAL_BATCH * 256
     cpu_s = gpu_s = 0.0
     jobs = 0

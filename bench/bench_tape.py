@@ -75,16 +75,16 @@ from typing import Any
 
 import torch
 
-from hypertrain.common import audit as audit_mod
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import CHUNK_BYTES, state_digest
-from hypertrain.common.keys import SigningKey, TrustedKeys
-from hypertrain.common.ledger import AGGREGATOR_KEY, relay_key, transfer_message
 from hypertrain.common.outer import NesterovOuter, SGDOuter, make_outer
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.tape import Entry, TapeWriter, verify_tape
+from hypertrain.common.trust import audit as audit_mod
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import AGGREGATOR_KEY, relay_key, transfer_message
+from hypertrain.common.trust.tape import Entry, TapeWriter, verify_tape
 from hypertrain.procs import parse_logfmt
 
 DIGEST_TARGET_PER_CORE = 0.8

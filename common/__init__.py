@@ -8,3 +8,6 @@ Invariants: no gRPC or generated protobuf imports (tests/unit/test_layout.py
 enforces it); every function is deterministic on CPU; no wall-clock in any
 decision that changes numbers.
 """
+
+VERSION = "0.1.0"
+"""The package version (also ``hypertrain.__version__``)."""

@@ -31,16 +31,16 @@ from hypertrain.common.aggregate import Blob, Commitment
 from hypertrain.common.codec import Codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError, UnknownKeyError
-from hypertrain.common.keys import TrustedKeys
-from hypertrain.common.ledger import (
+from hypertrain.common.roles import GlobalCore, RegionCore
+from hypertrain.common.roles import round_of_step as round_of
+from hypertrain.common.trust.keys import TrustedKeys
+from hypertrain.common.trust.ledger import (
     flat_digest,
     island_key,
     outer_state_digest,
     relay_key,
     transfer_message,
 )
-from hypertrain.common.roles import GlobalCore, RegionCore
-from hypertrain.common.roles import round_of_step as round_of
 
 # Decision codes: the driver maps them to transport status codes.
 OK = "ok"

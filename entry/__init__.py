@@ -7,7 +7,11 @@ Import root of the project.  The user's top-level folders map onto it
     services/island/     -> hypertrain.island      island daemon
     services/relay/      -> hypertrain.relay       regional relay daemon
     services/aggregator/ -> hypertrain.aggregator  global aggregator daemon
-    proto/               -> hypertrain.proto       the wire contract
+    services/wire/       -> hypertrain.wire        gRPC transport shared by the daemons
+    proto/hypertrain/v1/ -> hypertrain.v1          the wire contract
+    experiments/sim/     -> hypertrain.sim         the simulator (engine/, study/, chaos)
 """
 
-__version__ = "0.1.0"
+from hypertrain.common import VERSION as __version__
+
+__all__ = ["__version__"]

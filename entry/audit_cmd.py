@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hypertrain.common.audit import AuditError, audit_run
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.keys import TrustedKeys
+from hypertrain.common.trust.audit import AuditError, audit_run
+from hypertrain.common.trust.keys import TrustedKeys
 
 
 def run_audit(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 from hypertrain import audit_cmd, data_cmd, keys_cmd, plan_cmd, sim_cmd
 from hypertrain.common.errors import HypertrainError
-from hypertrain.runflags import add_run_config_flags, run_config_from_args
+from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 
 
 def cmd_run(args: argparse.Namespace) -> int:

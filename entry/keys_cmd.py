@@ -7,7 +7,7 @@
 Writes ``DIR/<name>.key`` (mode 0600, PEM PKCS#8) for aggregator, relay-<region>
 and island-<island id> of the run config (default regions eu,us with 2 islands
 each), and ``DIR/trusted_keys.json`` for auditors to pin (file formats:
-``hypertrain.common.keys``).  Prints one line per key,
+``hypertrain.common.trust.keys``).  Prints one line per key,
 ``key name=N id=KEYID file=PATH``, then ``keys init: keys=K dir=DIR trusted=PATH``.
 Bad input (existing keys without --force, a bad name, a bad config) exits 2
 with one line ``hypertrain keys init: error: ...`` on stderr.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.keys import daemon_key_names, init_keys, load_signing_key
+from hypertrain.common.trust.keys import daemon_key_names, init_keys, load_signing_key
 
 _PROG = "hypertrain keys init"
 

@@ -9,7 +9,7 @@ Prints the global batch, total steps T, global outer steps S_g (a ``WARNING:`` l
 S_g < 1000), then per level (regional every H_r, global every H_g) and codec: rho, b_v,
 bytes per sender per sync, the required rate with full overlap in bytes/s and Gbit/s and
 the link class it needs.  ``--json`` prints the same as one JSON object instead.
-Formulas and link classes: common/plan.py.  Bad input exits 2 with one line
+Formulas and link classes: common/planner/plan.py.  Bad input exits 2 with one line
 ``hypertrain plan: error: ...`` on stderr.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.model import PRESETS
-from hypertrain.common.plan import (
+from hypertrain.common.planner.plan import (
     DEFAULT_CODECS,
     LINK_CLASSES,
     CodecMeasurement,

@@ -37,8 +37,8 @@ def _common(p: argparse.ArgumentParser, scale_default: str | None = None) -> Non
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
-    from hypertrain.sim.grid import run_grid
-    from hypertrain.sim.summary import summarize
+    from hypertrain.sim.study.grid import run_grid
+    from hypertrain.sim.study.summary import summarize
 
     rep = run_grid(
         args.prereg, args.scale, args.out, processes=args.processes, wall_cap_s=args.wall_cap,
@@ -50,15 +50,15 @@ def cmd_grid(args: argparse.Namespace) -> int:
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from hypertrain.sim.summary import summarize
+    from hypertrain.sim.study.summary import summarize
 
     _print_verdicts(summarize(args.prereg, args.scale, args.out, plots=not args.no_plots))
     return 0
 
 
 def cmd_cross_check(args: argparse.Namespace) -> int:
-    from hypertrain.sim.grid import RUNS_FILE, default_out
-    from hypertrain.sim.summary import CROSS_CHECK_FILE, cross_check
+    from hypertrain.sim.study.grid import RUNS_FILE, default_out
+    from hypertrain.sim.study.summary import CROSS_CHECK_FILE, cross_check
 
     out = args.out if args.out is not None else default_out(args.scale)
     for d in (out, args.other):
@@ -101,7 +101,7 @@ def _print_verdicts(s: dict[str, Any]) -> None:
 
 
 def cmd_prereg(args: argparse.Namespace) -> int:
-    from hypertrain.sim import prereg
+    from hypertrain.sim.study import prereg
 
     argv = ["--check"] if args.check is not None else ["--write-prereg"]
     path = args.check if args.check is not None else args.write_prereg
@@ -111,12 +111,12 @@ def cmd_prereg(args: argparse.Namespace) -> int:
 
 
 def cmd_device_check(args: argparse.Namespace) -> int:
-    from hypertrain.sim.engine_device import (
+    from hypertrain.sim.engine.device import (
         DEFAULT_REL_TOL,
         DeviceMismatch,
         device_equivalence_check,
     )
-    from hypertrain.sim.grid import default_out, load_checked, plan_jobs
+    from hypertrain.sim.study.grid import default_out, load_checked, plan_jobs
 
     pre = load_checked(args.prereg)
     jobs = plan_jobs(pre.design, args.scale)

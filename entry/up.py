@@ -27,11 +27,11 @@ from typing import Any
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.keys import daemon_key_names, init_keys
 from hypertrain.common.roles import initial_parameters
+from hypertrain.common.runflags import run_config_from_args
+from hypertrain.common.trust.keys import daemon_key_names, init_keys
 from hypertrain.procs import Child, child_env, python_module, torchrun
 from hypertrain.prom import PromHandle, start_prometheus
-from hypertrain.runflags import run_config_from_args
 
 ISLAND_NICE = 5
 

@@ -35,13 +35,13 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import HOLDOUT_WINDOWS, holdout_windows
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.keys import SigningKey, TrustedKeys
-from hypertrain.common.ledger import global_merge_body
 from hypertrain.common.model import build_model, evaluate, preset
 from hypertrain.common.protocol import AggregatorMachine, Committed, Effect
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.tape import Entry, TapeWriter
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import global_merge_body
+from hypertrain.common.trust.tape import Entry, TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import atomic_write, fault_point, log_event

@@ -34,11 +34,11 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import blob_digest, state_digest
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.keys import SigningKey
-from hypertrain.common.ledger import TRANSFER_FIELDS, transfer_message
 from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
+from hypertrain.common.trust.keys import SigningKey
+from hypertrain.common.trust.ledger import TRANSFER_FIELDS, transfer_message
 from hypertrain.island.ranks import TorchRanks
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.daemon import atomic_write, log_event

@@ -31,16 +31,16 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest, tensor_digest
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.keys import SigningKey, TrustedKeys
-from hypertrain.common.ledger import (
+from hypertrain.common.protocol import Committed, Effect, Forward, Publish, RelayMachine
+from hypertrain.common.roles import initial_parameters
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import (
     TRANSFER_FIELDS,
     forward_body,
     regional_merge_body,
     transfer_message,
 )
-from hypertrain.common.protocol import Committed, Effect, Forward, Publish, RelayMachine
-from hypertrain.common.roles import initial_parameters
-from hypertrain.common.tape import Entry, TapeWriter
+from hypertrain.common.trust.tape import Entry, TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import atomic_write, fault_point, log_event

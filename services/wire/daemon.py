@@ -23,8 +23,8 @@ from typing import Any
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.keys import SigningKey, TrustedKeys, load_signing_key
-from hypertrain.runflags import add_run_config_flags, run_config_from_args
+from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
 from hypertrain.wire.metrics import Metrics, announce_metrics
 
 _LOG_LOCK = threading.Lock()

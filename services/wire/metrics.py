@@ -27,7 +27,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from hypertrain import __version__
+from hypertrain.common import VERSION
 
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 SIZE_BUCKETS = tuple(float(4**k) for k in range(5, 16))  # 1 KiB .. 1 GiB
@@ -43,7 +43,7 @@ class Metrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         Info("hypertrain_build", "hypertrain version and daemon role", registry=r).info(
-            {"version": __version__, "role": role}
+            {"version": VERSION, "role": role}
         )
         isl = ["region", "island"]
         self.up = Gauge("hypertrain_up", "1 while the daemon serves its run", ["role"], registry=r)

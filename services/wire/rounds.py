@@ -23,7 +23,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.protocol import Committed, Decision, Delta, Effect, Publish
-from hypertrain.common.tape import Entry, TapeWriter
+from hypertrain.common.trust.tape import Entry, TapeWriter
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import spool
 from hypertrain.wire.chunks import discard, publish, receive_delta

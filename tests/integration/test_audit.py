@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from hypertrain.common.audit import AuditError, audit_run
 from hypertrain.common.config import RunConfig
-from hypertrain.common.keys import SigningKey, TrustedKeys, load_signing_key
 from hypertrain.common.reference import run_reference
-from hypertrain.common.tape import TapeWriter, read_tape, verify_tape
-from hypertrain.common.tape_format import encode_record
+from hypertrain.common.trust.audit import AuditError, audit_run
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
+from hypertrain.common.trust.tape import TapeWriter, read_tape, verify_tape
+from hypertrain.common.trust.tape_format import encode_record
 from tests.integration.conftest import Cluster
 
 CFG = RunConfig.from_dict(

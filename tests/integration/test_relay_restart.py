@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from hypertrain.common.audit import audit_run
 from hypertrain.common.config import RunConfig
-from hypertrain.common.keys import TrustedKeys, daemon_key_names, init_keys
 from hypertrain.common.reference import run_reference
+from hypertrain.common.trust.audit import audit_run
+from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
 from hypertrain.procs import Child, child_env, python_module
 from tests.integration.conftest import Cluster, free_port
 

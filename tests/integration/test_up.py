@@ -128,7 +128,7 @@ def test_sigterm_stops_a_daemon_cleanly(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode,words", [(0o644, "readable by group/others"), (0o000, "")])
 def test_daemon_refuses_a_bad_signing_key(tmp_path: Path, mode: int, words: str) -> None:
-    from hypertrain.common.keys import init_keys
+    from hypertrain.common.trust.keys import init_keys
 
     init_keys(tmp_path / "keys", ["aggregator"])
     key = tmp_path / "keys" / "aggregator.key"

@@ -24,7 +24,7 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from hypertrain.common.config import RunConfig
-from hypertrain.common.keys import daemon_key_names
+from hypertrain.common.trust.keys import daemon_key_names
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -33,7 +33,7 @@ RUN_TOML = DEPLOY / "configs" / "run.toml"
 K8S_VERSION = "1.30"  # the oldest Kubernetes these manifests are written for
 IMAGE_UID = 10001
 # Flags the deploy files pass that the daemons do not take yet.  --signing-key: the
-# daemons load their Ed25519 key from it once signing lands (common/keys.py).
+# daemons load their Ed25519 key from it once signing lands (common/trust/keys.py).
 PENDING_FLAGS: set[str] = set()
 
 
@@ -98,7 +98,7 @@ def run_config() -> RunConfig:
 
 def test_example_run_config_loads_and_plans(run_config: RunConfig) -> None:
     from hypertrain.common.model import PRESETS
-    from hypertrain.common.plan import PlanInput, make_plan, parameter_count
+    from hypertrain.common.planner.plan import PlanInput, make_plan, parameter_count
 
     topo = run_config.topology
     assert topo.regions == ("eu", "us", "ap")

@@ -1,4 +1,4 @@
-"""The S6 grid runner (hypertrain.sim.grid / summary / plots / sim_cmd), end to end on a
+"""The S6 grid runner (hypertrain.sim.study.grid / summary / plots / sim_cmd), end to end on a
 test-only design of eight short jobs registered into tmp: it refuses an altered
 registration, records errors and censored jobs, resumes without redoing finished
 jobs, and writes every output file."""
@@ -18,8 +18,8 @@ import pytest
 
 from hypertrain import sim_cmd
 from hypertrain.common.errors import ConfigError
-from hypertrain.sim.design import Design, PreregError, Scale
-from hypertrain.sim.grid import (
+from hypertrain.sim.study.design import Design, PreregError, Scale
+from hypertrain.sim.study.grid import (
     RUNS_FILE,
     job_for,
     load_checked,
@@ -27,8 +27,8 @@ from hypertrain.sim.grid import (
     read_rows,
     run_grid,
 )
-from hypertrain.sim.prereg import DEFAULT_PATH, registered_design, write_prereg
-from hypertrain.sim.summary import CSV_FILE, SUMMARY_FILE, summarize
+from hypertrain.sim.study.prereg import DEFAULT_PATH, registered_design, write_prereg
+from hypertrain.sim.study.summary import CSV_FILE, SUMMARY_FILE, summarize
 
 SCALE = "unit"
 FLAT = "flat-M2-Hg10"
@@ -237,7 +237,7 @@ def test_cross_check_matches_jobs_by_design_key_bit_for_bit(tmp_path: Path) -> N
 
 def test_plots_of_every_committed_grid(tmp_path: Path) -> None:
     """The plots draw from each committed summary (e.g. two hierarchies at the same M)."""
-    from hypertrain.sim.plots import make_plots
+    from hypertrain.sim.study.plots import make_plots
 
     root = DEFAULT_PATH.parents[2]
     summaries = sorted(root.glob("experiments/results/parity-*/summary.json"))

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from hypertrain import keys_cmd
 from hypertrain.common.errors import KeyFileError, UnknownKeyError
-from hypertrain.common.keys import (
+from hypertrain.common.trust.keys import (
     TRUSTED_KEYS_FILE,
     SigningKey,
     TrustedKey,

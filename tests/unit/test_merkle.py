@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hypertrain.common import merkle
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.merkle import (
+from hypertrain.common.trust import merkle
+from hypertrain.common.trust.merkle import (
     EMPTY_ROOT,
     MerkleLog,
     consistency_proof,

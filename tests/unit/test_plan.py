@@ -12,7 +12,7 @@ from hypertrain import plan_cmd
 from hypertrain.common.codec import parse_codec_spec
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.model import PRESETS, build_model, count_parameters
-from hypertrain.common.plan import (
+from hypertrain.common.planner.plan import (
     LINK_CLASSES,
     PlanInput,
     codec_rho_bits,

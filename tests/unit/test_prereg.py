@@ -1,4 +1,4 @@
-"""The pre-registration (hypertrain.sim.prereg): the S6 grid, the hash, and the file's refusals."""
+"""The pre-registration (hypertrain.sim.study.prereg): the S6 grid, the hash, and the file's refusals."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hypertrain.sim.prereg import (
+from hypertrain.sim.study.prereg import (
     DEFAULT_PATH,
     Design,
     Divergence,
@@ -326,7 +326,7 @@ def test_module_entry_point_and_the_committed_file() -> None:
     """The committed registration matches the design in code (re-register after a change)."""
     assert DEFAULT_PATH == ROOT / "experiments" / "sim" / "parity_prereg.json"
     out = subprocess.run(
-        [sys.executable, "-m", "hypertrain.sim.prereg", "--check", str(DEFAULT_PATH)],
+        [sys.executable, "-m", "hypertrain.sim.study.prereg", "--check", str(DEFAULT_PATH)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

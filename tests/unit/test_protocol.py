@@ -153,8 +153,13 @@ def test_relay_takes_only_deltas_signed_by_the_sender_s_pinned_key(
     """With pinned keys the relay verifies each delta's signature before accepting:
     unsigned, signed by another island's key, or signed over other fields is refused
     as INVALID naming the sender; the island's own signature is accepted."""
-    from hypertrain.common.keys import TrustedKeys, daemon_key_names, init_keys, load_signing_key
-    from hypertrain.common.ledger import transfer_message
+    from hypertrain.common.trust.keys import (
+        TrustedKeys,
+        daemon_key_names,
+        init_keys,
+        load_signing_key,
+    )
+    from hypertrain.common.trust.ledger import transfer_message
 
     keys = tmp_path / "keys"
     init_keys(keys, daemon_key_names(CFG.topology))

@@ -18,12 +18,12 @@ from hypertrain.common.model import GPT, Block, ModelConfig, build_model
 from hypertrain.common.optim import InnerConfig, InnerOptimizer
 from hypertrain.common.outer import OuterConfig
 from hypertrain.common.reference import run_reference
-from hypertrain.sim import engine_device
-from hypertrain.sim.batched import Batched, StackedInnerOptimizer
-from hypertrain.sim.engine import _dataset, anneal_start, eval_steps, make_replicas, run_job
-from hypertrain.sim.engine_job import DEVICE_ENV, JobResult, SimJob, dp_job, flat_job
-from hypertrain.sim.engine_stacked import StackedGPT
-from hypertrain.sim.streaming import partition, sync_level
+from hypertrain.sim.engine import device as engine_device
+from hypertrain.sim.engine.batched import Batched, StackedInnerOptimizer
+from hypertrain.sim.engine.job import DEVICE_ENV, JobResult, SimJob, dp_job, flat_job
+from hypertrain.sim.engine.run import _dataset, anneal_start, eval_steps, make_replicas, run_job
+from hypertrain.sim.engine.stacked import StackedGPT
+from hypertrain.sim.engine.streaming import partition, sync_level
 
 INNER = InnerConfig(warmup_steps=2)
 MUON = InnerConfig(name="muon", warmup_steps=2)
@@ -218,7 +218,7 @@ def test_stacked_forward_refuses_a_changed_model(monkeypatch: pytest.MonkeyPatch
     windows = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
     stacked.check_against(template, windows)
     monkeypatch.setattr(Block, "forward", lambda self, x: x)  # the model changed under us
-    with pytest.raises(HypertrainError, match=r"update sim/engine_stacked\.py"):
+    with pytest.raises(HypertrainError, match=r"update sim/engine/stacked\.py"):
         stacked.check_against(template, windows)
 
 

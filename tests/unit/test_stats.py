@@ -1,4 +1,4 @@
-"""The parity statistics (hypertrain.sim.stats, .tdist) on hand-worked and table values.
+"""The parity statistics (hypertrain.sim.study.stats, .tdist) on hand-worked and table values.
 
 The registered case is n = 3 seeds, so df = 2, where Student's t has closed
 forms a reader can redo on paper:
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hypertrain.sim.stats import (
+from hypertrain.sim.study.stats import (
     best_control,
     compare,
     h1_test,
@@ -33,7 +33,7 @@ from hypertrain.sim.stats import (
     trend_test,
     verdict_text,
 )
-from hypertrain.sim.tdist import betainc, t_cdf, t_ppf, t_sf
+from hypertrain.sim.study.tdist import betainc, t_cdf, t_ppf, t_sf
 
 EQUIV = "equivalent at delta = 0.005"
 NOT_EQUIV = "equivalence not demonstrated at delta = 0.005"

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from hypertrain.common import merkle
 from hypertrain.common.errors import TapeError
-from hypertrain.common.keys import SigningKey, TrustedKeys, init_keys, load_signing_key
-from hypertrain.common.tape import (
+from hypertrain.common.trust import merkle
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, init_keys, load_signing_key
+from hypertrain.common.trust.tape import (
     Checkpoint,
     Entry,
     TapeWriter,
@@ -26,7 +26,7 @@ from hypertrain.common.tape import (
     verify_checkpoints_consistent,
     verify_tape,
 )
-from hypertrain.common.tape_format import MAGIC, Record, canonical_json, encode_record
+from hypertrain.common.trust.tape_format import MAGIC, Record, canonical_json, encode_record
 
 RUN = "run-test"
 AGG = SigningKey.from_seed("aggregator", b"\x01" * 32)

@@ -1,6 +1,6 @@
 """The S6 device switch check: the same shortened jobs on CPU and on the device.
 
-    python -m hypertrain.sim.engine_device --device cuda [--steps 60] [--json PATH]
+    python -m hypertrain.sim.engine.device --device cuda [--steps 60] [--json PATH]
 
 The device (``SimJob.device`` or ``$HYPERTRAIN_SIM_DEVICE``) is outside the
 design hash, which is only honest if the device computes the same function.
@@ -27,8 +27,8 @@ from typing import Any
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
-from hypertrain.sim.engine import run_job
-from hypertrain.sim.engine_job import SimJob, dp_job, flat_job
+from hypertrain.sim.engine.job import SimJob, dp_job, flat_job
+from hypertrain.sim.engine.run import run_job
 
 DEFAULT_REL_TOL = 5e-4
 
@@ -121,7 +121,7 @@ def default_check_jobs(model: str = "tiny", steps: int = 60, seed: int = 0) -> l
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m hypertrain.sim.engine_device", description=__doc__.split("\n")[0]
+        prog="python -m hypertrain.sim.engine.device", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--device", default="cuda", help="device to check against the CPU")
     ap.add_argument("--model", default="tiny", help="model preset of the check jobs")

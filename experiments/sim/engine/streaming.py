@@ -12,7 +12,7 @@ round): at the end of step t (1-based) it syncs regionally when
 sync includes its regional one).  The first round of a fragment with o_f > 0 is
 therefore o_f steps long.  At the last step every fragment that did not just
 sync globally does a final global sync (``final=True``), so the final model
-contains every replica's last steps of every fragment; see engine.py for the
+contains every replica's last steps of every fragment; see run.py for the
 pending-merge rule at that flush.
 
 Invariants: fragments partition ``[0, numel)`` in order, each holds >= 1

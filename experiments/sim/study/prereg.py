@@ -2,8 +2,8 @@
 
 Write the registration (once per design; the file is committed)::
 
-    python -m hypertrain.sim.prereg --write-prereg experiments/sim/parity_prereg.json
-    python -m hypertrain.sim.prereg --check experiments/sim/parity_prereg.json
+    python -m hypertrain.sim.study.prereg --write-prereg experiments/sim/parity_prereg.json
+    python -m hypertrain.sim.study.prereg --check experiments/sim/parity_prereg.json
 
 The design is one frozen dataclass tree (``Design``: seeds, scales, margins,
 alpha, caps, the inner-optimizer settings, the divergence rule, and the cells)
@@ -41,7 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hypertrain.sim.design import (
+from hypertrain.sim.study.design import (
     Cell,
     CellKind,
     Design,
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 FORMAT = "hypertrain-parity-prereg/1"
-DEFAULT_PATH = Path(__file__).resolve().with_name("parity_prereg.json")
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "parity_prereg.json"
 HASH_RULE = (
     "sha256 of canonical JSON of the design section: sorted keys, separators (',', ':'), ASCII"
 )
@@ -352,7 +352,7 @@ def verify_registered(path: str | Path, design: Design) -> Prereg:
 def main(argv: Sequence[str] | None = None) -> int:
     """``--write-prereg [PATH]`` registers the design; ``--check [PATH]`` verifies a file."""
     ap = argparse.ArgumentParser(
-        prog="python -m hypertrain.sim.prereg", description=__doc__.split("\n")[0]
+        prog="python -m hypertrain.sim.study.prereg", description=__doc__.split("\n")[0]
     )
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--write-prereg", nargs="?", const=str(DEFAULT_PATH), metavar="PATH")

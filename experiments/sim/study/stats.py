@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from hypertrain.sim.tdist import t_cdf, t_ppf, t_sf
+from hypertrain.sim.study.tdist import t_cdf, t_ppf, t_sf
 
 DELTA = 0.005
 """Registered equivalence margin on the relative held-out gap (0.5%)."""

@@ -4,7 +4,7 @@ One ``SimJob`` is one cell x seed x outer learning rate at one scale: the
 model, the steps, the global batch B, the topology (flat M = R regions of one
 island, a hierarchy R x n_r, or the data-parallel control), the inner and outer
 optimizers, the two codecs, streaming fragments and overlap, the anneal, LAWA,
-and the evaluation.  ``run_job`` (engine.py) turns it into a ``JobResult``.
+and the evaluation.  ``run_job`` (run.py) turns it into a ``JobResult``.
 
 Invariants:
 - Every field is validated in ``__post_init__`` (``ConfigError`` naming it),

@@ -1,11 +1,11 @@
 """The S6 grid runner: every registered job of a scale, in worker processes, resumable.
 
-    from hypertrain.sim.grid import run_grid
+    from hypertrain.sim.study.grid import run_grid
     run_grid(prereg_path, "smoke", out_dir, processes=2)      # then summary.summarize(...)
 
 A job is one cell x seed x outer learning rate of the cell's sweep (a control
 has no sweep) at one registered scale; ``job_for`` maps it to a ``SimJob`` and
-``run_job`` (engine.py) trains it.  Each finished job appends one JSON row to
+``run_job`` (engine/run.py) trains it.  Each finished job appends one JSON row to
 ``<out>/parity_runs.jsonl`` at once (flushed and fsynced), so a run that is
 interrupted, or stopped by a cap, resumes where it stopped.
 
@@ -50,8 +50,8 @@ from hypertrain.common.errors import ConfigError
 from hypertrain.common.model import ModelConfig
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
-from hypertrain.sim.engine_job import ExecPath, SimJob
-from hypertrain.sim.prereg import (
+from hypertrain.sim.engine.job import ExecPath, SimJob
+from hypertrain.sim.study.prereg import (
     DEFAULT_PATH,
     Cell,
     Design,
@@ -65,7 +65,7 @@ from hypertrain.sim.prereg import (
 
 RUNS_FILE = "parity_runs.jsonl"
 INVOCATIONS_FILE = "grid_invocations.jsonl"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 FINAL = ("done", "divergent")
 """Statuses that are never run again."""
 
@@ -264,7 +264,7 @@ def _finite(x: Any) -> float | None:
 
 def run_one(task: dict[str, Any]) -> dict[str, Any]:
     """Train one job (in a worker) and return its row; never raises."""
-    from hypertrain.sim.engine import run_job
+    from hypertrain.sim.engine.run import run_job
 
     row = dict(task["row"])
     t0 = time.perf_counter()

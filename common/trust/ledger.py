@@ -88,7 +88,7 @@ def params_digest(names_views: dict[str, torch.Tensor]) -> str:
 
 def tape_safe(obj: Any) -> Any:
     """``obj`` with every float replaced by its repr string (tape entries hold no floats:
-    a float's text could re-serialize differently; see common/tape_format.py)."""
+    a float's text could re-serialize differently; see common/trust/tape_format.py)."""
     if isinstance(obj, float):
         return repr(obj)
     if isinstance(obj, dict):

@@ -65,7 +65,7 @@ class StackedGPT:
         blocks_ok = all(type(b) is Block for b in template.blocks)
         if type(template) is not GPT or not blocks_ok or shapes != expected_shapes(cfg):
             raise HypertrainError(
-                "batched path: the model is not the GPT that sim/engine_stacked.py mirrors "
+                "batched path: the model is not the GPT that sim/engine/stacked.py mirrors "
                 "(classes or parameter shapes changed); update StackedGPT"
             )
         self.cfg = cfg
@@ -130,5 +130,5 @@ class StackedGPT:
         if not abs(mine - ref) <= rel_tol * abs(ref):
             raise HypertrainError(
                 f"batched path: StackedGPT gives loss {mine!r} where GPT.loss gives {ref!r}; "
-                "common/model.py changed, update sim/engine_stacked.py"
+                "common/model.py changed, update sim/engine/stacked.py"
             )

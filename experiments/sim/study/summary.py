@@ -1,6 +1,6 @@
 """The grid's outputs: ``parity_grid.csv`` and ``summary.json`` (S6), from the rows on disk.
 
-    from hypertrain.sim.summary import summarize
+    from hypertrain.sim.study.summary import summarize
     summary = summarize(None, "cpu-tiny")   # any time, also while the grid runs
 
 Every number comes from stats.py; this module only pairs the rows into the
@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hypertrain.sim.grid import (
+from hypertrain.sim.study.grid import (
     INVOCATIONS_FILE,
     RUNS_FILE,
     GridJob,
@@ -45,8 +45,8 @@ from hypertrain.sim.grid import (
     plan_jobs,
     read_rows,
 )
-from hypertrain.sim.prereg import Cell, Design, Prereg
-from hypertrain.sim.stats import (
+from hypertrain.sim.study.prereg import Cell, Design, Prereg
+from hypertrain.sim.study.stats import (
     EtaChoice,
     Losses,
     best_control,
@@ -296,7 +296,7 @@ def summarize(
     tmp.write_text(json.dumps(summary, indent=1, sort_keys=False, allow_nan=False) + "\n")
     os.replace(tmp, out / SUMMARY_FILE)
     if plots:
-        from hypertrain.sim.plots import make_plots
+        from hypertrain.sim.study.plots import make_plots
 
         make_plots(summary, read_rows(out), out)
     return summary

@@ -5,7 +5,7 @@
 Steps, each failure naming the first bad entry and why:
 1. Every tape (the aggregator's and each relay's) verifies: framing, every
    signature against the pinned keys, sequence, hash chain, checkpoints
-   (common/tape_verify.py), and was signed by the daemon it belongs to.
+   (common/trust/tape_verify.py), and was signed by the daemon it belongs to.
 2. Replay, global round by global round, with the core's own functions:
    - each relay's accepted inputs: the island's signature over the transfer,
      the published blob present and unchanged (sha256);
@@ -42,8 +42,10 @@ from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import HypertrainError, TapeError
-from hypertrain.common.keys import TrustedKeys
-from hypertrain.common.ledger import (
+from hypertrain.common.outer import make_outer
+from hypertrain.common.roles import initial_parameters, round_of_step
+from hypertrain.common.trust.keys import TrustedKeys
+from hypertrain.common.trust.ledger import (
     AGGREGATOR_KEY,
     flat_digest,
     island_key,
@@ -51,9 +53,7 @@ from hypertrain.common.ledger import (
     relay_key,
     transfer_message,
 )
-from hypertrain.common.outer import make_outer
-from hypertrain.common.roles import initial_parameters, round_of_step
-from hypertrain.common.tape import Entry, verify_tape
+from hypertrain.common.trust.tape import Entry, verify_tape
 
 
 class AuditError(HypertrainError):

@@ -1,7 +1,7 @@
 """The replicas of a job, behind one interface, and the per-replica execution path.
 
 A ``ReplicaSet`` holds N model replicas with their inner optimizers and their
-data, and offers what the sync engine (engine.py) needs and nothing more:
+data, and offers what the sync engine (run.py) needs and nothing more:
 
 - ``train_step(step)``: every replica takes one inner step (0-based ``step``)
   on its slice of the global batch, with the WSD factor of that step;
@@ -31,7 +31,7 @@ from hypertrain.common.data import SampleStream
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT
 from hypertrain.common.optim import InnerConfig, InnerOptimizer, wsd_factor
-from hypertrain.sim.streaming import Fragment
+from hypertrain.sim.engine.streaming import Fragment
 
 
 class ReplicaSet(Protocol):

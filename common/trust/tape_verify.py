@@ -1,7 +1,7 @@
 """Verifying an event tape: signatures, chain, sequence, checkpoints, forks.
 
-The reader's half of ``hypertrain.common.tape`` (which re-exports everything
-public here); the byte format is in ``hypertrain.common.tape_format``.
+The reader's half of ``hypertrain.common.trust.tape`` (which re-exports everything
+public here); the byte format is in ``hypertrain.common.trust.tape_format``.
 
 Order of checks for each record, so that the first failure names the first bad
 entry precisely: framing -> pinned key known ("unknown key") -> Ed25519
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hypertrain.common import merkle
 from hypertrain.common.errors import TapeError, UnknownKeyError
-from hypertrain.common.keys import TrustedKeys
-from hypertrain.common.tape_format import (
+from hypertrain.common.trust import merkle
+from hypertrain.common.trust.keys import TrustedKeys
+from hypertrain.common.trust.tape_format import (
     CHECKPOINT,
     MAGIC,
     ZERO_HASH,

@@ -3,8 +3,8 @@
 Each daemon that merges (the aggregator, each relay) keeps one tape file and
 appends one entry per event: "regional_merge", "global_merge", "membership",
 "rejection", ..., plus a signed "checkpoint" entry every ``checkpoint_every``
-entries.  The byte format is defined in ``hypertrain.common.tape_format``,
-verification in ``hypertrain.common.tape_verify``; this module is the writer
+entries.  The byte format is defined in ``hypertrain.common.trust.tape_format``,
+verification in ``hypertrain.common.trust.tape_verify``; this module is the writer
 and re-exports the public names of both.
 
 Guarantees, and what each rests on:
@@ -49,8 +49,8 @@ from types import TracebackType
 from typing import Any
 
 from hypertrain.common.errors import TapeError
-from hypertrain.common.keys import SigningKey, TrustedKeys, fsync_dir
-from hypertrain.common.tape_format import (
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, fsync_dir
+from hypertrain.common.trust.tape_format import (
     CHECKPOINT,
     FORMAT_VERSION,
     MAGIC,
@@ -64,7 +64,7 @@ from hypertrain.common.tape_format import (
     read_tape,
     scan,
 )
-from hypertrain.common.tape_verify import (
+from hypertrain.common.trust.tape_verify import (
     TapeReport,
     _Chain,
     checkpoint_from_dict,

@@ -1,6 +1,6 @@
 """RFC 6962 Merkle trees: roots, inclusion and consistency proofs, an incremental log.
 
-The event tape (``hypertrain.common.tape``) commits to its contents with the
+The event tape (``hypertrain.common.trust.tape``) commits to its contents with the
 Certificate Transparency tree of RFC 6962 sec 2.1 (RFC 9162 sec 2.1), so that
 a signed checkpoint (tree size, root) pins every entry before it: an entry
 changed, dropped or inserted before a checkpoint changes its root, and two

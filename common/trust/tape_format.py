@@ -1,6 +1,6 @@
 """The event tape's bytes: canonical entries, record framing, and reading without trust.
 
-``hypertrain.common.tape`` writes and verifies tapes; this module defines what
+``hypertrain.common.trust.tape`` writes and verifies tapes; this module defines what
 is on disk, so that an auditor in any language can read it from this docstring.
 
 File layout (one file per daemon, append-only)::
@@ -33,7 +33,7 @@ keys sorted; separators ``,`` and ``:``; no whitespace; no NaN) of exactly::
 - ``kind`` is ``[a-z][a-z0-9_]*``; ``checkpoint`` entries have the body
   ``{"root": 64 hex, "size": int}``: ``size`` = the number of entries before it
   (= its own seq) and ``root`` = the RFC 6962 root over the leaf hashes
-  ``leaf_hash(entry bytes)`` of those entries (``hypertrain.common.merkle``).
+  ``leaf_hash(entry bytes)`` of those entries (``hypertrain.common.trust.merkle``).
 
 Readers verify the signature over the stored bytes before parsing them, never
 re-serialize to verify, and reject entries that are not in canonical form
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hypertrain.common import merkle
 from hypertrain.common.errors import TapeError
+from hypertrain.common.trust import merkle
 
 MAGIC = b"HTTAPE1\n"
 FORMAT_VERSION = 1

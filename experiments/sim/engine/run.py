@@ -1,6 +1,6 @@
 """The simulator's job runner: ``run_job(SimJob) -> JobResult``.
 
-    from hypertrain.sim.engine import SimJob, flat_job, dp_job, run_job
+    from hypertrain.sim.engine.run import SimJob, flat_job, dp_job, run_job
     res = run_job(flat_job(8, 30, steps=300, model="tiny", seed=0))
     res.final_loss, res.curve, res.diverged
 
@@ -13,7 +13,7 @@ optimizer.  Replicas take the merged state at sync_step + tau (with tau > 0:
 merged + the local progress made during the overlap).  For F = 1 this is
 exactly the algorithm of architecture.md and of common/reference.py (a test
 compares final parameters).  The replicas themselves are a ``ReplicaSet``:
-the per-replica path (engine_replicas.py) or the batched one (batched.py),
+the per-replica path (replicas.py) or the batched one (batched.py),
 chosen by ``SimJob.path``; everything here is shared by both.
 
 Beyond the reference run: streaming fragments (streaming.py), the anneal at
@@ -55,10 +55,10 @@ from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT, build_model, evaluate
 from hypertrain.common.optim import LAWA
 from hypertrain.common.roles import GlobalCore, RegionCore
-from hypertrain.sim.batched import Batched
-from hypertrain.sim.engine_job import JobResult, SimJob, dp_job, flat_job
-from hypertrain.sim.engine_replicas import PerReplica, ReplicaSet
-from hypertrain.sim.streaming import Fragment, Level, partition, sync_level
+from hypertrain.sim.engine.batched import Batched
+from hypertrain.sim.engine.job import JobResult, SimJob, dp_job, flat_job
+from hypertrain.sim.engine.replicas import PerReplica, ReplicaSet
+from hypertrain.sim.engine.streaming import Fragment, Level, partition, sync_level
 
 __all__ = [
     "FragmentSync",

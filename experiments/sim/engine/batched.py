@@ -2,7 +2,7 @@
 
 Every parameter of the model is held once, stacked along a leading replica
 dimension (``[N, *shape]``, leaf tensors).  One step computes the N
-per-replica losses with ``StackedGPT`` (engine_stacked.py: ``GPT.loss`` with
+per-replica losses with ``StackedGPT`` (stacked.py: ``GPT.loss`` with
 every linear layer as one batched matmul over N), and one backward of their
 sum gives every replica exactly its own gradient.  So one step of N small
 models is a few large kernels instead of N times every kernel.  Replica i
@@ -46,9 +46,9 @@ from hypertrain.common.data import SampleStream
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT
 from hypertrain.common.optim import InnerConfig, InnerOptimizer, wsd_factor
-from hypertrain.sim.engine_replicas import split_row
-from hypertrain.sim.engine_stacked import StackedGPT
-from hypertrain.sim.streaming import Fragment
+from hypertrain.sim.engine.replicas import split_row
+from hypertrain.sim.engine.stacked import StackedGPT
+from hypertrain.sim.engine.streaming import Fragment
 
 
 @torch.no_grad()
