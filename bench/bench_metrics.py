@@ -45,7 +45,8 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
-from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
+from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.schedule import Schedule
 from hypertrain.wire.metrics import Metrics
 
 SCRAPE_PERIOD_S = 1.0
@@ -130,7 +131,7 @@ class Island:
         m.blocked_hist.labels(**labels).observe(0.01)
         m.decode_seconds.labels("island", region).observe(0.002)
         m.last_step.labels("island", region).set(self.step)
-        m.last_round.labels("island", region).set(round_of_step(self.cfg, self.step))
+        m.last_round.labels("island", region).set(Schedule.of(self.cfg).round_of(self.step))
         self.losses.clear()
 
 

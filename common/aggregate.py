@@ -52,6 +52,19 @@ class Commitment:
             "output": self.output_digest,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Commitment:
+        """The inverse of :meth:`to_dict` (a commitment received on the wire or read from a
+        checkpoint); HypertrainError naming what is wrong."""
+        try:
+            pairs = [(str(m), str(x)) for m, x in d["inputs"]]
+            codec, output = d["codec"], d["output"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise HypertrainError(f"malformed commitment: {e!r}") from None
+        if not isinstance(codec, dict) or not isinstance(output, str):
+            raise HypertrainError("malformed commitment: codec must be an object, output a string")
+        return cls(codec, tuple(m for m, _ in pairs), tuple(x for _, x in pairs), output)
+
     @property
     def digest(self) -> str:
         """sha256 of the canonical JSON of :meth:`to_dict`."""

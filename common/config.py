@@ -20,7 +20,7 @@ from typing import Any
 
 from hypertrain.common.codec import parse_codec_spec
 from hypertrain.common.errors import ConfigError, HypertrainError
-from hypertrain.common.model import preset
+from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
 
@@ -71,6 +71,13 @@ class TopologyConfig:
         return region
 
 
+CUSTOM_MODEL = "custom"
+"""``RunConfig.model`` of a run whose ``model_shape`` is given (no preset has this name)."""
+TOY_MODEL = "toy"
+"""``RunConfig.model`` of the fault simulation's toy: a small vector, no decoder
+(common/toy.py)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """Everything that changes the numbers of a run."""
@@ -78,7 +85,11 @@ class RunConfig:
     run_id: str = "local"
     """Name of the run; every message and tape entry carries it."""
     model: str = "tiny"
-    """Model preset (common/model.py PRESETS)."""
+    """Model preset (common/model.py PRESETS), or ``"custom"`` with ``model_shape``."""
+    model_shape: ModelConfig | None = None
+    """The decoder's shape when it is no preset (the simulator's reduced scales); then
+    ``model`` is ``"custom"``, which no preset lookup accepts.  None for a preset run: then
+    absent from ``to_dict``, so such a run's dict, digest and TOML do not mention it."""
     seed: int = 0
     """Fixes the initialization and the sample stream."""
     steps: int = 200
@@ -103,7 +114,16 @@ class RunConfig:
     count, so it is part of the config: equal threads give equal bits."""
 
     def __post_init__(self) -> None:
-        preset(self.model)
+        if self.model_shape is None:
+            if self.model == CUSTOM_MODEL:
+                raise ConfigError(f"run: model {CUSTOM_MODEL!r} needs a model_shape")
+            if self.model != TOY_MODEL:
+                preset(self.model)
+        elif not isinstance(self.model_shape, ModelConfig) or self.model != CUSTOM_MODEL:
+            raise ConfigError(
+                f"run: a model_shape (ModelConfig) goes with model {CUSTOM_MODEL!r}, "
+                f"got model {self.model!r} and model_shape {self.model_shape!r}"
+            )
         for name in ("run_id",):
             value = getattr(self, name)
             if not value or not all(c.isalnum() or c in "-_." for c in value):
@@ -149,6 +169,8 @@ class RunConfig:
                 d["inner"] = InnerConfig(**d["inner"])
             if "outer" in d:
                 d["outer"] = OuterConfig(**d["outer"])
+            if isinstance(d.get("model_shape"), dict):
+                d["model_shape"] = ModelConfig(**d["model_shape"])
             return cls(**d)
         except TypeError as e:  # unknown nested key, wrong arity
             raise ConfigError(f"run: {e}") from None
@@ -177,7 +199,13 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["topology"]["regions"] = list(self.topology.regions)
+        if self.model_shape is None:
+            del d["model_shape"]
         return d
+
+    def model_config(self) -> ModelConfig:
+        """The decoder's shape: ``model_shape``, else the preset ``model``."""
+        return self.model_shape if self.model_shape is not None else preset(self.model)
 
     @property
     def digest(self) -> str:

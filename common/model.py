@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,9 @@ class ModelConfig:
 
 
 # Named presets.  tiny: milliseconds per step on one CPU core (tests, `hypertrain up`).
-# proxy: the S6 proxy (4 layers, d_model 128, sequence 256).  gpt-125m: the GPT-2
-# small shape (12 x 768, ~124M parameters with a 50304-token vocabulary) for GPUs.
+# proxy: the parity proxy of docs/design.md §8 (4 layers, d_model 128, sequence 256).
+# gpt-125m: the GPT-2 small shape (12 x 768, ~124M parameters with a 50304-token
+# vocabulary) for GPUs.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=64),
     "proxy": ModelConfig(n_layer=4, d_model=128, n_head=4, seq_len=256),
@@ -146,15 +148,25 @@ def count_parameters(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, windows: torch.Tensor, batch_size: int = 64) -> float:
+def evaluate(
+    model: GPT,
+    windows: torch.Tensor,
+    batch_size: int = 64,
+    stop: Callable[[], bool] | None = None,
+) -> float:
     """Mean held-out cross-entropy over ``windows`` [N, T+1], in fixed batches.
 
     Each batch's mean is weighted by its row count and summed in float64 in a
-    fixed order, so the value is a pure function of (parameters, windows)."""
+    fixed order, so the value is a pure function of (parameters, windows).
+    ``stop``: checked between batches; when it says so the evaluation ends early
+    and returns NaN (a daemon that is asked to stop does not wait for it)."""
     was_training = model.training
     model.eval()
     total = 0.0
     for start in range(0, windows.shape[0], batch_size):
+        if stop is not None and stop():
+            model.train(was_training)
+            return math.nan
         chunk = windows[start : start + batch_size]
         total += float(model.loss(chunk)) * chunk.shape[0]
     model.train(was_training)

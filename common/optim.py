@@ -7,7 +7,7 @@
 - WSD: linear warmup, a stable plateau, then a linear decay over the final
   ``decay_fraction`` of the steps down to ``min_lr_ratio``.
 - LAWA: the mean of the last k checkpoints (flat vectors), summed in a fixed
-  order in fp32 (S3 step 3).
+  order in fp32 (docs/design.md §3.7).
 
 Invariants: the schedule is a pure function of the step; the optimizer's
 state_dict round-trips through torch.save exactly; nothing reads a clock.

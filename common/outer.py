@@ -1,4 +1,6 @@
-"""Outer optimizers (S4): what the aggregator applies to the averaged pseudo-gradient.
+"""Outer optimizers: what the aggregator applies to the averaged pseudo-gradient.
+
+The algorithm is docs/design.md §4.4.
 
 All work on flat fp32 parameter vectors (common/flat.py), in place.
 

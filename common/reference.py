@@ -1,10 +1,13 @@
-"""The in-process reference run: the whole hierarchy in one process, plain calls.
+"""The in-process run: the whole cluster in one process, on the in-process transport.
 
-It runs exactly the algorithm of architecture.md ("The algorithm, precisely")
-with the role classes of common/roles.py, and is the reference the daemons
-must match bit for bit (final global state digest).
+    hypertrain run --local
 
-Islands of a phase train concurrently on a thread pool: each island's ops run
+It runs the real relay and aggregator nodes and the islands' round logic
+(common/rounds/local.py) with every message delivered at once and in order, the
+islands stepping together: the reference the daemons must match bit for bit (final
+global state digest).  Nothing is written to disk and nothing is signed.
+
+Islands of a step train concurrently on a thread pool: each island's ops run
 single-threaded in its worker (``RunConfig.threads`` intra-op threads, 1 by
 default), so the result is independent of scheduling.
 """
@@ -29,8 +32,11 @@ from hypertrain.common.data import (
     holdout_windows,
 )
 from hypertrain.common.digest import state_digest
+from hypertrain.common.errors import HypertrainError
 from hypertrain.common.model import build_model, evaluate, preset
-from hypertrain.common.roles import GlobalCore, IslandCore, RegionCore, initial_parameters
+from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.rounds.local import Cluster, IslandActor
+from hypertrain.common.schedule import Schedule
 
 Event = dict[str, Any]
 
@@ -66,7 +72,6 @@ def run_reference(
     """Train ``cfg`` in-process; ``on_event`` receives one dict per global round."""
     torch.set_num_threads(cfg.threads)
     emit = on_event or (lambda e: None)
-    topo = cfg.topology
     mcfg = preset(cfg.model)
     dataset = open_dataset(cfg)
     stream = SampleStream(dataset, mcfg.seq_len, cfg.global_batch, cfg.seed)
@@ -75,74 +80,59 @@ def run_reference(
     holdout = holdout_windows(dataset, mcfg.seq_len, n=HOLDOUT_WINDOWS, seed=cfg.seed)
     eval_windows = holdout.windows[: cfg.holdout_windows]
     layout, theta0 = initial_parameters(cfg)
-    islands = [IslandCore(cfg, i, stream, theta0) for i in topo.island_ids()]
-    regions = {r: RegionCore(cfg, r, theta0) for r in sorted(topo.regions)}
-    glob = GlobalCore(cfg, theta0)
+    cluster = Cluster(cfg, theta0, lambda i: IslandCore(cfg, i, stream, theta0))
+    islands = list(cluster.islands.values())
     eval_model = build_model(mcfg, seed=cfg.seed)
+    sched = Schedule.of(cfg)
 
     def held_out(theta: torch.Tensor) -> float:
         layout.load(eval_model, theta)
         return evaluate(eval_model, eval_windows)
 
     t0 = time.perf_counter()
-    result = RunResult(held_out(glob.theta), 0.0, "", fp32_bytes=4 * layout.numel)
+    result = RunResult(held_out(theta0), 0.0, "", fp32_bytes=4 * layout.numel)
     result.seconds_eval = time.perf_counter() - t0
-    sent_bytes, sends = 0, 0
     losses: list[float] = []
     pool = ThreadPoolExecutor(max_workers=workers or min(len(islands), os.cpu_count() or 1))
-
-    # Merges waiting for their pinned step: (merge_step, island, kind, payload, sync_step).
-    pending: list[tuple[int, IslandCore, str, torch.Tensor, int]] = []
-
-    def apply_due(step: int) -> None:
-        while pending and pending[0][0] == step:
-            _, island, kind, payload, sync_step = pending.pop(0)
-            island.apply_merge(kind, payload, sync_step)
-
+    committed = cluster.aggregator.node.committed
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
-        losses.extend(pool.map(IslandCore.train_step, islands))
+        losses.extend(pool.map(IslandActor.train, islands))
         t1 = time.perf_counter()
         result.seconds_train += t1 - t0
-        apply_due(step)
-        if step % topo.h_r:
-            result.seconds_sync += time.perf_counter() - t1
-            continue
-        is_global = step % topo.h_g == 0
-        merges: list[tuple[IslandCore, str, torch.Tensor]] = []
-        for region, core in regions.items():
-            members = [i for i in islands if i.region == region]
-            blobs = {i.island_id: i.sync() for i in members}
-            sent_bytes += sum(len(b) for b in blobs.values())
-            sends += len(blobs)
-            mean, _ = core.merge(blobs)
-            merges.extend((i, "regional", mean) for i in members)
-        if is_global:
-            glob.step({r: c.encode_global_delta() for r, c in regions.items()})
-            for core in regions.values():
-                core.set_global(glob.theta)
-            theta_new = glob.theta.clone()
-            merges = [(i, "global", theta_new) for i in islands]
-        pending.extend((step + topo.tau, i, kind, payload, step) for i, kind, payload in merges)
-        apply_due(step)
+        for island in islands:  # pushes, then the merges pinned to this step
+            island.after_train()
+        cluster.run_until_quiet()
+        stuck = [i.name for i in islands if not (i.ready or i.done)]
+        if stuck:
+            raise HypertrainError(f"in-process run: islands {stuck} still wait at step {step}")
         t2 = time.perf_counter()
         result.seconds_sync += t2 - t1
-        if is_global:
-            loss = held_out(glob.theta)
-            result.seconds_eval += time.perf_counter() - t2
+        for merge in committed:
+            loss = held_out(merge.payload)
             event = {
-                "round": step // topo.h_g - 1,
-                "step": step,
+                "round": merge.round,
+                "step": merge.sync_step,
                 "train_loss": sum(losses) / len(losses),
                 "heldout_loss": loss,
-                "bytes_per_sync": sent_bytes / sends,
+                "bytes_per_sync": _sent(islands)[0] / max(_sent(islands)[1], 1),
             }
             losses.clear()
             result.rounds.append(event)
             emit(event)
+        committed.clear()
+        result.seconds_eval += time.perf_counter() - t2
     pool.shutdown()
+    if len(result.rounds) != sched.rounds:
+        raise HypertrainError(f"in-process run: {len(result.rounds)} of {sched.rounds} rounds")
+    theta = cluster.final_theta()
     result.final_loss = result.rounds[-1]["heldout_loss"]
-    result.final_digest = state_digest(layout.unflatten(glob.theta))
-    result.final_params = glob.theta
-    result.bytes_per_sync = sent_bytes / max(sends, 1)
+    result.final_digest = state_digest(layout.unflatten(theta))
+    result.final_params = theta
+    sent, sends = _sent(islands)
+    result.bytes_per_sync = sent / max(sends, 1)
     return result
+
+
+def _sent(islands: list[IslandActor]) -> tuple[int, int]:
+    return sum(i.sent_bytes for i in islands), sum(i.sends for i in islands)

@@ -24,17 +24,22 @@ import torch
 
 from hypertrain.common.aggregate import Blob, Commitment, aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
-from hypertrain.common.config import RunConfig
+from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT, build_model, preset
 from hypertrain.common.optim import InnerOptimizer, wsd_factor
 from hypertrain.common.outer import make_outer
+from hypertrain.common.schedule import Schedule, overlap_merge
 
 
 def initial_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
     """The run's starting global parameters (a pure function of model and seed)."""
+    if cfg.model == TOY_MODEL:
+        from hypertrain.common.toy import toy_layout, toy_parameters
+
+        return toy_layout(), toy_parameters(cfg)
     model = build_model(cfg.model, seed=cfg.seed)
     layout = ParamLayout.of(model)
     return layout, layout.flatten(model)
@@ -55,7 +60,122 @@ class RankGroup(Protocol):
         ...
 
 
-class IslandCore:
+class IslandState:
+    """What every island keeps besides its training: the base it syncs against, the
+    regional codec's error feedback, the step, and the overlap snapshots (tau > 0).
+
+    Subclasses train: :class:`IslandCore` (the model) and ``common/toy.py``'s
+    ``ToyIsland`` (a small vector with a fixed update, for the fault simulation).  The
+    sync and merge rules below are the same for both, so what the fault simulation
+    checks is what the daemons run."""
+
+    def __init__(self, cfg: RunConfig, island_id: str, theta0: torch.Tensor) -> None:
+        topo = cfg.topology
+        self.cfg = cfg
+        self.schedule = Schedule.of(cfg)
+        self.island_id = island_id
+        self.region = topo.region_of(island_id)
+        self.data_index = topo.island_ids().index(island_id)
+        self.numel = theta0.numel()
+        self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
+        self.codec = make_codec(cfg.regional_codec)
+        self.feedback = ErrorFeedback(self.codec, self.numel, beta=cfg.ef_beta)
+        self.step = 0
+        self.snapshots: dict[int, torch.Tensor] = {}  # sync_step -> theta (tau > 0)
+        self.last_delta_norm = 0.0  # L2 norm of the last pseudo-gradient (for metrics)
+
+    # -- what a subclass provides ----------------------------------------------------------
+    def train_step(self) -> float:
+        """One inner step at ``self.step``; increments it; returns the training loss."""
+        raise NotImplementedError
+
+    def params(self) -> torch.Tensor:
+        """The current parameters as one flat fp32 vector (a copy)."""
+        raise NotImplementedError
+
+    def load_params(self, flat: torch.Tensor) -> None:
+        """Set the current parameters from a flat fp32 vector."""
+        raise NotImplementedError
+
+    def _train_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_train_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # -- the sync rules (docs/design.md §2, §3) ----------------------------------------------
+    def sync(self, encode: bool = True) -> bytes:
+        """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
+        with error feedback.  With tau > 0 it also snapshots theta for the overlap rule.
+
+        ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
+        only takes the snapshot and returns no bytes."""
+        theta = self.params()
+        if self.schedule.tau:
+            self.snapshots[self.step] = theta.clone()
+        if not encode:
+            return b""
+        delta = self.base - theta
+        self.last_delta_norm = float(torch.linalg.vector_norm(delta))
+        return self.feedback.encode(delta)
+
+    def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
+        """Apply the merge of ``sync_step``; must be called at its pinned step
+        (``Schedule.merge_step``).
+
+        ``kind`` "regional": ``payload`` is the committed regional mean, base <- base - mean.
+        ``kind`` "global": ``payload`` is theta_{g+1}, base <- theta_{g+1}.
+        The island then takes base, plus (tau > 0) the progress made during the overlap.
+        """
+        merge_step = self.schedule.merge_step(sync_step)
+        if self.step != merge_step:
+            raise HypertrainError(
+                f"island {self.island_id}: merge of sync step {sync_step} is pinned to step "
+                f"{merge_step}, island is at step {self.step}"
+            )
+        if kind == "regional":
+            self.base.sub_(payload)
+        elif kind == "global":
+            self.base.copy_(payload)
+        else:
+            raise HypertrainError(f"island {self.island_id}: unknown merge kind {kind!r}")
+        snapshot = self.snapshots.pop(sync_step, None)
+        merged = (
+            self.base if snapshot is None else overlap_merge(self.base, self.params(), snapshot)
+        )
+        self.load_params(merged)
+
+    def finish(self, theta: torch.Tensor) -> None:
+        """End of the run: take the final global parameters (no steps follow, no overlap)."""
+        self.base.copy_(theta)
+        self.snapshots.clear()
+        self.load_params(self.base)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to rejoin exactly: parameters, base, training state, error
+        feedback, step and overlap snapshots."""
+        return {
+            "island": self.island_id,
+            "step": self.step,
+            "params": self.params(),
+            "base": self.base.clone(),
+            **self._train_state(),
+            "feedback": self.feedback.state_dict(),
+            "snapshots": {k: v.clone() for k, v in self.snapshots.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["island"] != self.island_id:
+            raise HypertrainError(f"island state of {state['island']!r}, not {self.island_id!r}")
+        self.step = int(state["step"])
+        self.load_params(state["params"])
+        self.base.copy_(state["base"])
+        self._load_train_state(state)
+        self.feedback.load_state_dict(state["feedback"])
+        self.snapshots = {int(k): v.clone() for k, v in state["snapshots"].items()}
+
+
+class IslandCore(IslandState):
     """One island: a model replica with its inner optimizer and its data slice.
 
     With ``ranks`` (K data-parallel ranks), each rank trains on its K-th of the
@@ -74,11 +194,7 @@ class IslandCore:
         ranks: RankGroup | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        topo = cfg.topology
-        self.cfg = cfg
-        self.island_id = island_id
-        self.region = topo.region_of(island_id)
-        self.data_index = topo.island_ids().index(island_id)
+        super().__init__(cfg, island_id, theta0)
         self.stream = stream
         self.ranks = ranks
         k = 1 if ranks is None else ranks.size
@@ -91,13 +207,7 @@ class IslandCore:
         self.model: GPT = build_model(preset(cfg.model), seed=cfg.seed).to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.layout.load(self.model, theta0)
-        self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
         self.optimizer = InnerOptimizer(self.model, cfg.inner)
-        self.codec = make_codec(cfg.regional_codec)
-        self.feedback = ErrorFeedback(self.codec, self.layout.numel, beta=cfg.ef_beta)
-        self.step = 0
-        self.snapshots: dict[int, torch.Tensor] = {}  # sync_step -> theta (tau > 0)
-        self.last_delta_norm = 0.0  # L2 norm of the last pseudo-gradient (for metrics)
 
     def train_step(self) -> float:
         """One inner step on this island's slice of the global batch at ``self.step``."""
@@ -123,78 +233,14 @@ class IslandCore:
     def params(self) -> torch.Tensor:
         return self.layout.flatten(self.model)
 
-    def sync(self, encode: bool = True) -> bytes:
-        """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
-        with error feedback.  With tau > 0 it also snapshots theta for the overlap rule.
+    def load_params(self, flat: torch.Tensor) -> None:
+        self.layout.load(self.model, flat)
 
-        ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
-        only takes the snapshot and returns no bytes."""
-        theta = self.params()
-        if self.cfg.topology.tau:
-            self.snapshots[self.step] = theta.clone()
-        if not encode:
-            return b""
-        delta = self.base - theta
-        self.last_delta_norm = float(torch.linalg.vector_norm(delta))
-        return self.feedback.encode(delta)
+    def _train_state(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
 
-    def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
-        """Apply the merge of ``sync_step``; must be called at step ``sync_step + tau``.
-
-        ``kind`` "regional": ``payload`` is the committed regional mean, base <- base - mean.
-        ``kind`` "global": ``payload`` is theta_{g+1}, base <- theta_{g+1}.
-        The island then takes base, plus (tau > 0) the progress made during the overlap.
-        """
-        merge_step = sync_step + self.cfg.topology.tau
-        if self.step != merge_step:
-            raise HypertrainError(
-                f"island {self.island_id}: merge of sync step {sync_step} is pinned to step "
-                f"{merge_step}, island is at step {self.step}"
-            )
-        if kind == "regional":
-            self.base.sub_(payload)
-        elif kind == "global":
-            self.base.copy_(payload)
-        else:
-            raise HypertrainError(f"island {self.island_id}: unknown merge kind {kind!r}")
-        snapshot = self.snapshots.pop(sync_step, None)
-        # tau > 0: merged state plus the local progress made during the overlap.
-        merged = self.base if snapshot is None else self.base + (self.params() - snapshot)
-        self.layout.load(self.model, merged)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to rejoin exactly: parameters, base, inner optimizer,
-        error feedback, step and overlap snapshots."""
-        return {
-            "island": self.island_id,
-            "step": self.step,
-            "params": self.params(),
-            "base": self.base.clone(),
-            "optimizer": self.optimizer.state_dict(),
-            "feedback": self.feedback.state_dict(),
-            "snapshots": {k: v.clone() for k, v in self.snapshots.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["island"] != self.island_id:
-            raise HypertrainError(f"island state of {state['island']!r}, not {self.island_id!r}")
-        self.step = int(state["step"])
-        self.layout.load(self.model, state["params"])
-        self.base.copy_(state["base"])
+    def _load_train_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.feedback.load_state_dict(state["feedback"])
-        self.snapshots = {int(k): v.clone() for k, v in state["snapshots"].items()}
-
-    def finish(self, theta: torch.Tensor) -> None:
-        """End of the run: take the final global parameters (no steps follow, no overlap)."""
-        self.base.copy_(theta)
-        self.snapshots.clear()
-        self.layout.load(self.model, self.base)
-
-
-def round_of_step(cfg: RunConfig, sync_step: int) -> int:
-    """The global round (0-based) a sync step belongs to."""
-    return (sync_step - 1) // cfg.topology.h_g
 
 
 class RegionCore:

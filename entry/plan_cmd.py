@@ -1,4 +1,4 @@
-"""``hypertrain plan``: steps, outer steps and bandwidth of a proposed run (S2).
+"""``hypertrain plan``: steps, outer steps and bandwidth of a proposed run (docs/design.md §5).
 
     hypertrain plan --model gpt-125m --islands 12 --regions 3 --h-r 10 --h-g 100 \\
         --batch 32 --tokens 10B --step-time 0.5
@@ -43,10 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``plan`` to the top-level parser."""
     p = subparsers.add_parser(
         "plan",
-        help="steps, outer steps and bandwidth per level of a proposed run (S2)",
+        help="steps, outer steps and bandwidth per level of a proposed run (docs/design.md §5)",
         description=(
-            "Apply the planner's formulas (spec S2) to a proposed run. Counts take decimal "
-            "suffixes (125M, 10B) or exponents (1e10). With --config, a run config's [run] "
+            "Apply the planner's formulas (docs/design.md §5) to a proposed run. Counts take "
+            "decimal suffixes (125M, 10B) or exponents (1e10). With --config, a run config's [run] "
             "table supplies the model, topology, batch and codecs (and D = steps * N * b * "
             "seq_len); flags override it."
         ),

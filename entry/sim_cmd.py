@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hypertrain import chaos_cmd
+
 _PROG = "hypertrain sim"
 
 
@@ -152,7 +154,9 @@ def cmd_device_check(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add ``sim`` and its subcommands to the top-level subparsers."""
-    sim = sub.add_parser("sim", help="the S6 parity simulator: grid, summary, prereg")
+    sim = sub.add_parser(
+        "sim", help="the simulator: parity grid, summary, prereg (docs/design.md §7); chaos"
+    )
     ss = sim.add_subparsers(dest="sim_command", required=True)
 
     g = ss.add_parser("grid", help="run (or resume) the registered grid of a scale")
@@ -190,3 +194,5 @@ def register(sub: Any) -> None:
     x.add_argument("--with", dest="other", type=Path, required=True, metavar="DIR",
                    help="the other results folder")  # fmt: skip
     x.set_defaults(func=cmd_cross_check)
+
+    chaos_cmd.register(ss)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Verify every tagged number in the docs against the result file it names (S6).
+"""Verify every tagged number in the docs against the result file it names (docs/design.md §7.12).
 
     python scripts/check_doc_numbers.py                 # every docs/*.md of the repo
     python scripts/check_doc_numbers.py docs/parity.md  # some files or folders

@@ -41,6 +41,7 @@ from hypertrain.common.data.manifest import (
     read_manifest,
 )
 from hypertrain.common.errors import ConfigError, DataError
+from hypertrain.common.trust.keys import fsync_dir
 
 DEFAULT_SUFFIXES: tuple[str, ...] = (".py", ".txt", ".md", ".rst")
 DEFAULT_SHARD_TOKENS = 64 * 2**20
@@ -222,14 +223,6 @@ def _write_tokens(
     )  # fmt: skip
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_target(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir}: exists and is not a folder")
@@ -270,7 +263,7 @@ def _publish(tmp: Path, out_dir: Path, replace: bool) -> bool:
         ) from None
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
     return True
 
 
@@ -314,7 +307,7 @@ def prepare(
             fh.write(manifest.to_json())
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if not _publish(tmp, out_dir, replace):
             return read_manifest(out_dir)
     finally:

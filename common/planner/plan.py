@@ -1,11 +1,11 @@
-"""The planner (S2): what a proposed run costs in steps and in bandwidth.
+"""The planner (docs/design.md §5): what a proposed run costs in steps and in bandwidth.
 
     plan = make_plan(PlanInput(params=124_392_960, seq_len=1024, islands=12, regions=3,
                                h_r=10, h_g=100, batch_per_island=32, tokens=10**10,
                                step_seconds=0.5))
     plan.outer_steps, plan.levels[0].codecs[0].rate_gbps
 
-Formulas (S2, derived, not measured):
+Formulas (docs/design.md §5, derived, not measured):
 
 - global batch ``B_glob = N * b`` sequences; total steps ``T = D / (B_glob * seq_len)``;
   global outer steps ``S_g = T / H_g`` (warning below :data:`MIN_OUTER_STEPS`).
@@ -19,7 +19,7 @@ Formulas (S2, derived, not measured):
   ``k = round(density * chunk)`` kept values per chunk (64 / 4096 = 1.5625% at the
   default density 0.0156) and ``b_v = value_bits + 16 + 64 / k`` (the value code, a
   16-bit in-chunk index gap, and the chunk's fp32 floor and range shared by its k values:
-  19 at the defaults, S2's "~20").  ``+zstd`` framing is not modelled: the unframed
+  19 at the defaults).  ``+zstd`` framing is not modelled: the unframed
   ``b_v`` is an upper bound unless a measurement replaces it.
 - merges come back uncompressed: relays stream fp32 merges to islands every ``H_r`` and
   the aggregator streams fp32 parameters to relays every ``H_g`` (services/*/README.md),
@@ -45,7 +45,8 @@ from hypertrain.common.codec.spec import CodecSpec, parse_codec_spec
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.model import ModelConfig
 
-#: S2: keep S_g at roughly 1-3 thousand or more; below this the plan carries a warning.
+#: Keep S_g at roughly 1-3 thousand or more (docs/design.md §5.1); below this the plan
+#: carries a warning.
 MIN_OUTER_STEPS = 1000
 
 #: Bits of a SparseLoCo in-chunk index gap (two byte planes, layout.py) and of a
@@ -76,7 +77,7 @@ class LinkClass:
 #   for hours without dedicated capacity;
 # - 10 Gbit/s: a dedicated cloud interconnect / leased wavelength port;
 # - 100 Gbit/s: a private metro fabric (dark fibre, DWDM) between nearby sites, the
-#   "fast links" of a region in S1;
+#   "fast links" of a region (docs/design.md §2);
 # - above that only links inside one datacenter keep up: raise H or compress more.
 LINK_CLASSES: tuple[LinkClass, ...] = (
     LinkClass("internet", 1.0, "internet (<= 1 Gbit/s)"),
@@ -397,8 +398,8 @@ def _level(
 
 
 def make_plan(inp: PlanInput, measured: Mapping[str, CodecMeasurement] | None = None) -> Plan:
-    """Apply S2's formulas to ``inp``; ``measured`` codecs (canonical spec -> measurement)
-    replace the formula's b_v for those codecs."""
+    """Apply the formulas of docs/design.md §5 to ``inp``; ``measured`` codecs (canonical
+    spec -> measurement) replace the formula's b_v for those codecs."""
     measured = measured or {}
     global_batch = inp.islands * inp.batch_per_island
     tokens_per_step = global_batch * inp.seq_len
@@ -408,7 +409,7 @@ def make_plan(inp: PlanInput, measured: Mapping[str, CodecMeasurement] | None = 
     if outer_steps < MIN_OUTER_STEPS:
         warnings.append(
             f"too few outer steps: S_g = T / H_g = {outer_steps:,.1f} < {MIN_OUTER_STEPS} "
-            "starves the outer optimizer (S2: keep S_g at 1-3 thousand or more); "
+            "starves the outer optimizer (docs/design.md §5.1: keep S_g at 1-3 thousand or more); "
             "add tokens rather than islands, or lower H_g"
         )
     levels = (

@@ -61,6 +61,7 @@ from hypertrain.common.trust.tape_format import (
     check_body,
     check_kind,
     encode_record,
+    entry_hash,
     read_tape,
     scan,
 )
@@ -241,12 +242,13 @@ class TapeWriter:
         if since >= self.checkpoint_every:
             self.checkpoint()
 
-    def _write(self, kind: str, body: dict[str, Any]) -> Entry:
-        if self._fd is None or self._broken:
-            raise TapeError(
-                f"tape {self.path}: the writer is {self._broken or 'closed'}; reopen to resume",
-                reason="closed",
-            )
+    def next_hash(self, kind: str, body: dict[str, Any]) -> str:
+        """The hash the next entry will have if it is ``(kind, body)`` (entries are
+        canonical and signing does not change them, so a caller can record where the tape
+        will be before it writes there, and check it after a crash)."""
+        return entry_hash(self._entry_bytes(check_kind(kind), body))
+
+    def _entry_bytes(self, kind: str, body: dict[str, Any]) -> bytes:
         if not isinstance(body, dict):
             raise TapeError(f"an entry body is a dict, got {type(body).__name__}")
         check_body(body)
@@ -259,7 +261,15 @@ class TapeWriter:
             "signer": self.key.key_id,
             "v": FORMAT_VERSION,
         }
-        data = canonical_json(obj)
+        return canonical_json(obj)
+
+    def _write(self, kind: str, body: dict[str, Any]) -> Entry:
+        if self._fd is None or self._broken:
+            raise TapeError(
+                f"tape {self.path}: the writer is {self._broken or 'closed'}; reopen to resume",
+                reason="closed",
+            )
+        data = self._entry_bytes(kind, body)
         rec = Record(self._end, self.key.key_id, data, self.key.sign(data))
         raw = encode_record(rec.key_id, rec.data, rec.signature)
         try:

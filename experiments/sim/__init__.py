@@ -1,4 +1,4 @@
-"""hypertrain.sim: the parity simulator (S6).
+"""hypertrain.sim: the parity simulator (docs/design.md §7).
 
 A driver of the same core as the daemons: it trains many replicas in one
 process (per-replica or batched as one stacked model), runs the

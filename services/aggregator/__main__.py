@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from hypertrain.aggregator.server import AggregatorService
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.settings import AggregatorSettings
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
     load_identity,
     load_run_config,
+    load_settings,
     log_event,
-    section,
-    setting,
     start_metrics,
 )
 from hypertrain.wire.metrics import Metrics
@@ -34,16 +33,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_run_config(args)
-        table = section(args, "aggregator")
-        state_dir = Path(setting(args, table, "state_dir") or "aggregator")
+        settings = load_settings(args, AggregatorSettings)
         shutdown = Shutdown()
-        key, trusted = load_identity(args, table, "aggregator")
+        key, trusted = load_identity(settings)
         metrics = Metrics("aggregator")
-        start_metrics(args, table, metrics)
-        service = AggregatorService(cfg, state_dir, shutdown, metrics, key, trusted)
+        start_metrics(settings, metrics)
+        service = AggregatorService(cfg, settings.state_path, shutdown, metrics, key, trusted)
         server = make_server()
         add_servicer(service, server, "Aggregator")
-        address = bind(server, setting(args, table, "listen", "127.0.0.1:0"))
+        address = bind(server, settings.listen)
     except (HypertrainError, ValueError) as e:
         return fail("aggregator", str(e))
     server.start()

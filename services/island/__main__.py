@@ -7,11 +7,11 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.settings import IslandSettings
 from hypertrain.island import ranks as island_ranks
 from hypertrain.island.daemon import Island
 from hypertrain.wire.daemon import (
@@ -20,9 +20,8 @@ from hypertrain.wire.daemon import (
     fail,
     load_identity,
     load_run_config,
+    load_settings,
     log_event,
-    section,
-    setting,
     start_metrics,
 )
 from hypertrain.wire.errors import WireError
@@ -45,27 +44,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ranks = None
     try:
         cfg = load_run_config(args)
-        table = section(args, "island")
-        region = setting(args, table, "region")
-        index = setting(args, table, "index", 0)
-        relay = setting(args, table, "relay")
-        if not region or region not in cfg.topology.regions:
-            return fail(
-                "island",
-                f"--region must be one of {', '.join(cfg.topology.regions)}, got {region!r}",
-            )
-        if not 0 <= index < cfg.topology.islands_per_region:
-            return fail(
-                "island", f"--index must be in [0, {cfg.topology.islands_per_region}), got {index}"
-            )
-        if not relay:
-            return fail("island", "--relay HOST:PORT is required")
-        device = torch.device(setting(args, table, "device", "cpu"))
+        settings = load_settings(args, IslandSettings)
+        _, relay = settings.check_topology(cfg.topology)
+        device = torch.device(settings.device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 return fail("island", "--device cuda: no CUDA device is visible to this process")
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        key, _ = load_identity(args, table, "island")
+        key, _ = load_identity(settings)
         stop = threading.Event()
         if island_ranks.world_size() > 1:
             die_with_parent(signal.SIGKILL)  # never outlive torchrun
@@ -73,11 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         lead = ranks is None or ranks.rank == 0
         metrics = Metrics("island")
         if lead:  # one island, one metrics endpoint
-            start_metrics(args, table, metrics)
-        island_id = f"{region}-{index}"
-        state_dir = Path(setting(args, table, "state_dir") or f"island-{island_id}")
+            start_metrics(settings, metrics)
         peer = relay_peer(relay) if lead else None
-        island = Island(cfg, island_id, peer, metrics, key, state_dir, ranks, stop, device)
+        island = Island(
+            cfg, settings.island_id, peer, metrics, key, settings.state_path, ranks, stop, device
+        )
         island.install_signals()
         island.run()
         island.close()

@@ -32,18 +32,20 @@ import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
-from hypertrain.common.digest import blob_digest, state_digest
+from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
-from hypertrain.common.roles import IslandCore, initial_parameters, round_of_step
+from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.rounds.island import IslandRounds
+from hypertrain.common.rounds.machines import Delta
+from hypertrain.common.rounds.store import atomic_write
 from hypertrain.common.trust.keys import SigningKey
-from hypertrain.common.trust.ledger import TRANSFER_FIELDS, transfer_message
 from hypertrain.island.ranks import TorchRanks
-from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.daemon import atomic_write, log_event
+from hypertrain.wire.daemon import log_event
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
+from hypertrain.wire.upstream import GrpcUpstream, Patient
 
 
 class Island:
@@ -66,20 +68,29 @@ class Island:
         self.cfg = cfg
         self.island_id = island_id
         self.ranks = ranks
+        self.stop = stop or threading.Event()
         self.lead = ranks is None or ranks.rank == 0
         if (relay is None) == self.lead:
             raise ValueError("rank 0 (and only rank 0) of an island talks to the relay")
-        self.relay = relay
         mcfg = preset(cfg.model)
         stream = SampleStream(open_dataset(cfg), mcfg.seq_len, cfg.global_batch, cfg.seed)
         _, theta0 = initial_parameters(cfg)
         self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device)
+        self.rounds = IslandRounds(self.core, cfg.run_id)
         self.numel = theta0.numel()
         self.received = torch.empty(self.numel, dtype=torch.float32)
-        self.codec = str(self.core.codec.spec)
+        self.peer = relay
+        self.relay = (
+            None
+            if relay is None
+            else Patient(
+                GrpcUpstream(relay, cfg.run_id, self.numel),
+                f"Relay {relay.address}",
+                self.stop.is_set,
+            )
+        )
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir else None
-        self.stop = stop or threading.Event()
         self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self.blocked_s = 0.0
         self.bytes_sent = 0
@@ -88,35 +99,20 @@ class Island:
         self.tokens_per_step = cfg.batch_per_island * mcfg.seq_len
         self._labels = {"region": self.core.region, "island": island_id}
 
-    def _push(self, step: int, blob: bytes) -> pb.PushAck:
-        header = pb.TransferHeader(
-            run_id=self.cfg.run_id,
-            round=round_of_step(self.cfg, step),
-            sync_step=step,
-            sender=self.island_id,
-            digest=blob_digest(blob),
-            size=len(blob),
-            codec=self.codec,
-        )
+    def _push(self, delta: Delta) -> None:
         if self.key is not None:
-            fields = (getattr(header, f) for f in TRANSFER_FIELDS)
-            header.signature = self.key.sign(transfer_message(*fields))
+            delta = delta.signed(self.key.sign(delta.transfer_message()))
         assert self.relay is not None
-        return self.relay.push(header, blob, self.stop.is_set)
+        self.relay.push(delta)
 
     def _fetch(self, step: int, kind: str) -> torch.Tensor:
         """The merge of ``step``: from the relay on rank 0, then on every rank."""
         if self.relay is None:  # a rank other than 0: rank 0 fetches and broadcasts it
             assert self.ranks is not None
             return self.ranks.broadcast(self.received)
-        request = pb.MergeRequest(
-            run_id=self.cfg.run_id, requester=self.island_id, sync_step=step, kind=kind
-        )
-        # One receive buffer for the whole run: each merge is applied (copied into the
-        # model and base) before the next fetch.
-        header, payload = self.relay.fetch(request, self.numel, self.stop.is_set, self.received)
-        if header.sync_step != step or header.kind != kind:
-            raise RuntimeError(f"relay sent the {header.kind} merge of step {header.sync_step}")
+        # One receive buffer for the whole run (GrpcUpstream): each merge is applied
+        # (copied into the model and base) before the next fetch.
+        payload = self.relay.fetch(self.island_id, step, kind).payload
         if self.ranks is not None:
             self.ranks.broadcast(payload)
         return payload
@@ -127,8 +123,9 @@ class Island:
 
     def run(self) -> str:
         """Train to the end; returns the final state digest."""
-        cfg, topo = self.cfg, self.cfg.topology
-        pending: tuple[int, str, Future[pb.PushAck]] | None = None
+        cfg, rounds = self.cfg, self.rounds
+        push: Future[None] = _done()
+        sent = 0
         t_start = t_interval = time.perf_counter()
         losses: list[float] = []
         m, labels = self.metrics, self._labels
@@ -139,50 +136,49 @@ class Island:
             losses.append(self.core.train_step())
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)
-            if pending is None and step % topo.h_r == 0:
-                t0 = time.perf_counter()
-                blob = self.core.sync(encode=self.lead)
-                kind = "global" if step % topo.h_g == 0 else "regional"
-                push = self.pusher.submit(self._push, step, blob) if self.lead else _done()
-                pending = (step, kind, push)
-                self._sent(blob, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            delta = rounds.after_step(encode=self.lead)
+            if rounds.last_sync is not None and rounds.last_sync[0] == step:
+                if delta is not None:
+                    push = self.pusher.submit(self._push, delta)
+                    sent = len(delta.data)
+                    self._sent(sent, time.perf_counter() - t0)
                 m.train_loss.labels(**labels).set(sum(losses) / len(losses))
                 m.tokens_per_second.labels(**labels).set(
                     len(losses) * self.tokens_per_step / (time.perf_counter() - t_interval)
                 )
                 t_interval = time.perf_counter()
-            if pending is not None and step == pending[0] + topo.tau and step < cfg.steps:
-                sync_step, kind, pushed = pending
+            for merge in rounds.due():
                 t0 = time.perf_counter()
-                pushed.result()
+                push.result()
                 t1 = time.perf_counter()
-                payload = self._fetch(sync_step, kind)
+                payload = self._fetch(merge.sync_step, merge.kind)
                 t2 = time.perf_counter()
                 self.blocked_s += t2 - t0
-                self.core.apply_merge(kind, payload, sync_step)
-                self._merged(sync_step, t2 - t0, time.perf_counter() - t1)
-                pending = None
-                if kind == "global":
+                rounds.apply(merge, payload)
+                self._merged(merge.sync_step, t2 - t0, time.perf_counter() - t1)
+                if merge.kind == "global":
                     self._save()
                 self._log(
                     "sync",
                     role="island",
                     island=self.island_id,
-                    step=sync_step,
-                    kind=kind,
+                    step=merge.sync_step,
+                    kind=merge.kind,
                     train_loss=round(sum(losses) / len(losses), 5),
-                    bytes=len(blob),
+                    bytes=sent,
                     blocked_s=round(self.blocked_s, 4),
                     push_wait_s=round(t1 - t0, 4),
                     fetch_s=round(t2 - t1, 4),
                 )
                 losses.clear()
-        assert pending is not None and pending[0] == cfg.steps
+        final = rounds.final_due()
+        assert final is not None
         t0 = time.perf_counter()
-        pending[2].result()
-        theta = self._fetch(cfg.steps, "global")
+        push.result()
+        theta = self._fetch(final, "global")
         self.blocked_s += time.perf_counter() - t0
-        self.core.finish(theta)
+        rounds.finish(theta)
         digest = state_digest(self.core.layout.unflatten(self.core.params()))
         if self.ranks is not None:
             self.ranks.check_equal(digest)
@@ -229,19 +225,18 @@ class Island:
         if state["run_id"] != self.cfg.run_id or state["config"] != self.cfg.digest:
             raise ConfigError(f"{self.state_path} belongs to another run or config")
         self.core.load_state_dict(state)
+        self.rounds.resume()
         self._log("resumed", role="island", island=self.island_id, step=self.core.step)
         return self.core.step
 
-    def _sent(self, blob: bytes, encode_s: float) -> None:
-        if not self.lead:  # ranks other than 0 encode and send nothing
-            return
+    def _sent(self, size: int, encode_s: float) -> None:
         m, region = self.metrics, self.core.region
-        self.bytes_sent += len(blob)
+        self.bytes_sent += size
         self.syncs += 1
         m.encode_seconds.labels("island", region).observe(encode_s)
-        m.sent_bytes.labels("island", "regional", region).inc(len(blob))
-        m.delta_size.labels("island", "regional", region).observe(len(blob))
-        m.compression_ratio.labels("island", "regional", region).set(4 * self.numel / len(blob))
+        m.sent_bytes.labels("island", "regional", region).inc(size)
+        m.delta_size.labels("island", "regional", region).observe(size)
+        m.compression_ratio.labels("island", "regional", region).set(4 * self.numel / size)
         m.pseudo_grad_norm.labels(**self._labels).set(self.core.last_delta_norm)
 
     def _merged(self, sync_step: int, blocked_s: float, decode_s: float) -> None:
@@ -249,7 +244,7 @@ class Island:
         m.blocked_hist.labels(**self._labels).observe(blocked_s)
         m.decode_seconds.labels("island", region).observe(decode_s)
         m.last_step.labels("island", region).set(sync_step)
-        m.last_round.labels("island", region).set(round_of_step(self.cfg, sync_step))
+        m.last_round.labels("island", region).set(self.rounds.schedule.round_of(sync_step))
 
     def install_signals(self) -> None:
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -261,12 +256,12 @@ class Island:
     def close(self) -> None:
         self.stop.set()
         self.pusher.shutdown(wait=True, cancel_futures=True)
-        if self.relay is not None:
-            self.relay.close()
+        if self.peer is not None:
+            self.peer.close()
 
 
-def _done() -> Future[pb.PushAck]:
-    """A finished push (ranks other than 0 push nothing)."""
-    future: Future[pb.PushAck] = Future()
-    future.set_result(pb.PushAck())
+def _done() -> Future[None]:
+    """A finished push (before the first sync; ranks other than 0 push nothing)."""
+    future: Future[None] = Future()
+    future.set_result(None)
     return future

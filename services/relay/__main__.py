@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.settings import RelaySettings
 from hypertrain.relay.server import FINAL_REPORTED, RelayService
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
     load_identity,
     load_run_config,
+    load_settings,
     log_event,
-    section,
-    setting,
     start_metrics,
 )
 from hypertrain.wire.errors import WireError
@@ -38,29 +37,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_run_config(args)
-        table = section(args, "relay")
-        region = setting(args, table, "region")
-        aggregator = setting(args, table, "aggregator")
-        if not region or region not in cfg.topology.regions:
-            return fail(
-                "relay",
-                f"--region must be one of {', '.join(cfg.topology.regions)}, got {region!r}",
-            )
-        if not aggregator:
-            return fail("relay", "--aggregator HOST:PORT is required")
-        state_dir = setting(args, table, "state_dir") or f"relay-{region}"
-        listen = setting(args, table, "listen", "127.0.0.1:0")
+        settings = load_settings(args, RelaySettings)
+        region, aggregator = settings.check_topology(cfg.topology)
+        state_dir = settings.state_path
         shutdown = Shutdown()
-        key, trusted = load_identity(args, table, "relay")
+        key, trusted = load_identity(settings)
         metrics = Metrics("relay")
-        start_metrics(args, table, metrics)
+        start_metrics(settings, metrics)
         service = RelayService(
             cfg,
             region,
-            Path(state_dir),
+            state_dir,
             # A relay whose run is over (it reported the final state) may be restarted
             # to serve islands after the aggregator has gone: it need not reach it.
-            aggregator_peer(aggregator, not (Path(state_dir) / FINAL_REPORTED).exists()),
+            aggregator_peer(aggregator, not (state_dir / FINAL_REPORTED).exists()),
             shutdown,
             metrics,
             key,
@@ -68,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         server = make_server()
         add_servicer(service, server, "Relay")
-        address = bind(server, listen)
+        address = bind(server, settings.listen)
     except (HypertrainError, WireError, ValueError) as e:
         return fail("relay", str(e))
     server.start()

@@ -1,5 +1,9 @@
 """What every daemon shares: logfmt log lines, config loading, durable small files.
 
+Settings (common/settings.py): a flag if given, else the daemon's table of the
+``--config`` file (``[island]``, ``[relay]``, ``[aggregator]``), else the default;
+unknown tables, keys and mistyped values are refused (:func:`load_settings`).
+
 Log lines go to stdout, one per event, as logfmt so that both a person and
 ``hypertrain up`` read them::
 
@@ -15,15 +19,13 @@ import ctypes.util
 import os
 import signal
 import sys
-import tempfile
 import threading
-import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hypertrain.common.config import RunConfig
-from hypertrain.common.errors import ConfigError
 from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
+from hypertrain.common.settings import DaemonSettings, load_tables
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
 from hypertrain.wire.metrics import Metrics, announce_metrics
 
@@ -68,50 +70,35 @@ def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def load_identity(
-    args: argparse.Namespace, table: dict[str, Any], role: str
-) -> tuple[SigningKey | None, TrustedKeys | None]:
+S = TypeVar("S", bound=DaemonSettings)
+
+
+def load_settings(args: argparse.Namespace, cls: type[S]) -> S:
+    """The daemon's settings: its flags over the ``[<role>]`` table of ``--config``.
+
+    ConfigError (one line naming the key, table or file) for an unreadable config, an
+    unknown top-level table, an unknown key in the daemon's table or a mistyped value."""
+    tables = load_tables(args.config) if args.config else {}
+    flags = {name: getattr(args, name, None) for name in cls.field_types()}
+    return cls.resolve(tables.get(cls.TABLE, {}), flags, source=args.config)
+
+
+def load_identity(settings: DaemonSettings) -> tuple[SigningKey | None, TrustedKeys | None]:
     """The daemon's signing key and the keys it trusts, or (None, None) when unsigned."""
-    key_path = setting(args, table, "signing_key")
-    if key_path is None:
-        log_event("warning", role=role, message="no --signing-key: deltas unsigned, no tape")
+    trusted = settings.trusted_keys_path  # None exactly when there is no signing key
+    if settings.signing_key is None or trusted is None:
+        log_event(
+            "warning", role=settings.TABLE, message="no --signing-key: deltas unsigned, no tape"
+        )
         return None, None
-    key = load_signing_key(Path(key_path))
-    trusted_path = (
-        setting(args, table, "trusted_keys") or Path(key_path).parent / "trusted_keys.json"
-    )
-    return key, TrustedKeys.load(Path(trusted_path))
+    return load_signing_key(settings.signing_key), TrustedKeys.load(trusted)
 
 
-def start_metrics(args: argparse.Namespace, table: dict[str, Any], metrics: Metrics) -> None:
+def start_metrics(settings: DaemonSettings, metrics: Metrics) -> None:
     """Serve ``metrics`` if ``--metrics-port`` (or the config's metrics_port) is set."""
-    port = setting(args, table, "metrics_port")
-    if port is None:
+    if settings.metrics_port is None:
         return
-    host = setting(args, table, "metrics_host", "127.0.0.1")
-    announce_metrics(metrics.role, metrics.serve(int(port), host))
-
-
-def section(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """The ``[name]`` table of the ``--config`` TOML file (daemon settings), or {}."""
-    if not args.config:
-        return {}
-    try:
-        with open(args.config, "rb") as f:
-            table = tomllib.load(f).get(name, {})
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"config {args.config}: {e}") from None
-    if not isinstance(table, dict):
-        raise ConfigError(f"config {args.config}: [{name}] must be a table")
-    return table
-
-
-def setting(args: argparse.Namespace, table: dict[str, Any], key: str, default: Any = None) -> Any:
-    """A flag if given, else the config table's value, else ``default``."""
-    value = getattr(args, key, None)
-    if value is not None:
-        return value
-    return table.get(key, default)
+    announce_metrics(metrics.role, metrics.serve(settings.metrics_port, settings.metrics_host))
 
 
 def load_run_config(args: argparse.Namespace) -> RunConfig:
@@ -133,29 +120,6 @@ def fault_point(name: str) -> None:
     _FAULT[2] += 1
     if _FAULT[2] == _FAULT[1]:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data[: len(data) // 2])
-            fault_point("mid_write")
-            f.write(data[len(data) // 2 :])
-            f.flush()
-            os.fsync(f.fileno())
-        fault_point("before_rename")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

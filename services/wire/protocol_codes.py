@@ -1,13 +1,15 @@
-"""Decision codes of the sans-I/O machines (common/protocol.py) -> gRPC status codes."""
+"""Decision codes of the round machines and nodes (common/rounds/) <-> gRPC status codes."""
 
 from __future__ import annotations
 
 import grpc
 
-from hypertrain.common import protocol
+from hypertrain.common.rounds import machines
+from hypertrain.common.rounds.node import FORBIDDEN
 
 STATUS = {
-    protocol.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    protocol.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-    protocol.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    machines.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    machines.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    machines.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
 }

@@ -39,6 +39,8 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 
+from hypertrain.common.errors import ConfigError
+from hypertrain.common.settings import parse_address
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
 from hypertrain.wire.errors import status_of
@@ -104,16 +106,10 @@ def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """Split "HOST:PORT" ("[v6]:PORT" for IPv6); ValueError with an example if malformed."""
-    host, sep, port = listen.rpartition(":")
-    example = "expected HOST:PORT, e.g. 127.0.0.1:0, 0.0.0.0:7070 or [::1]:7070"
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"bad listen address {listen!r}: {example}")
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if ":" in bare and bare == host:
-        raise ValueError(f"bad listen address {listen!r}: put an IPv6 host in brackets, [::1]:7070")
-    if not bare or any(c in bare for c in "[] /"):
-        raise ValueError(f"bad listen address {listen!r}: {example}")
-    return host, int(port)
+    try:
+        return parse_address(listen)
+    except ConfigError as e:
+        raise ValueError(f"bad listen address {e}") from None
 
 
 def _why_not(host: str, port: int) -> str:

@@ -45,6 +45,7 @@ import grpc
 import numpy as np
 import torch
 
+from hypertrain.common.trust.keys import fsync_dir
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.frames import Data
 
@@ -92,15 +93,6 @@ def copy_into(dest: memoryview, offset: int, data: Data) -> None:
         target = np.frombuffer(dest, dtype=np.uint8).ctypes.data
         source = np.frombuffer(data, dtype=np.uint8).ctypes.data
         ctypes.memmove(target + offset, source, n)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or link in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def failure(error: BaseException) -> WireError:

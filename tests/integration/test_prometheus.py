@@ -51,7 +51,7 @@ import yaml
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
-from hypertrain.common.roles import round_of_step
+from hypertrain.common.schedule import Schedule
 from hypertrain.procs import LISTEN_RE, child_env
 from hypertrain.prom import prometheus_config, start_prometheus, write_config
 from hypertrain.up import config_toml, write_scrape_targets
@@ -421,7 +421,7 @@ def _push_bad_deltas(run_dir: Path) -> None:
     step = LIVE_CFG.steps
     base = dict(
         run_id=LIVE_CFG.run_id,
-        round=round_of_step(LIVE_CFG, step),
+        round=Schedule.of(LIVE_CFG).round_of(step),
         sync_step=step,
         sender="eu-0",
         digest=blob_digest(data),

@@ -305,20 +305,39 @@ def test_sparseloco_default_is_64_of_4096_and_compact() -> None:
 
 def test_large_checksums_work_in_a_forked_child() -> None:
     # The checksum thread pool must not be inherited half-dead across fork().
+    # Seeded input and exact bytes (a digest), not a float sum: a sum's rounding
+    # depends on torch's thread count, which differs between parent and child.
+    import hashlib
     import multiprocessing
 
     codec = make_codec("fp32")
-    blob = codec.encode(torch.randn(3 << 20))  # 12 MiB: several checksum segments
+    x = torch.randn(3 << 20, generator=torch.Generator().manual_seed(306))
+    blob = codec.encode(x)  # 12 MiB: several checksum segments
+    want = hashlib.sha256(x.numpy().tobytes()).hexdigest()  # fp32 is lossless
+    assert hashlib.sha256(codec.decode(blob).numpy().tobytes()).hexdigest() == want
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
-        assert pool.apply_async(_decode_sum, (blob,)).get(timeout=60) == float(
-            codec.decode(blob).double().sum()
-        )
+        assert pool.apply_async(_decode_digest, (blob,)).get(timeout=60) == want
+        # A corrupt payload is still caught in the child: the checksums really run there.
+        bad = bytearray(blob)
+        bad[len(bad) // 2] ^= 0xFF
+        assert pool.apply_async(_decode_error, (bytes(bad),)).get(timeout=60) == "CodecError"
 
 
-def _decode_sum(blob: bytes) -> float:
+def _decode_digest(blob: bytes) -> str:
     # torch's own OpenMP pool is not fork-safe once the parent has used it, so
     # the child runs torch single-threaded; the codec's checksum pool is the
     # thing under test.
+    import hashlib
+
     torch.set_num_threads(1)
-    return float(make_codec("fp32").decode(blob).double().sum())
+    return hashlib.sha256(make_codec("fp32").decode(blob).numpy().tobytes()).hexdigest()
+
+
+def _decode_error(blob: bytes) -> str:
+    torch.set_num_threads(1)
+    try:
+        make_codec("fp32").decode(blob)
+    except CodecError as e:
+        return type(e).__name__
+    return "decoded"

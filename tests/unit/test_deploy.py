@@ -103,7 +103,7 @@ def test_example_run_config_loads_and_plans(run_config: RunConfig) -> None:
     topo = run_config.topology
     assert topo.regions == ("eu", "us", "ap")
     assert run_config.steps % topo.h_g == 0
-    # The example is not starved of outer steps (S2): no planner warning.
+    # The example is not starved of outer steps (docs/design.md §5.1): no planner warning.
     seq = PRESETS[run_config.model].seq_len
     plan = make_plan(
         PlanInput(

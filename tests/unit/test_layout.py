@@ -32,23 +32,66 @@ def test_listed_packages_have_init_files() -> None:
         assert (ROOT / folder / "__init__.py").is_file(), f"{pkg}: {folder}/__init__.py missing"
 
 
-def test_common_never_imports_grpc_or_generated_code() -> None:
-    offenders = []
-    for py in (ROOT / "common").rglob("*.py"):
+ENTRY_MODULES = {p.stem for p in (ROOT / "entry").glob("*.py") if p.stem != "__init__"}
+TRANSPORT = ("grpc", "hypertrain.wire", "hypertrain.v1")
+DAEMONS = ("hypertrain.island", "hypertrain.relay", "hypertrain.aggregator")
+ENTRY = tuple(f"hypertrain.{m}" for m in ENTRY_MODULES)
+
+
+def _imports(folder: str) -> dict[str, set[str]]:
+    """Every module each file under ``folder`` imports (``from a import b`` gives a and a.b)."""
+    out: dict[str, set[str]] = {}
+    for py in (ROOT / folder).rglob("*.py"):
+        names: set[str] = set()
         for node in ast.walk(ast.parse(py.read_text(), filename=str(py))):
-            names: list[str] = []
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [a.name for a in node.names]
-            for name in names:
-                if (
-                    name.split(".")[0] == "grpc"
-                    or name.endswith(("_pb2", "_pb2_grpc"))
-                    or (
-                        name.startswith("hypertrain.")
-                        and name.split(".")[1] in ("island", "relay", "aggregator", "proto")
-                    )
-                ):
-                    offenders.append(f"{py.relative_to(ROOT)}: {name}")
-    assert not offenders, f"common/ must stay free of gRPC and driver imports: {offenders}"
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+        out[str(py.relative_to(ROOT))] = names
+    return out
+
+
+def _offenders(folder: str, banned: tuple[str, ...]) -> list[str]:
+    """Imports under ``folder`` of a banned module (generated protobuf code counts as the
+    transport when ``grpc`` is banned)."""
+    bad = []
+    for path, names in _imports(folder).items():
+        for name in sorted(names):
+            hit = any(name == b or name.startswith(b + ".") for b in banned)
+            generated = "grpc" in banned and name.endswith(("_pb2", "_pb2_grpc"))
+            if hit or generated:
+                bad.append(f"{path}: {name}")
+    return bad
+
+
+def test_the_core_imports_no_transport_daemon_simulator_or_entry_code() -> None:
+    """common/ is the pure core: no gRPC, no wire, no generated code, no driver."""
+    banned = (*TRANSPORT, *DAEMONS, "hypertrain.sim", *ENTRY)
+    assert not _offenders("common", banned), _offenders("common", banned)
+
+
+def test_no_daemon_imports_another() -> None:
+    for daemon in ("island", "relay", "aggregator"):
+        others = tuple(d for d in DAEMONS if not d.endswith(daemon))
+        bad = _offenders(f"services/{daemon}", (*others, "hypertrain.sim"))
+        assert not bad, bad
+
+
+def test_the_simulator_imports_no_transport_daemon_or_entry_code() -> None:
+    """The simulator (engine, study, chaos) drives the core in one process: the fault
+    simulation uses the in-process transport of the core, never gRPC."""
+    bad = _offenders("experiments", (*TRANSPORT, *DAEMONS, *ENTRY))
+    assert not bad, bad
+
+
+def test_wire_imports_no_entry_code_and_no_daemon() -> None:
+    bad = _offenders("services/wire", (*ENTRY, *DAEMONS, "hypertrain.sim"))
+    assert not bad, bad
+
+
+def test_the_layout_rules_can_fail() -> None:
+    """The checker sees an import where there is one (it cannot pass vacuously)."""
+    assert _offenders("services/relay", ("hypertrain.wire",))
+    assert _offenders("entry", ("hypertrain.common",))

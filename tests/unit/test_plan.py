@@ -1,4 +1,5 @@
-"""The planner (S2): hand-computed cases, the formulas exactly, the warning, JSON, bad input."""
+"""The planner (docs/design.md §5): hand-computed cases, the formulas exactly, the warning,
+JSON, bad input."""
 
 from __future__ import annotations
 

@@ -18,12 +18,13 @@ from hypertrain.common.model import GPT, Block, ModelConfig, build_model
 from hypertrain.common.optim import InnerConfig, InnerOptimizer
 from hypertrain.common.outer import OuterConfig
 from hypertrain.common.reference import run_reference
+from hypertrain.common.schedule import Schedule
 from hypertrain.sim.engine import device as engine_device
 from hypertrain.sim.engine.batched import Batched, StackedInnerOptimizer
 from hypertrain.sim.engine.job import DEVICE_ENV, JobResult, SimJob, dp_job, flat_job
 from hypertrain.sim.engine.run import _dataset, anneal_start, eval_steps, make_replicas, run_job
 from hypertrain.sim.engine.stacked import StackedGPT
-from hypertrain.sim.engine.streaming import partition, sync_level
+from hypertrain.sim.engine.streaming import Fragment, partition
 
 INNER = InnerConfig(warmup_steps=2)
 MUON = InnerConfig(name="muon", warmup_steps=2)
@@ -60,7 +61,8 @@ def test_per_replica_path_is_the_reference_run_bit_for_bit(tau: int, codec: str)
         }
     ).with_overrides(**{"topology.tau": tau})
     ref = run_reference(cfg)
-    job = SimJob(
+    job = SimJob(run=cfg, eval_points=2, path="per_replica")  # the reference's own config
+    assert job == SimJob.build(
         regions=2, islands_per_region=2, h_r=5, h_g=10, tau=tau, inner=cfg.inner,
         outer=cfg.outer, regional_codec=codec, path="per_replica", **SMALL,
     )  # fmt: skip
@@ -95,7 +97,7 @@ def test_replica_batches_are_slices_of_the_dp_batch() -> None:
     ids=["adamw", "muon", "streaming-overlap", "hier-int8", "anneal-m1-lawa"],
 )
 def test_batched_equals_per_replica(changes: dict[str, Any]) -> None:
-    job = SimJob(**{**SMALL, "regions": 4, "h_r": 10, "h_g": 10, **changes})
+    job = SimJob.build(**{**SMALL, "regions": 4, "h_r": 10, "h_g": 10, **changes})
     per, bat = _both(job)
     assert not per.diverged and not bat.diverged
     assert abs(per.final_loss - bat.final_loss) < 1e-5, (per.final_loss, bat.final_loss)
@@ -122,7 +124,7 @@ def test_batched_in_replica_chunks_changes_no_bit(
     changes: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CPU chunking of the batched step (whole replicas per chunk) is invisible in the bits."""
-    job = SimJob(**{**SMALL, "regions": 4, "h_r": 10, "h_g": 10, **changes})
+    job = SimJob.build(**{**SMALL, "regions": 4, "h_r": 10, "h_g": 10, **changes})
     whole = run_job(job.replace(path="batched"))
     rows = 2 * 64  # one replica: 2 sequences of 64 tokens
     for chunk_rows, chunks in ((rows, 4), (3 * rows, 2)):  # 1+1+1+1 and 3+1 replicas
@@ -245,6 +247,10 @@ def test_fragments_partition_the_layout_and_stagger() -> None:
     assert all(a.hi == b.lo for a, b in itertools.pairwise(frags))
     assert sum(len(f.names) for f in frags) == len(layout.names)
     assert max(f.numel for f in frags) < 0.5 * layout.numel  # near-equal, by layer
+
+    def sync_level(f: Fragment, t: int, h_r: int, h_g: int, steps: int) -> str | None:
+        return Schedule(h_r=h_r, h_g=h_g, tau=0, steps=steps, offset=f.offset).sync_kind(t)
+
     one = partition(layout, 1, 10)[0]
     for t in range(1, 41):  # F = 1 is the reference schedule
         want = "global" if t % 10 == 0 else ("regional" if t % 5 == 0 else None)

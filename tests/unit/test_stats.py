@@ -77,7 +77,8 @@ def test_t_ppf_inverts_t_cdf(df: float, t: float) -> None:
     p = t_cdf(t, df)
     # Far in a tail, p = 1 - q itself has lost q's digits; the round trip cannot be exact there.
     # Near the median the incomplete beta's absolute accuracy (~1e-8 in t, seen at df=128,
-    # t=4.8e-7) bounds it instead: quantiles used by the tests of S6 (p >= 0.9) are unaffected.
+    # t=4.8e-7) bounds it instead: quantiles used by the tests of the parity protocol
+    # (docs/design.md §7; p >= 0.9) are unaffected.
     if 1e-6 < p < 1 - 1e-6:
         assert t_ppf(p, df) == pytest.approx(t, rel=1e-8, abs=1e-7)
 

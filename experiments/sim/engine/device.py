@@ -1,4 +1,4 @@
-"""The S6 device switch check: the same shortened jobs on CPU and on the device.
+"""The device switch check of docs/design.md §7.11: the same short jobs on CPU and on the device.
 
     python -m hypertrain.sim.engine.device --device cuda [--steps 60] [--json PATH]
 

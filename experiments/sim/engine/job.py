@@ -1,19 +1,51 @@
 """What the simulator runs and what it reports: ``SimJob`` and ``JobResult``.
 
-One ``SimJob`` is one cell x seed x outer learning rate at one scale: the
-model, the steps, the global batch B, the topology (flat M = R regions of one
-island, a hierarchy R x n_r, or the data-parallel control), the inner and outer
-optimizers, the two codecs, streaming fragments and overlap, the anneal, LAWA,
-and the evaluation.  ``run_job`` (run.py) turns it into a ``JobResult``.
+One ``SimJob`` is one cell x seed x outer learning rate at one scale.  It is the
+core's ``RunConfig`` (``SimJob.run``: the model, the steps, the seed, the topology,
+B = N x batch_per_island, the inner and outer optimizers, the two codecs, error
+feedback, the data and the held-out windows) plus only what the simulator has of
+its own: the data-parallel control, streaming fragments, the anneal, LAWA, the
+evaluation points and holdout seed, the divergence rule, and the execution fields.
+A field added to ``RunConfig`` exists once: the job carries it in ``run``, ``build``
+and ``from_dict`` accept it under its name, and ``to_dict`` (so ``key()``) names it
+once it differs from its default.  ``run_job`` (run.py) turns a job into a
+``JobResult``.
+
+Jobs are usually made from the flat vocabulary of ``to_dict`` (``model``, ``steps``,
+``global_batch``, ``regions``, ``h_g``, ...)::
+
+    SimJob.build(regions=2, islands_per_region=4, h_r=5, h_g=30, steps=300, model="tiny")
+    flat_job(8, 30, steps=300)      # R = M regions of one island, h_r = h_g
+    dp_job(h=30, steps=300)         # the data-parallel control
+    job.replace(seed=1)             # flat names, or the dataclass fields (run=..., path=...)
+
+and every run-side name of that vocabulary is a read-only property (``job.h_g`` is
+``job.run.topology.h_g``, ``job.global_batch`` is ``job.run.global_batch``, ...).
+
+How the flat vocabulary maps onto the run (what it meant before the job held one):
+
+- regions R are named ``r0``, ``r1``, ... zero-padded, so that their sorted order (the
+  cores' aggregation order) is the replica order; replica i is ``island_ids()[i]``;
+- ``global_batch`` B is ``run.batch_per_island`` x N, N = R x n_r (B must divide);
+- a model that is no preset (the registered reduced scales) is ``run.model_shape``;
+- ``holdout`` is ``run.holdout_windows``; ``run.run_id`` and ``run.threads`` stay at
+  their defaults (``SimJob.threads`` is the execution setting);
+- the data-parallel control (``dp_steps`` set: one replica on the whole batch, no
+  outer loop) has R = n_r = 1, h_r = h_g = its eval and LAWA cadence, and trains
+  ``dp_steps`` steps, which need not be a multiple of h_g; its ``run.steps`` is
+  h_g x max(1, dp_steps // h_g), as a RunConfig needs (the cores never run it).
 
 Invariants:
-- Every field is validated in ``__post_init__`` (``ConfigError`` naming it),
-  including what the role cores would refuse (a sparseloco outer optimizer
-  without a sparseloco global codec): a job that constructs is a job that runs.
+- Every field is validated (``RunConfig``'s own checks, then ``__post_init__``;
+  ``ConfigError`` naming the field), including what the role cores would refuse (a
+  sparseloco outer optimizer without a sparseloco global codec): a job that
+  constructs is a job that runs.
 - ``design_dict()`` holds every field that changes the numbers; the execution
   fields ``path``, ``device`` and ``threads`` are outside it (and outside
   ``key()``), because the per-replica and batched paths and CPU vs CUDA compute
   the same function (tests/unit/test_sim_engine.py; ``device_equivalence_check``).
+- ``to_dict()`` (and so ``key()``) is the flat form the registered grids' results were
+  keyed by; ``from_dict`` reads it back.
 - ``JobResult.to_dict()`` is strict JSON: non-finite floats become ``None``.
 """
 
@@ -29,9 +61,9 @@ from typing import Any, Literal
 
 import torch
 
-from hypertrain.common.config import RunConfig, TopologyConfig
+from hypertrain.common.config import CUSTOM_MODEL, RunConfig, TopologyConfig
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.model import ModelConfig, preset
+from hypertrain.common.model import ModelConfig
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
 
@@ -41,40 +73,64 @@ DEVICE_ENV = "HYPERTRAIN_SIM_DEVICE"
 EXECUTION_FIELDS = ("path", "device", "threads")
 """Fields outside the design: they choose how a job runs, not what it computes."""
 
+FLAT_FIELDS = (
+    "model", "steps", "global_batch", "seed", "dp", "regions", "islands_per_region", "h_r",
+    "h_g", "inner", "outer", "regional_codec", "global_codec", "ef_beta", "fragments", "tau",
+    "anneal", "lawa_k", "lawa_every", "eval_points", "holdout", "holdout_seed",
+    "diverge_ratio", "data", "path", "device", "threads",
+)  # fmt: skip
+"""The flat vocabulary of ``build``, ``to_dict`` and ``replace``, in ``to_dict`` order (run
+fields the mapping does not name come in addition, see ``RUN_EXTRAS``)."""
+
+SIM_RUN_DEFAULTS: dict[str, Any] = dict(
+    model="proxy", steps=3000, global_batch=32, regions=1, islands_per_region=1, h_r=30,
+    h_g=30, regional_codec="fp32",
+)  # fmt: skip
+"""The simulator's defaults where they differ from RunConfig's (S6's proxy at B = 32, one
+replica, H = 30, no compression); every other run-side default is RunConfig's."""
+
+_RUN_MAPPED = frozenset({
+    "model", "model_shape", "seed", "steps", "batch_per_island", "topology", "inner", "outer",
+    "regional_codec", "global_codec", "ef_beta", "data", "holdout_windows",
+})  # fmt: skip
+_RUN_FIXED = frozenset({"run_id", "threads"})
+"""RunConfig fields that are not the simulator's: a job's run keeps their defaults."""
+_TOPO_MAPPED = frozenset({"regions", "islands_per_region", "h_r", "h_g", "tau"})
+RUN_EXTRAS = tuple(
+    f.name for f in dataclasses.fields(RunConfig) if f.name not in _RUN_MAPPED | _RUN_FIXED
+)
+"""RunConfig fields the flat vocabulary does not map: taken under their own names."""
+TOPOLOGY_EXTRAS = tuple(
+    f.name for f in dataclasses.fields(TopologyConfig) if f.name not in _TOPO_MAPPED
+)
+"""TopologyConfig fields the flat vocabulary does not map: taken under their own names."""
+_DEFAULT_RUN = RunConfig().to_dict()
+
+
+def region_names(regions: int) -> tuple[str, ...]:
+    """``r0``, ``r1``, ...: zero-padded so that sorted order is replica order."""
+    width = len(str(regions - 1))
+    return tuple(f"r{k:0{width}d}" for k in range(regions))
+
+
+def _plain(value: Any) -> Any:
+    """A config dataclass as the dict ``RunConfig.from_dict`` parses; anything else as is."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimJob:
     """One simulated training run (see the module docstring)."""
 
-    model: str | ModelConfig = "proxy"
-    """A preset name (common/model.py) or the ModelConfig of a reduced registered scale."""
-    steps: int = 3000
-    """Inner steps per replica; a multiple of h_g (unless ``dp``)."""
-    global_batch: int = 32
-    """B: sequences per step over all replicas (the DP control's batch)."""
-    seed: int = 0
-    """Fixes the initialization and the sample stream (all arms of a seed see the same data)."""
-    dp: bool = False
-    """The data-parallel control: one replica on the whole global batch, no outer loop."""
-    regions: int = 1
-    """R.  Flat DiLoCo with M replicas is R = M, islands_per_region = 1, h_r = h_g."""
-    islands_per_region: int = 1
-    """n_r: islands per region (N = R * n_r replicas)."""
-    h_r: int = 30
-    """Regional sync interval in inner steps (plain averaging, eta_r = 1)."""
-    h_g: int = 30
-    """Global sync interval; a multiple of h_r.  Also the LAWA and eval cadence for ``dp``."""
-    inner: InnerConfig = field(default_factory=InnerConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
-    regional_codec: str = "fp32"
-    """Island -> relay codec (error feedback at the island)."""
-    global_codec: str = "fp32"
-    """Relay -> aggregator codec (error feedback at the relay)."""
-    ef_beta: float = 1.0
+    run: RunConfig
+    """The core's run configuration; ``core_config()`` is this run."""
+    dp_steps: int | None = None
+    """Set: the data-parallel control (one replica on the whole global batch, no outer
+    loop), trained for dp_steps inner steps; None: DiLoCo on ``run.topology``."""
     fragments: int = 1
     """Streaming DiLoCo: F parameter fragments synced on staggered steps (1 = off)."""
-    tau: int = 0
-    """Overlap: a merge for sync step s is applied at s + tau (0 <= tau < h_r)."""
     anneal: Anneal = "full_m"
     """full_m: the WSD decay runs on the full hierarchy.  m1: from the last global sync at
     or before the decay start, all replicas are merged (fixed-order fp32 mean) after every
@@ -85,15 +141,11 @@ class SimJob:
     """Checkpoint cadence in steps (0 = h_g, one per global round)."""
     eval_points: int = 8
     """Held-out evaluations along the run (the last one is at ``steps``)."""
-    holdout: int = 512
-    """Held-out windows evaluated: the first n of the registered 512."""
     holdout_seed: int = 0
     """Seed choosing the 512 holdout windows (fixed across seeds, so arms share them)."""
     diverge_ratio: float = 1.0
     """Divergent (and stopped) when a held-out loss at any eval point exceeds this multiple of
     the initial one; any non-finite loss or parameter is divergent too (design.Divergence)."""
-    data: str | None = None
-    """Prepared dataset folder; None = the built-in corpus."""
     path: ExecPath = "batched"
     """Execution only: ``batched`` (one stacked model) or ``per_replica`` (M models)."""
     device: str | None = None
@@ -105,109 +157,223 @@ class SimJob:
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"sim job: {msg}")
 
-        self.model_config()  # a known preset or a validated ModelConfig
-        for name in ("steps", "global_batch", "regions", "islands_per_region", "h_r", "h_g"):
-            if getattr(self, name) < 1:
-                raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
+        run, topo = self.run, self.run.topology
+        if run.run_id != _DEFAULT_RUN["run_id"] or run.threads != _DEFAULT_RUN["threads"]:
+            raise bad("run.run_id and run.threads stay at their defaults (threads: SimJob.threads)")
+        if topo.regions != region_names(len(topo.regions)):
+            raise bad(
+                f"run.topology.regions must be {region_names(len(topo.regions))} (sorted order "
+                f"= replica order), got {topo.regions}"
+            )
         if self.fragments < 1 or self.eval_points < 1 or self.lawa_k < 0 or self.lawa_every < 0:
             raise bad("need fragments >= 1, eval_points >= 1, lawa_k >= 0, lawa_every >= 0")
-        if not 1 <= self.holdout <= 512:
-            raise bad(f"holdout must be in [1, 512], got {self.holdout}")
-        if self.seed < 0 or self.holdout_seed < 0 or not self.diverge_ratio > 0:
+        if run.seed < 0 or self.holdout_seed < 0 or not self.diverge_ratio > 0:
             raise bad("seeds must be >= 0 and diverge_ratio > 0")
-        if self.global_batch % self.n_replicas:
-            raise bad(f"{self.n_replicas} replicas do not divide global_batch {self.global_batch}")
         if self.path not in ("batched", "per_replica"):
             raise bad(f"path must be batched|per_replica, got {self.path!r}")
         if self.anneal not in ("full_m", "m1"):
             raise bad(f"anneal must be full_m|m1, got {self.anneal!r}")
         if self.threads is not None and self.threads < 1:
             raise bad("threads must be >= 1")
-        if self.dp:
-            if (self.regions, self.islands_per_region, self.fragments, self.tau) != (1, 1, 1, 0):
+        if self.dp_steps is not None:
+            if self.dp_steps < 1:
+                raise bad(f"dp_steps must be >= 1, got {self.dp_steps}")
+            if (self.n_replicas, self.fragments, self.tau) != (1, 1, 0):
                 raise bad("the data-parallel control has one replica, no fragments and tau 0")
             if self.anneal != "full_m" or self.h_r != self.h_g:
                 raise bad("the data-parallel control has no anneal variant and h_r == h_g")
-        if not self.dp and self.steps % self.h_g:
-            raise bad(f"steps ({self.steps}) must be a multiple of h_g ({self.h_g})")
+            if run.steps != self.h_g * max(1, self.dp_steps // self.h_g):
+                raise bad(
+                    f"the data-parallel control's run.steps ({run.steps}) must be h_g x "
+                    f"max(1, steps // h_g) for its {self.dp_steps} steps and h_g {self.h_g}"
+                )
         if self.fragments > self.h_g:
             raise bad(f"fragments ({self.fragments}) must be <= h_g ({self.h_g}) to stagger")
         if self.anneal == "m1" and (self.fragments != 1 or self.tau):
             raise bad("anneal m1 needs fragments = 1 and tau = 0 (all replicas equal at its start)")
         if self.fragments > 1 and self.steps < self.h_g:
             raise bad("streaming needs at least one full global round")
-        self.core_config()  # topology, codecs, outer: validated by the core's own RunConfig
+
+    @classmethod
+    def build(cls, **fields: Any) -> SimJob:
+        """A job from the flat vocabulary (``FLAT_FIELDS``; the simulator's defaults, then
+        RunConfig's).  ``model``, ``inner`` and ``outer`` may be configs or their dicts."""
+
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(f"sim job: {msg}")
+
+        unknown = sorted(set(fields) - {*FLAT_FIELDS, *RUN_EXTRAS, *TOPOLOGY_EXTRAS})
+        if unknown:
+            raise bad(f"unknown field(s) {', '.join(unknown)}")
+        f = {**SIM_RUN_DEFAULTS, **fields}
+        own = {k: f.pop(k) for k in _OWN_FIELDS if k in f}
+        for name in ("steps", "global_batch", "regions", "islands_per_region", "h_r", "h_g"):
+            if f[name] < 1:
+                raise bad(f"{name} must be >= 1, got {f[name]}")
+        dp, steps, h_g = bool(f.pop("dp", False)), f.pop("steps"), f["h_g"]
+        batch, regions, n_r = f.pop("global_batch"), f.pop("regions"), f.pop("islands_per_region")
+        if batch % (regions * n_r):
+            raise bad(f"{regions * n_r} replicas do not divide global_batch {batch}")
+        model = f.pop("model")
+        run: dict[str, Any] = {
+            "steps": h_g * max(1, steps // h_g) if dp else steps,
+            "batch_per_island": batch // (regions * n_r),
+            "topology": {"regions": region_names(regions), "islands_per_region": n_r},
+        }
+        if isinstance(model, str):
+            run["model"] = model
+        else:
+            run.update(model=CUSTOM_MODEL, model_shape=_plain(model))
+        if "holdout" in f:
+            run["holdout_windows"] = f.pop("holdout")
+        for name, value in f.items():
+            in_topology = name in _TOPO_MAPPED or name in TOPOLOGY_EXTRAS
+            (run["topology"] if in_topology else run)[name] = _plain(value)
+        try:
+            parsed = RunConfig.from_dict(run)
+        except ConfigError as e:
+            raise bad(str(e)) from None
+        return cls(run=parsed, dp_steps=steps if dp else None, **own)
+
+    # -- the run-side names of the flat vocabulary (read-only) -------------------------
+    @property
+    def model(self) -> str | ModelConfig:
+        """A preset name (common/model.py) or the ModelConfig of a reduced registered scale."""
+        return self.run.model_shape if self.run.model_shape is not None else self.run.model
+
+    @property
+    def steps(self) -> int:
+        """Inner steps per replica; a multiple of h_g (unless ``dp``)."""
+        return self.dp_steps if self.dp_steps is not None else self.run.steps
+
+    @property
+    def global_batch(self) -> int:
+        """B: sequences per step over all replicas (the DP control's batch)."""
+        return self.run.global_batch
+
+    @property
+    def seed(self) -> int:
+        """Fixes the initialization and the sample stream (all arms of a seed see the same data)."""
+        return self.run.seed
+
+    @property
+    def dp(self) -> bool:
+        """The data-parallel control: one replica on the whole global batch, no outer loop."""
+        return self.dp_steps is not None
+
+    @property
+    def regions(self) -> int:
+        """R, the number of regions (their names: ``run.topology.regions``)."""
+        return len(self.run.topology.regions)
+
+    @property
+    def islands_per_region(self) -> int:
+        """n_r: islands per region (N = R * n_r replicas)."""
+        return self.run.topology.islands_per_region
+
+    @property
+    def h_r(self) -> int:
+        """Regional sync interval in inner steps (plain averaging, eta_r = 1)."""
+        return self.run.topology.h_r
+
+    @property
+    def h_g(self) -> int:
+        """Global sync interval; a multiple of h_r.  Also the LAWA and eval cadence (``dp``)."""
+        return self.run.topology.h_g
+
+    @property
+    def tau(self) -> int:
+        """Overlap: a merge for sync step s is applied at s + tau (0 <= tau < h_r)."""
+        return self.run.topology.tau
+
+    @property
+    def inner(self) -> InnerConfig:
+        return self.run.inner
+
+    @property
+    def outer(self) -> OuterConfig:
+        return self.run.outer
+
+    @property
+    def regional_codec(self) -> str:
+        """Island -> relay codec (error feedback at the island)."""
+        return self.run.regional_codec
+
+    @property
+    def global_codec(self) -> str:
+        """Relay -> aggregator codec (error feedback at the relay)."""
+        return self.run.global_codec
+
+    @property
+    def ef_beta(self) -> float:
+        return self.run.ef_beta
+
+    @property
+    def holdout(self) -> int:
+        """Held-out windows evaluated: the first n of the registered 512."""
+        return self.run.holdout_windows
+
+    @property
+    def data(self) -> str | None:
+        """Prepared dataset folder; None = the built-in corpus."""
+        return self.run.data
 
     # -- derived ---------------------------------------------------------------------
     @property
     def n_replicas(self) -> int:
         """N = R * n_r (1 for the data-parallel control)."""
-        return self.regions * self.islands_per_region
+        return self.run.topology.n_islands
 
     def model_config(self) -> ModelConfig:
-        return preset(self.model) if isinstance(self.model, str) else self.model
+        return self.run.model_config()
 
     def core_config(self) -> RunConfig:
-        """The ``RunConfig`` the role cores (RegionCore, GlobalCore) are built from.
+        """The ``RunConfig`` the role cores (RegionCore, GlobalCore) are built from: ``run``.
 
-        The cores read only the codecs, ``ef_beta``, the topology and the outer
-        optimizer; ``model`` is the job's preset (or ``tiny`` for a ModelConfig,
-        which the cores never read).  Region names are zero-padded so that their
-        sorted order (the aggregation order) is the replica index order."""
-        width = len(str(self.regions - 1))
-        try:
-            return RunConfig(
-                model=self.model if isinstance(self.model, str) else "tiny",
-                seed=self.seed,
-                steps=self.h_g * max(1, self.steps // self.h_g),
-                batch_per_island=self.global_batch // self.n_replicas,
-                topology=TopologyConfig(
-                    regions=tuple(f"r{k:0{width}d}" for k in range(self.regions)),
-                    islands_per_region=self.islands_per_region,
-                    h_r=self.h_r,
-                    h_g=self.h_g,
-                    tau=self.tau,
-                ),
-                inner=self.inner,
-                outer=self.outer,
-                regional_codec=self.regional_codec,
-                global_codec=self.global_codec,
-                ef_beta=self.ef_beta,
-            )
-        except ConfigError as e:
-            raise ConfigError(f"sim job: {e}") from None
+        Region names are zero-padded so that their sorted order (the aggregation order)
+        is the replica index order."""
+        return self.run
 
     def resolved_device(self) -> str:
         """``device``, else $HYPERTRAIN_SIM_DEVICE, else ``cpu``."""
         return self.device or os.environ.get(DEVICE_ENV, "").strip() or "cpu"
 
     def replace(self, **changes: Any) -> SimJob:
-        return dataclasses.replace(self, **changes)
+        """A copy with fields replaced: the dataclass fields (``run``, ``path``, ...) or
+        the flat vocabulary (``steps``, ``h_g``, ``seed``, ...), not both."""
+        if changes.keys() <= _FIELDS:
+            return dataclasses.replace(self, **changes)
+        return SimJob.build(**{**self.flat(), **changes})
 
     # -- serialization ---------------------------------------------------------------
+    def flat(self) -> dict[str, Any]:
+        """The job in the flat vocabulary of ``build`` (configs as objects)."""
+        d = {name: getattr(self, name) for name in FLAT_FIELDS}
+        d.update({name: getattr(self.run, name) for name in RUN_EXTRAS})
+        d.update({name: getattr(self.run.topology, name) for name in TOPOLOGY_EXTRAS})
+        return d
+
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The flat vocabulary as JSON; run fields it does not map only where not default."""
+        d = {name: getattr(self, name) for name in FLAT_FIELDS if name not in EXECUTION_FIELDS}
         d["inner"] = dataclasses.asdict(self.inner)
         d["outer"] = self.outer.to_dict()
         if isinstance(self.model, ModelConfig):
             d["model"] = dataclasses.asdict(self.model)
+        run = self.run.to_dict()
+        for name in RUN_EXTRAS:
+            if run[name] != _DEFAULT_RUN[name]:
+                d[name] = run[name]
+        for name in TOPOLOGY_EXTRAS:
+            if run["topology"][name] != _DEFAULT_RUN["topology"][name]:
+                d[name] = run["topology"][name]
+        d.update({name: getattr(self, name) for name in EXECUTION_FIELDS})
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SimJob:
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"sim job: unknown field(s) {', '.join(unknown)}")
         try:
-            if isinstance(d.get("model"), dict):
-                d["model"] = ModelConfig(**d["model"])
-            if isinstance(d.get("inner"), dict):
-                d["inner"] = InnerConfig(**d["inner"])
-            if isinstance(d.get("outer"), dict):
-                d["outer"] = OuterConfig(**d["outer"])
-            return cls(**d)
+            return cls.build(**d)
         except TypeError as e:
             raise ConfigError(f"sim job: {e}") from None
 
@@ -224,16 +390,21 @@ class SimJob:
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SimJob))
+_OWN_FIELDS = tuple(sorted(_FIELDS - {"run", "dp_steps"}))
+"""The simulator's own fields (the flat vocabulary names them as they are)."""
+
+
 def flat_job(m: int, h: int, **kw: Any) -> SimJob:
     """Flat DiLoCo with ``m`` replicas syncing every ``h`` steps (R = m, n_r = 1)."""
-    return SimJob(regions=m, islands_per_region=1, h_r=h, h_g=h, **kw)
+    return SimJob.build(regions=m, islands_per_region=1, h_r=h, h_g=h, **kw)
 
 
 def dp_job(**kw: Any) -> SimJob:
     """The data-parallel control (one replica, global batch B, no outer loop)."""
     kw.setdefault("h_g", kw.pop("h", 30))
     kw.setdefault("h_r", kw["h_g"])
-    return SimJob(dp=True, **kw)
+    return SimJob.build(dp=True, **kw)
 
 
 def _finite_or_none(x: float | None) -> float | None:

@@ -55,10 +55,11 @@ from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import GPT, build_model, evaluate
 from hypertrain.common.optim import LAWA
 from hypertrain.common.roles import GlobalCore, RegionCore
+from hypertrain.common.schedule import PendingMerges, Schedule, SyncKind, overlap_merge
 from hypertrain.sim.engine.batched import Batched
 from hypertrain.sim.engine.job import JobResult, SimJob, dp_job, flat_job
 from hypertrain.sim.engine.replicas import PerReplica, ReplicaSet
-from hypertrain.sim.engine.streaming import Fragment, Level, partition, sync_level
+from hypertrain.sim.engine.streaming import Fragment, partition
 
 __all__ = [
     "FragmentSync",
@@ -122,11 +123,9 @@ def anneal_start(job: SimJob) -> int | None:
 
 
 @dataclass(slots=True)
-class _Pending:
-    """A merge computed at ``sync_step``, applied at ``merge_step``: per replica range a target."""
+class _Targets:
+    """A computed merge: per replica range the fragment's new rows."""
 
-    merge_step: int
-    sync_step: int
     targets: list[tuple[int, int, torch.Tensor]]
     snapshot: torch.Tensor | None
     """Replicas' fragment rows at sync_step (tau > 0: the overlap rule's reference)."""
@@ -139,7 +138,9 @@ class FragmentSync:
         cfg = job.core_config()
         topo = cfg.topology
         self.frag = frag
-        self.tau = job.tau
+        self.schedule = Schedule(
+            h_r=job.h_r, h_g=job.h_g, tau=job.tau, steps=job.steps, offset=frag.offset
+        )
         self.island_ids = topo.island_ids()
         self.n_r = topo.islands_per_region
         theta = theta0[frag.lo : frag.hi]
@@ -149,12 +150,12 @@ class FragmentSync:
             ErrorFeedback(make_codec(cfg.regional_codec), frag.numel, beta=cfg.ef_beta)
             for _ in self.island_ids
         ]
-        self.pending: _Pending | None = None
+        self.pending: PendingMerges[_Targets] = PendingMerges(self.schedule)
 
-    def sync(self, replicas: ReplicaSet, step: int, level: Level) -> None:
-        """Encode, aggregate and (global) outer-step; queue the merge for step + tau."""
-        if self.pending is not None:  # only at the final flush: apply the merge in flight now
-            self.apply(replicas, step, force=True)
+    def sync(self, replicas: ReplicaSet, step: int, level: SyncKind) -> None:
+        """Encode, aggregate and (global) outer-step; queue the merge for its merge step."""
+        for p in self.pending.flush():  # only at the final sync: the merge in flight, now
+            self._apply(replicas, p.item)
         rows = replicas.read(self.frag)
         if not bool(torch.isfinite(rows).all()):
             raise Diverged(step, "non-finite parameters at a sync")
@@ -172,21 +173,23 @@ class FragmentSync:
             for core in self.regions:
                 core.set_global(self.glob.theta)
             targets = [(0, len(self.island_ids), self.glob.theta.clone())]
-        self.pending = _Pending(step + self.tau, step, targets, rows if self.tau else None)
+        self.pending.add(step, level, _Targets(targets, rows if self.schedule.tau else None))
         self.apply(replicas, step)
 
-    def apply(self, replicas: ReplicaSet, step: int, force: bool = False) -> None:
-        """Apply the pending merge if it is pinned to ``step`` (or ``force``)."""
-        p = self.pending
-        if p is None or (p.merge_step != step and not force):
-            return
-        self.pending = None
-        now = replicas.read(self.frag) if p.snapshot is not None else None
-        for lo, hi, target in p.targets:
-            if now is None or p.snapshot is None:
+    def apply(self, replicas: ReplicaSet, step: int) -> None:
+        """Apply the merges pinned to ``step``."""
+        for p in self.pending.due(step):
+            self._apply(replicas, p.item)
+
+    def _apply(self, replicas: ReplicaSet, m: _Targets) -> None:
+        now = replicas.read(self.frag) if m.snapshot is not None else None
+        for lo, hi, target in m.targets:
+            if now is None or m.snapshot is None:
                 replicas.write(self.frag, lo, hi, target)
             else:  # merged state plus the local progress made during the overlap
-                replicas.write(self.frag, lo, hi, target + (now[lo:hi] - p.snapshot[lo:hi]))
+                replicas.write(
+                    self.frag, lo, hi, overlap_merge(target, now[lo:hi], m.snapshot[lo:hi])
+                )
 
 
 class _Anneal:
@@ -288,7 +291,7 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
             else:
                 for s in syncs:
                     s.apply(replicas, step)
-                    level = sync_level(s.frag, step, job.h_r, job.h_g, job.steps)
+                    level = s.schedule.sync_kind(step)
                     if level is not None:
                         s.sync(replicas, step, level)
                 if a_start is not None and step == a_start:

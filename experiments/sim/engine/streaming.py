@@ -6,30 +6,26 @@ roughly equal size; with the name-sorted order a fragment is a run of layers
 (``blocks.0.*``, ``blocks.1.*``, ... then ``ln_f``, ``wpe``, ``wte``).  F = 1 is
 ordinary DiLoCo: one fragment holding everything, offset 0.
 
-Schedule of fragment f with offset o_f = f * h_g // F (staggered over a global
-round): at the end of step t (1-based) it syncs regionally when
-``(t - o_f) % h_r == 0`` and globally when ``(t - o_f) % h_g == 0`` (a global
-sync includes its regional one).  The first round of a fragment with o_f > 0 is
-therefore o_f steps long.  At the last step every fragment that did not just
-sync globally does a final global sync (``final=True``), so the final model
-contains every replica's last steps of every fragment; see run.py for the
-pending-merge rule at that flush.
+Fragment f syncs on the run's schedule staggered by o_f = f * h_g // F steps
+(``Fragment.offset``, passed to ``common/schedule.py``'s ``Schedule``, which owns
+the rule: at the end of step t it syncs regionally when ``(t - o_f) % h_r == 0``
+and globally when ``(t - o_f) % h_g == 0`` or t is the last step).  The first
+round of a fragment with o_f > 0 is therefore o_f steps long, and at the last
+step every fragment that did not just sync globally does a final global sync, so
+the final model contains every replica's last steps of every fragment; see
+run.py for the pending-merge rule at that flush.
 
 Invariants: fragments partition ``[0, numel)`` in order, each holds >= 1
-parameter; for F = 1 the schedule is exactly common/reference.py's
-(``step % h_r``, ``step % h_g``); a fragment never has two merges in flight
-because tau < h_r.
+parameter; F = 1 is one fragment at offset 0, the schedule of the daemons and the
+in-process run; a fragment never has two merges in flight because tau < h_r.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
-
-Level = Literal["regional", "global"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +96,3 @@ def partition(layout: ParamLayout, n_fragments: int, h_g: int) -> list[Fragment]
         )
         first = stop
     return frags
-
-
-def sync_level(frag: Fragment, step: int, h_r: int, h_g: int, last_step: int) -> Level | None:
-    """The sync fragment ``frag`` does at the end of ``step`` (1-based), if any."""
-    u = step - frag.offset
-    if u % h_g == 0 or step == last_step:
-        return "global"
-    if u % h_r == 0:
-        return "regional"
-    return None

@@ -136,13 +136,13 @@ def job_for(
         if eta is not None:
             raise ConfigError(f"grid: control {cell.id} has no outer lr")
         h = _dp_h(design, scale)
-        return SimJob(dp=True, h_r=h, h_g=h, **common)
+        return SimJob.build(dp=True, h_r=h, h_g=h, **common)
     sweep = design.sweep(cell, scale.name)
     if eta is None or eta not in sweep:
         raise ConfigError(f"grid: eta {eta} is not in {cell.id}'s sweep {sweep} at {scale.name}")
     assert cell.outer is not None and cell.h_g is not None and cell.h_r is not None
     outer = OuterConfig(name=cell.outer, eta=eta, mu=cell.outer_momentum)
-    return SimJob(
+    return SimJob.build(
         regions=cell.regions, islands_per_region=cell.islands_per_region, h_r=cell.h_r,
         h_g=cell.h_g, outer=outer, regional_codec=cell.regional_codec,
         global_codec=cell.global_codec, fragments=cell.fragments, tau=cell.tau,

@@ -5,10 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hypertrain.common.aggregate import Commitment
 from hypertrain.common.codec import make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
-from hypertrain.common.protocol import (
+from hypertrain.common.roles import initial_parameters
+from hypertrain.common.rounds.machines import (
     CONFLICT,
     INVALID,
     PRECONDITION,
@@ -16,10 +18,10 @@ from hypertrain.common.protocol import (
     Committed,
     Delta,
     Forward,
+    GlobalArrived,
     Publish,
     RelayMachine,
 )
-from hypertrain.common.roles import initial_parameters
 
 CFG = RunConfig.from_dict(
     {
@@ -81,7 +83,7 @@ def test_relay_forwards_at_the_global_step_and_waits_for_theta(theta0: torch.Ten
     assert relay.merge_for(10) is None  # islands wait for the global merge
     early = relay.on_delta(_delta(theta0, "eu-0", 15))[0]
     assert early.code == PRECONDITION and "pending" in early.reason
-    relay.on_global(10, theta0.clone())
+    relay.on_global(GlobalArrived(10, theta0.clone(), Commitment({}, (), (), "")))
     assert relay.merge_for(10) is not None and relay.merge_for(10).kind == "global"  # type: ignore[union-attr]
     assert relay.on_delta(_delta(theta0, "eu-0", 15))[0].accepted
 

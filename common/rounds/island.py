@@ -1,0 +1,91 @@
+"""An island's side of the round: when it sends, which merge it needs, when it applies it.
+
+``IslandRounds`` wraps an island's state (``roles.IslandCore``, or the fault
+simulation's ``toy.ToyIsland``) and the schedule.  After every inner step the driver
+asks it what to do:
+
+- ``after_step()``: at a sync step, the delta to push (encoded with error feedback,
+  snapshotted for the overlap rule); the merge of that step becomes pending;
+- ``due()``: the pending merges pinned to the current step: the driver fetches each
+  (blocking, or retrying in a simulation) and hands it to ``apply``;
+- ``final_due()``: after the last step the driver fetches the final global state and
+  calls ``finish``.
+
+The island daemon, the in-process cluster and the fault simulation all drive islands
+through this class, so none of them re-derives the schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hypertrain.common.errors import HypertrainError
+from hypertrain.common.roles import IslandState
+from hypertrain.common.rounds.machines import Delta
+from hypertrain.common.schedule import PendingMerge, PendingMerges, Schedule, SyncKind
+
+
+class IslandRounds:
+    """The schedule-driven sync loop of one island (see the module docstring)."""
+
+    def __init__(self, core: IslandState, run_id: str) -> None:
+        self.core = core
+        self.run_id = run_id
+        self.schedule: Schedule = core.schedule
+        self.pending: PendingMerges[None] = PendingMerges(self.schedule)
+        self.codec = str(core.codec.spec)
+        self.last_sync: tuple[int, SyncKind] | None = None
+
+    @property
+    def step(self) -> int:
+        return self.core.step
+
+    @property
+    def finished(self) -> bool:
+        """Trained every step (the final merge may still be outstanding)."""
+        return self.core.step >= self.schedule.steps
+
+    def after_step(self, encode: bool = True) -> Delta | None:
+        """After an inner step: at a sync step, the delta to push (None on other steps, and
+        with ``encode=False``, for ranks that send nothing but must snapshot)."""
+        step = self.core.step
+        kind = self.schedule.sync_kind(step)
+        if kind is None:
+            return None
+        blob = self.core.sync(encode=encode)
+        self.pending.add(step, kind, None)
+        self.last_sync = (step, kind)
+        if not encode:
+            return None
+        return Delta.of(self.run_id, step, self.core.island_id, self.codec, blob, self.schedule)
+
+    def due(self) -> list[PendingMerge[None]]:
+        """The merges to fetch and apply now (pinned to the current step, within the run)."""
+        step = self.core.step
+        head = self.pending.peek()
+        if head is not None and not self.schedule.applies_in_run(head.sync_step):
+            return []  # the last step's merge: taken by ``finish``
+        return self.pending.due(step)
+
+    def apply(self, merge: PendingMerge[None], payload: torch.Tensor) -> None:
+        self.core.apply_merge(merge.kind, payload, merge.sync_step)
+
+    def final_due(self) -> int | None:
+        """After the last step: the sync step whose global state ends the run."""
+        if not self.finished:
+            return None
+        head = self.pending.peek()
+        return head.sync_step if head is not None else None
+
+    def finish(self, theta: torch.Tensor) -> None:
+        left = self.pending.flush()
+        if len(left) != 1 or not self.schedule.is_final(left[0].sync_step):
+            raise HypertrainError(
+                f"island {self.core.island_id}: the run ends with merges of steps "
+                f"{[p.sync_step for p in left]} pending"
+            )
+        self.core.finish(theta)
+
+    def resume(self) -> None:
+        """After loading a rejoin state (saved right after a global merge): nothing pending."""
+        self.pending.flush()

@@ -1,0 +1,654 @@
+"""The whole cluster in one process: nodes, islands, and a message network between them.
+
+``hypertrain run --local`` and the fault simulation (``hypertrain sim chaos``) run the
+same real parts the daemons run: relay and aggregator nodes (``node.py``: machine,
+tape, published inputs, checkpoints, recovery) and islands (``IslandRounds`` over an
+island core), talking through the in-process transport below instead of gRPC.
+
+The network delivers calls in virtual time.  A call (push, fetch, report) is one
+message to the callee, which answers at once by calling the node (``transport.py``),
+and one message back.  A ``LinkPolicy`` decides when each message arrives: at once and
+in order for a plain run; late, twice, or never for the fault simulation.  A message
+to a node that is down, or an answer to a caller that crashed since it asked, is lost.
+
+Clients wait as the daemons do, in virtual time: a call without an answer after
+``TIMEOUT`` is sent again; "not now" (``PRECONDITION``) and "not committed yet" are
+asked again after ``RETRY``.  Any other refusal of an island's or relay's own call is
+a protocol failure and stops the run (``ProtocolFailure``).
+
+Nodes crash where a ``Crash`` is raised (a store's crash hook, between two durable
+writes) or when the fault simulation says so between events: their memory is dropped,
+their folder kept; ``restart`` rebuilds them from it exactly as a restarted daemon does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import HypertrainError
+from hypertrain.common.roles import IslandState
+from hypertrain.common.rounds.island import IslandRounds
+from hypertrain.common.rounds.machines import (
+    PRECONDITION,
+    Committed,
+    Decision,
+    Delta,
+    Effect,
+    GlobalArrived,
+)
+from hypertrain.common.rounds.node import AggregatorNode, RelayNode
+from hypertrain.common.rounds.store import Crash as CrashHook
+from hypertrain.common.rounds.store import NodeStore, atomic_write, load_state, no_crash, save_state
+from hypertrain.common.rounds.transport import LocalUpstream
+from hypertrain.common.schedule import PendingMerge
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import AGGREGATOR_KEY, island_key, relay_key
+
+TIMEOUT = 10.0
+"""Virtual seconds a caller waits for an answer before it sends the call again."""
+RETRY = 1.0
+"""Virtual seconds before asking again after "not now" or "not committed yet"."""
+R = TypeVar("R")
+
+
+class Crash(Exception):
+    """Raised inside a node where its process dies (a crash point or the simulation)."""
+
+
+class ProtocolFailure(HypertrainError):
+    """A call was refused in a way that no fault excuses: the protocol is broken."""
+
+
+class LinkPolicy(Protocol):
+    """When each message from ``src`` to ``dst`` sent at ``now`` arrives ([]: lost)."""
+
+    def deliveries(self, src: str, dst: str, now: float) -> list[float]: ...
+
+
+class Immediate:
+    """Every message arrives at once, in the order sent."""
+
+    def deliveries(self, src: str, dst: str, now: float) -> list[float]:
+        return [now]
+
+
+class Network:
+    """A virtual clock and the events scheduled on it (ties run in the order scheduled)."""
+
+    def __init__(self, policy: LinkPolicy | None = None) -> None:
+        self.policy: LinkPolicy = policy or Immediate()
+        self.now = 0.0
+        self.events = 0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.trace: Callable[[str], None] | None = None
+        """Receives one line per delivered call and answer (the fault simulation's --trace)."""
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), fn))
+
+    def send(self, src: str, dst: str, fn: Callable[[], None]) -> None:
+        for t in self.policy.deliveries(src, dst, self.now):
+            self.at(t, fn)
+
+    def pending(self) -> bool:
+        return bool(self._heap)
+
+    def step(self) -> bool:
+        """Run the next event; False when none is left."""
+        if not self._heap:
+            return False
+        self.now, _, fn = heapq.heappop(self._heap)
+        self.events += 1
+        fn()
+        return True
+
+    def call(
+        self,
+        src: Actor,
+        dst: Actor,
+        request: Callable[[], R],
+        on_reply: Callable[[R], None],
+        what: str = "",
+    ) -> None:
+        """Send ``request`` to ``dst``; its answer back to ``src`` (if both survive)."""
+        inc = src.incarnation
+
+        def deliver_request() -> None:
+            if self.trace:
+                self.trace(
+                    f"t={self.now:.2f} {src.name} -> {dst.name} {what}"
+                    f"{'' if dst.alive else ' (down: lost)'}"
+                )
+            if not dst.alive:
+                return
+            try:
+                reply = request()
+            except Crash:
+                dst.crash()
+                return
+            self.send(dst.name, src.name, lambda: deliver_reply(reply))
+
+        def deliver_reply(reply: R) -> None:
+            if self.trace:
+                self.trace(
+                    f"t={self.now:.2f} {dst.name} -> {src.name} answer to {what}: {_brief(reply)}"
+                )
+            if src.alive and src.incarnation == inc:
+                try:
+                    on_reply(reply)
+                except Crash:
+                    src.crash()
+
+        self.send(src.name, dst.name, deliver_request)
+
+
+def _brief(reply: object) -> str:
+    if isinstance(reply, Decision):
+        return f"{reply.code}{' (duplicate)' if reply.duplicate else ''}: {reply.reason}"
+    if isinstance(reply, Committed):
+        return f"the {reply.kind} merge of step {reply.sync_step}"
+    return "not committed yet" if reply is None else type(reply).__name__
+
+
+class Observer:
+    """What the fault simulation watches (every method is a no-op here)."""
+
+    def pushed(self, node: str, delta: Delta, decision: Decision) -> None: ...
+
+    def committed(self, node: str, effect: Effect) -> None: ...
+
+    def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None: ...
+
+    def finished(self, island: str, theta: torch.Tensor) -> None: ...
+
+    def crashed(self, name: str) -> None: ...
+
+
+class Actor:
+    """A process of the cluster: it can be down, and each start is a new incarnation."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        self.cluster = cluster
+        self.net = cluster.net
+        self.name = name
+        self.alive = True
+        self.incarnation = 0
+
+    def later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after ``delay`` unless this incarnation is gone by then."""
+        inc = self.incarnation
+
+        def run() -> None:
+            if self.alive and self.incarnation == inc:
+                try:
+                    fn()
+                except Crash:
+                    self.crash()
+
+        self.net.at(self.net.now + delay, run)
+
+    def crash(self) -> None:
+        """Die: lose everything in memory (the folder stays)."""
+        if self.alive:
+            self.alive = False
+            self._drop()
+            self.cluster.observer.crashed(self.name)
+
+    def restart(self) -> None:
+        """Start again from the folder (a crash point during recovery kills it again)."""
+        if not self.alive:
+            self.incarnation += 1
+            self.alive = True
+            try:
+                self._start()
+            except Crash:
+                self.crash()
+
+    def _drop(self) -> None: ...
+
+    def _start(self) -> None: ...
+
+
+@dataclass
+class _Call:
+    """One outstanding client call: sent again on timeout until answered."""
+
+    attempt: int = 0
+    busy: bool = False
+
+
+class _Client(Actor):
+    """Calls that retry like the daemons' peers (timeout, "not now", "not yet")."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        super().__init__(cluster, name)
+        self.calls: dict[str, _Call] = {}
+
+    def _drop(self) -> None:
+        self.calls = {}
+
+    def ask(
+        self,
+        slot: str,
+        dst: Actor,
+        request: Callable[[], R],
+        on_reply: Callable[[R], bool],
+        what: str = "",
+    ) -> None:
+        """Call ``dst`` until ``on_reply`` returns True (done); False: ask again after RETRY."""
+        call = self.calls.setdefault(slot, _Call())
+        call.attempt += 1
+        call.busy = True
+        attempt = call.attempt
+
+        def answered(reply: R) -> None:
+            if call.attempt != attempt or not call.busy:
+                return  # an answer to an earlier try, or the call is over
+            call.attempt += 1  # cancels the pending timeout
+            if on_reply(reply):
+                call.busy = False
+            else:
+                self.later(RETRY, lambda: self.ask(slot, dst, request, on_reply, what))
+
+        def timed_out() -> None:
+            if call.attempt == attempt and call.busy:
+                self.ask(slot, dst, request, on_reply, what)
+
+        self.net.call(self, dst, request, answered, what)
+        self.later(TIMEOUT, timed_out)
+
+
+def _refused(who: str, what: str, decision: Decision) -> ProtocolFailure:
+    return ProtocolFailure(f"{who}: {what} refused ({decision.code}): {decision.reason}")
+
+
+class IslandActor(_Client):
+    """An island: trains, pushes at sync steps, fetches and applies pinned merges."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        island_id: str,
+        make_core: Callable[[], IslandState],
+        key: SigningKey | None,
+        state_dir: Path | None,
+    ) -> None:
+        super().__init__(cluster, island_id)
+        self.make_core = make_core
+        self.key = key
+        self.state_path = state_dir / "island.pt" if state_dir is not None else None
+        self.relay_name = f"relay-{cluster.cfg.topology.region_of(island_id)}"
+        self.sent_bytes = 0
+        self.sends = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.core = self.make_core()
+        self.rounds = IslandRounds(self.core, self.cluster.cfg.run_id)
+        if self.state_path is not None and self.state_path.exists():
+            self.core.load_state_dict(load_state(self.state_path))
+            self.rounds.resume()
+        self.push_step: int | None = None  # the sync step whose push is not acknowledged
+        self.waiting: list[PendingMerge[None]] = []
+        self.final_wait = False
+        self.done = False
+
+    @property
+    def ready(self) -> bool:
+        """Can train its next step now?"""
+        return self.alive and not self.done and not self.waiting and not self.final_wait
+
+    def train(self) -> float:
+        return self.core.train_step()
+
+    def after_train(self) -> None:
+        """After an inner step: push at a sync step, then ask for the merges now due."""
+        delta = self.rounds.after_step()
+        if delta is not None:
+            if self.key is not None:
+                delta = delta.signed(self.key.sign(delta.transfer_message()))
+            self.sent_bytes += len(delta.data)
+            self.sends += 1
+            self._push(delta)
+        self.waiting = self.rounds.due()
+        self.final_wait = self.rounds.final_due() is not None
+        self._next()
+
+    def _push(self, delta: Delta) -> None:
+        self.push_step = delta.sync_step
+        relay = self.cluster.relays[self.relay_name]
+
+        def on_reply(d: Decision) -> bool:
+            if d.accepted:
+                self.push_step = None
+                self._next()
+                return True
+            if d.code == PRECONDITION:
+                return False
+            raise _refused(self.name, f"push of step {delta.sync_step}", d)
+
+        self.ask(
+            "push", relay, lambda: relay.endpoint.push(delta), on_reply, f"push {delta.sync_step}"
+        )
+
+    def _next(self) -> None:
+        """Fetch the first merge waited for, once this island's own push is acknowledged."""
+        if self.push_step is not None:
+            return
+        if self.waiting:
+            self._fetch(self.waiting[0].sync_step, self.waiting[0].kind)
+        elif self.final_wait:
+            step = self.rounds.final_due()
+            assert step is not None
+            self._fetch(step, "global")
+
+    def _fetch(self, step: int, kind: str) -> None:
+        relay = self.cluster.relays[self.relay_name]
+
+        def on_reply(got: Committed | Decision | None) -> bool:
+            if got is None:
+                return False
+            if isinstance(got, Decision):
+                raise _refused(self.name, f"fetch of step {step}", got)
+            self._merged(got)
+            return True
+
+        self.ask(
+            "fetch",
+            relay,
+            lambda: relay.endpoint.fetch(self.name, step, kind),
+            on_reply,
+            f"fetch {kind} {step}",
+        )
+
+    def _merged(self, merge: Committed) -> None:
+        obs = self.cluster.observer
+        if self.final_wait and not self.waiting:
+            self.rounds.finish(merge.payload)
+            self.final_wait = False
+            self.done = True
+            obs.finished(self.name, self.core.params())
+            return
+        pm = self.waiting.pop(0)
+        self.rounds.apply(pm, merge.payload)
+        obs.applied(self.name, pm.kind, pm.sync_step, self.core.base)
+        if pm.kind == "global":
+            self._save()
+        self._next()
+
+    def _save(self) -> None:
+        """After a global merge: the state this island rejoins from after a crash."""
+        if self.state_path is not None:
+            atomic_write(self.state_path, save_state(self.core.state_dict()), sync=False)
+
+
+class RelayActor(_Client):
+    """A relay: serves its islands, forwards to the aggregator, applies global updates."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        region: str,
+        theta0: torch.Tensor,
+        folder: Path | None,
+        key: SigningKey | None,
+    ) -> None:
+        super().__init__(cluster, f"relay-{region}")
+        self.region = region
+        self.theta0 = theta0
+        self.folder = folder
+        self.key = key
+        self.final_reported = False
+        self._start()
+
+    def _start(self) -> None:
+        c = self.cluster
+        store = c.store(self.folder, self.key, self.name) if self.folder is not None else None
+        self.node = RelayNode(c.cfg, self.region, self.theta0, store, c.trusted)
+        self.endpoint = _Served(self, self.node)
+        self.forwarding = False
+        self.node.recover()
+        self.kick()
+
+    def _drop(self) -> None:
+        super()._drop()
+        if self.node.store is not None and self.node.store.tape is not None:
+            self.node.store.tape.close()  # the process is gone: no closing checkpoint
+
+    def kick(self) -> None:
+        """Forward the region's delta if one waits for its global update."""
+        fwd = self.node.outbox
+        if fwd is None or self.forwarding:
+            if self.node.done and not self.final_reported and not self.forwarding:
+                self._report_final()
+            return
+        self.forwarding = True
+        agg = self.cluster.aggregator
+        delta = self.node.forward_delta(fwd, self.key)
+
+        def pushed(d: Decision) -> bool:
+            if d.accepted:
+                self._fetch_global(fwd.sync_step)
+                return True
+            if d.code == PRECONDITION:
+                return False
+            raise _refused(self.name, f"forward of step {fwd.sync_step}", d)
+
+        self.ask("forward", agg, lambda: agg.endpoint.push(delta), pushed, f"push {fwd.sync_step}")
+
+    def _fetch_global(self, step: int) -> None:
+        agg = self.cluster.aggregator
+
+        def fetched(got: Committed | Decision | None) -> bool:
+            if got is None:
+                return False
+            if isinstance(got, Decision):
+                raise _refused(self.name, f"fetch of the global merge of step {step}", got)
+            self.node.on_global(GlobalArrived(step, got.payload, got.commitment))
+            self.forwarding = False
+            self.kick()
+            return True
+
+        self.ask(
+            "global",
+            agg,
+            lambda: agg.endpoint.fetch(self.region, step, "global"),
+            fetched,
+            f"fetch global {step}",
+        )
+
+    def _report_final(self) -> None:
+        agg = self.cluster.aggregator
+        steps = self.cluster.cfg.steps
+
+        def reported(d: Decision | None) -> bool:
+            if d is None:
+                self.final_reported = True
+                return True
+            if d.code == PRECONDITION:
+                return False
+            raise _refused(self.name, "report of the final state", d)
+
+        self.ask(
+            "report",
+            agg,
+            lambda: agg.endpoint.report_applied(self.region, steps),
+            reported,
+            f"report {steps}",
+        )
+
+
+class AggregatorActor(Actor):
+    """The aggregator: serves the relays."""
+
+    def __init__(
+        self, cluster: Cluster, theta0: torch.Tensor, folder: Path | None, key: SigningKey | None
+    ) -> None:
+        super().__init__(cluster, "aggregator")
+        self.theta0 = theta0
+        self.folder = folder
+        self.key = key
+        self._start()
+
+    def _start(self) -> None:
+        c = self.cluster
+        store = c.store(self.folder, self.key, self.name) if self.folder is not None else None
+        self.node = AggregatorNode(c.cfg, self.theta0, store, c.trusted)
+        self.endpoint = _Served(self, self.node)
+        self.node.recover()
+
+    def _drop(self) -> None:
+        if self.node.store is not None and self.node.store.tape is not None:
+            self.node.store.tape.close()
+
+
+class _Served(LocalUpstream):
+    """A node's endpoint as the network delivers calls to it: the observer sees each
+    decision, a relay forwards what completes a global step, the final fetch is counted."""
+
+    def __init__(self, actor: RelayActor | AggregatorActor, node: RelayNode | AggregatorNode):
+        super().__init__(node)
+        self.actor = actor
+
+    def push(self, delta: Delta) -> Decision:
+        decision, effects = self.node.push(delta)
+        obs = self.actor.cluster.observer
+        obs.pushed(self.actor.name, delta, decision)
+        if decision.accepted and not decision.duplicate:
+            for e in effects:
+                obs.committed(self.actor.name, e)
+        if isinstance(self.actor, RelayActor):
+            self.actor.kick()
+        return decision
+
+    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed | Decision | None:
+        got = super().fetch(requester, sync_step, kind)
+        if isinstance(got, Committed) and self.node.machine.schedule.is_final(sync_step):
+            self.node.fetched_final(requester)
+        return got
+
+
+@dataclass
+class Cluster:
+    """Every node and island of one run in this process (see the module docstring)."""
+
+    cfg: RunConfig
+    theta0: torch.Tensor
+    make_core: Callable[[str], IslandState]
+    run_dir: Path | None = None
+    """Folders and tapes go here (None: everything in memory, no tape)."""
+    keys: dict[str, SigningKey] = field(default_factory=dict)
+    trusted: TrustedKeys | None = None
+    policy: LinkPolicy | None = None
+    observer: Observer = field(default_factory=Observer)
+    crash_hook: Callable[[str], CrashHook] = field(default=lambda name: no_crash)
+    """For each node name, the crash hook its store calls (the fault simulation's)."""
+
+    def __post_init__(self) -> None:
+        topo = self.cfg.topology
+        self.net = Network(self.policy)
+        d = self.run_dir
+        self.aggregator = AggregatorActor(
+            self, self.theta0, d / "aggregator" if d else None, self.keys.get(AGGREGATOR_KEY)
+        )
+        self.relays = {
+            f"relay-{r}": RelayActor(
+                self, r, self.theta0, d / f"relay-{r}" if d else None, self.keys.get(relay_key(r))
+            )
+            for r in sorted(topo.regions)
+        }
+        self.islands = {
+            i: IslandActor(
+                self,
+                i,
+                lambda i=i: self.make_core(i),  # type: ignore[misc]
+                self.keys.get(island_key(i)),
+                d / f"island-{i}" if d else None,
+            )
+            for i in topo.island_ids()
+        }
+
+    def store(self, folder: Path, key: SigningKey | None, name: str) -> NodeStore:
+        return NodeStore(folder, self.cfg.run_id, key, sync=False, crash=self.crash_hook(name))
+
+    @property
+    def actors(self) -> dict[str, Actor]:
+        out: dict[str, Actor] = {"aggregator": self.aggregator}
+        out.update(self.relays)
+        out.update(self.islands)
+        return out
+
+    @property
+    def complete(self) -> bool:
+        """Every island holds the final state and every relay reported it to the aggregator."""
+        return (
+            all(i.done for i in self.islands.values())
+            and self.aggregator.alive
+            and (self.aggregator.node.all_final())
+        )
+
+    def start_training(self, island: IslandActor, step_time: float) -> None:
+        """Let ``island`` train one step every ``step_time`` virtual seconds whenever it is
+        not waiting (this incarnation: a crash ends the loop; call again after a restart)."""
+
+        def run() -> None:
+            if island.ready:
+                if self.net.trace:
+                    self.net.trace(
+                        f"t={self.net.now:.2f} {island.name} trains step {island.core.step + 1}"
+                    )
+                island.train()
+                island.after_train()
+            if not island.done:
+                island.later(step_time, run)
+
+        island.later(step_time, run)
+
+    def drive(self, max_events: int, after_event: Callable[[], None] = lambda: None) -> int:
+        """Run events until the cluster is complete; returns the events run.  Raises
+        ProtocolFailure when nothing is left to happen or ``max_events`` pass first."""
+        n = 0
+        while not self.complete:
+            if not self.net.step():
+                raise ProtocolFailure(
+                    f"stuck: nothing left to happen at t={self.net.now:.1f}: {describe(self)}"
+                )
+            n += 1
+            after_event()
+            if n > max_events:
+                raise ProtocolFailure(
+                    f"stuck: not done after {max_events} events: {describe(self)}"
+                )
+        return n
+
+    def run_until_quiet(self, limit: int = 1_000_000) -> None:
+        for _ in range(limit):
+            if not self.net.step():
+                return
+        raise ProtocolFailure(f"the network did not go quiet after {limit} events")
+
+    def final_theta(self) -> torch.Tensor:
+        merge = self.aggregator.node.machine.merge_for(self.cfg.steps)
+        if merge is None:
+            raise ProtocolFailure("the run ended without the final global merge")
+        return merge.payload
+
+
+def describe(cluster: Cluster) -> dict[str, Any]:
+    """Where each actor stands (for traces and failure messages)."""
+    out: dict[str, Any] = {}
+    for name, a in cluster.actors.items():
+        if isinstance(a, IslandActor):
+            out[name] = {"alive": a.alive, "step": a.core.step, "done": a.done}
+        elif isinstance(a, RelayActor | AggregatorActor):
+            out[name] = {"alive": a.alive, "open": a.node.machine.level.open_step}
+    return out

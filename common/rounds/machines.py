@@ -1,0 +1,661 @@
+"""Sans-I/O round machines of the relay and the aggregator.
+
+Each machine is fed events (a delta arrived; the aggregator's new global state arrived)
+and returns a :class:`Decision` (accepted or not, and why, in words a daemon can put in
+a gRPC status) plus effects, in the order their tape entries are written: every effect
+carries its typed tape record (common/trust/schema.py).  There are no sockets, threads,
+files or clocks in here.  ``replay.py`` rebuilds a machine from its tape by feeding the
+same events again; the nodes (``node.py``) add durability; the daemons and the
+in-process cluster only deliver events.
+
+Round rules (the same at both levels; docs/design.md §4):
+- Membership is decided by step, never by wall-clock: the members of a sync step are
+  all configured senders (islands of the region; regions of the run), and the step
+  commits when the last of them has delivered.
+- Only the open sync step accepts deltas.  An identical resend of an accepted delta
+  (same step, sender and digest) is answered as a duplicate and counted once; different
+  bytes for an accepted (step, sender) are refused.
+- Every delta is validated against the run's codec and parameter count (``Codec.open``)
+  before it is accepted, and its signature against the pinned keys when keys are pinned.
+- A relay forwards its region's delta at every global sync step and takes no delta for
+  the next step until the aggregator's new state has arrived (``on_global``).
+
+A decision either completes (state and effects) or leaves the machine exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hypertrain.common import planted
+from hypertrain.common.aggregate import Blob, Commitment
+from hypertrain.common.codec import Codec
+from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import blob_digest
+from hypertrain.common.errors import HypertrainError, UnknownKeyError
+from hypertrain.common.roles import GlobalCore, RegionCore
+from hypertrain.common.schedule import Schedule, SyncKind
+from hypertrain.common.trust.keys import TrustedKeys
+from hypertrain.common.trust.ledger import (
+    flat_digest,
+    island_key,
+    outer_state_digest,
+    relay_key,
+    transfer_message,
+)
+from hypertrain.common.trust.schema import (
+    ForwardEntry,
+    GlobalAppliedEntry,
+    GlobalMergeEntry,
+    InputEntry,
+    Record,
+    RegionalMergeEntry,
+    tape_safe,
+)
+
+# Decision codes: the driver maps them to transport status codes.
+OK = "ok"
+INVALID = "invalid_argument"  # malformed or not meant for this daemon: never retry
+PRECONDITION = "failed_precondition"  # not now (step ahead, round pending): retry later
+CONFLICT = "already_exists"  # different bytes for an accepted (step, sender)
+
+KEEP_MERGES = 4  # committed merges kept for late fetchers (tau < h_r needs 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """An encoded delta as the transport received it (its sha256 already verified)."""
+
+    run_id: str
+    round: int
+    sync_step: int
+    sender: str
+    digest: str
+    codec: str
+    data: Blob
+    signature: bytes = b""
+    """Ed25519 over ``ledger.transfer_message`` of the fields above, by the sender's key."""
+
+    @classmethod
+    def of(
+        cls, run_id: str, sync_step: int, sender: str, codec: str, data: Blob, schedule: Schedule
+    ) -> Delta:
+        """A new delta of ``sender`` for ``sync_step`` (digest computed, not signed)."""
+        return cls(
+            run_id, schedule.round_of(sync_step), sync_step, sender, blob_digest(data), codec, data
+        )
+
+    @classmethod
+    def from_record(cls, run_id: str, rec: InputEntry, data: Blob) -> Delta:
+        """The delta a taped ``input`` entry recorded, with its bytes read back."""
+        return cls(
+            run_id,
+            rec.round,
+            rec.sync_step,
+            rec.sender,
+            rec.digest,
+            rec.codec,
+            data,
+            bytes.fromhex(rec.signature),
+        )
+
+    def signed(self, signature: bytes) -> Delta:
+        return Delta(
+            self.run_id,
+            self.round,
+            self.sync_step,
+            self.sender,
+            self.digest,
+            self.codec,
+            self.data,
+            signature,
+        )
+
+    def transfer_message(self) -> bytes:
+        """The canonical bytes the sender signs."""
+        return transfer_message(
+            self.run_id,
+            self.round,
+            self.sync_step,
+            self.sender,
+            self.digest,
+            len(self.data),
+            self.codec,
+        )
+
+    def record(self) -> InputEntry:
+        """The tape record of this delta once accepted."""
+        return InputEntry(
+            round=self.round,
+            sync_step=self.sync_step,
+            sender=self.sender,
+            digest=self.digest,
+            size=len(self.data),
+            codec=self.codec,
+            signature=self.signature.hex(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Whether a delta was taken, and why (one readable line)."""
+
+    code: str
+    reason: str
+    duplicate: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        return self.code == OK
+
+
+# -- events -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GlobalArrived:
+    """Event at a relay: the aggregator's theta_{g+1} for the global round of ``sync_step``,
+    with the aggregator's commitment to it (what islands are told they receive)."""
+
+    sync_step: int
+    theta: torch.Tensor
+    commitment: Commitment
+
+
+# -- effects (each with the tape record that says it happened) ------------------------------
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Effect: keep this accepted input's bytes under its digest, tape it as an input."""
+
+    delta: Delta
+    record: InputEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """Effect: an aggregate was committed (a regional mean, or a global outer step).
+
+    Also what members fetch: ``kind`` tells them how to apply ``payload``."""
+
+    level: SyncKind
+    round: int
+    sync_step: int
+    merge_step: int
+    commitment: Commitment
+    payload: torch.Tensor  # regional: the mean; global: theta_{g+1}
+    kind: SyncKind  # the merge kind islands apply
+    record: RegionalMergeEntry | GlobalMergeEntry | None
+    """The commit record (None: a relay's copy of the aggregator's global merge)."""
+    input_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Effect: send this region's delta for the global round to the aggregator."""
+
+    round: int
+    sync_step: int
+    codec: str
+    data: bytes
+    record: ForwardEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """Effect at a relay: the global merge arrived and was applied (its record is taped,
+    then the relay checkpoints)."""
+
+    merge: Committed
+    record: GlobalAppliedEntry
+
+
+Effect = Publish | Committed | Forward | Applied
+
+
+@dataclass
+class _Level:
+    """Bookkeeping shared by both machines: the open step and who delivered what."""
+
+    cfg: RunConfig
+    schedule: Schedule
+    level: SyncKind
+    role: str
+    members: tuple[str, ...]
+    codec: Codec
+    numel: int
+    open_step: int
+    inputs: dict[str, Delta] = field(default_factory=dict)
+    accepted: dict[tuple[int, str], str] = field(default_factory=dict)  # (step, sender) -> digest
+    trusted: TrustedKeys | None = None  # None: signatures are not required
+    signer_of: Callable[[str], str] = str  # sender id -> key name
+    deliveries: int = 0  # planted bug count_duplicate_twice only
+
+    def check(self, d: Delta) -> Decision | None:
+        """None if ``d`` may be taken into the open step; otherwise the refusal."""
+        cfg, sched = self.cfg, self.schedule
+        if d.run_id != cfg.run_id:
+            return Decision(
+                INVALID, f"wrong run: {d.run_id!r}, this {self.role} serves {cfg.run_id!r}"
+            )
+        if d.sender not in self.members:
+            return Decision(
+                INVALID, f"{d.sender!r} is not a member here (members: {', '.join(self.members)})"
+            )
+        s = d.sync_step
+        if not sched.is_sync_step(s, self.level):
+            return Decision(
+                INVALID,
+                f"step {s} is not a sync step (every {sched.interval(self.level)} steps up to "
+                f"{sched.steps})",
+            )
+        if d.round != sched.round_of(s):
+            return Decision(
+                INVALID, f"round {d.round} does not match sync step {s} (round {sched.round_of(s)})"
+            )
+        known = self.accepted.get((s, d.sender))
+        if known is not None:
+            if known == d.digest:
+                if planted.on("count_duplicate_twice") and s == self.open_step:
+                    return None
+                return Decision(
+                    OK,
+                    f"duplicate of the accepted delta from {d.sender} for step {s}",
+                    duplicate=True,
+                )
+            return Decision(CONFLICT, f"{d.sender} already delivered different bytes for step {s}")
+        if s < self.open_step:
+            return Decision(PRECONDITION, f"step {s} is closed (open step is {self.open_step})")
+        if s > self.open_step:
+            return Decision(PRECONDITION, f"step {s} is ahead of the open step {self.open_step}")
+        if self.trusted is not None:
+            refusal = self._check_signature(d)
+            if refusal is not None:
+                return refusal
+        if d.codec != str(self.codec.spec):
+            return Decision(INVALID, f"wrong codec {d.codec!r}, this run uses {self.codec.spec}")
+        try:  # full validation (header, checksum, payload) without decoding to fp32
+            self.codec.open(d.data, (self.numel,))
+        except HypertrainError as e:
+            return Decision(INVALID, f"rejected delta from {d.sender} for step {s}: {e}")
+        return None
+
+    def _check_signature(self, d: Delta) -> Decision | None:
+        assert self.trusted is not None
+        if not d.signature:
+            return Decision(INVALID, f"unsigned delta from {d.sender} for step {d.sync_step}")
+        key = self.signer_of(d.sender)
+        try:
+            good = self.trusted.verify(key, d.transfer_message(), d.signature)
+        except UnknownKeyError:
+            return Decision(INVALID, f"no trusted key {key!r} for {d.sender}")
+        if not good:
+            return Decision(
+                INVALID, f"bad signature on the delta from {d.sender} for step {d.sync_step}"
+            )
+        return None
+
+    def take(self, d: Delta) -> bool:
+        """Record an accepted delta; True when the open step is complete."""
+        self.inputs[d.sender] = d
+        self.accepted[(d.sync_step, d.sender)] = d.digest
+        if planted.on("count_duplicate_twice"):
+            self.deliveries += 1
+            return self.deliveries >= len(self.members)
+        return len(self.inputs) == len(self.members)
+
+    def close(self) -> dict[str, Blob]:
+        blobs = {m: d.data for m, d in self.inputs.items()}
+        self.inputs = {}
+        self.deliveries = 0
+        self.open_step = self.schedule.next_sync_step(self.level, self.open_step)
+        return blobs
+
+    def remember(self, records: Iterable[Record]) -> None:
+        """Every (step, sender) -> digest accepted in ``records`` (taped inputs), so a member
+        re-sending what was already taken is answered as a duplicate after a restart."""
+        for r in records:
+            if isinstance(r, InputEntry):
+                self.accepted[(r.sync_step, r.sender)] = r.digest
+
+
+def _keep(merges: dict[int, Committed], merge: Committed) -> None:
+    merges[merge.sync_step] = merge
+    for old in sorted(merges)[:-KEEP_MERGES]:
+        del merges[old]
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySnapshot:
+    """A relay's durable state after the global round of ``sync_step`` was applied."""
+
+    sync_step: int
+    theta: torch.Tensor
+    """theta_{g+1} (also the regional base)."""
+    residual: torch.Tensor
+    """The relay's global-codec error feedback."""
+    commitment: Commitment
+    """The aggregator's commitment to ``theta`` (served to islands with it)."""
+
+
+class RelayMachine:
+    """One region's round logic: collect island deltas, commit, forward, hand out merges."""
+
+    def __init__(
+        self, cfg: RunConfig, region: str, theta0: torch.Tensor, trusted: TrustedKeys | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.region = region
+        self.schedule = Schedule.of(cfg)
+        self.core = RegionCore(cfg, region, theta0)
+        self.level = _Level(
+            cfg,
+            self.schedule,
+            "regional",
+            f"relay of {region}",
+            cfg.topology.islands_of(region),
+            self.core.codec,
+            theta0.numel(),
+            open_step=self.schedule.first_sync_step("regional"),
+            trusted=trusted,
+            signer_of=island_key,
+        )
+        self.global_pending: int | None = None  # sync step forwarded, theta not yet back
+        self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
+        self.done = False
+        self._base_digest: str | None = None  # digest of core.base while it is unchanged
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.level.members
+
+    def on_delta(self, d: Delta) -> tuple[Decision, list[Effect]]:
+        refusal = self.level.check(d)
+        if refusal is not None:
+            return refusal, []
+        if self.global_pending is not None:
+            return Decision(
+                PRECONDITION, f"global round of step {self.global_pending} is pending"
+            ), []
+        effects: list[Effect] = [Publish(d, d.record())]
+        if self.level.take(d):
+            effects.extend(self._commit(d.sync_step))
+        return Decision(OK, f"accepted delta from {d.sender} for step {d.sync_step}"), effects
+
+    def _commit(self, step: int) -> list[Effect]:
+        sched = self.schedule
+        blobs = self.level.close()
+        pre = self._base_digest or flat_digest(self.core.base)
+        mean, commitment = self.core.merge(blobs)
+        post = self._base_digest = flat_digest(self.core.base)
+        g = sched.round_of(step)
+        record = RegionalMergeEntry(
+            round=g,
+            sync_step=step,
+            tau=sched.tau,
+            merge_step=sched.merge_step(step),
+            codec=tape_safe(commitment.codec),
+            members=tuple(zip(commitment.members, commitment.input_digests, strict=True)),
+            mean=commitment.output_digest,
+            commitment=commitment.digest,
+            pre_base=pre,
+            post_base=post,
+        )
+        regional = Committed(
+            "regional",
+            g,
+            step,
+            sched.merge_step(step),
+            commitment,
+            mean,
+            "regional",
+            record,
+            sum(len(b) for b in blobs.values()),
+        )
+        if sched.sync_kind(step) != "global":
+            _keep(self.merges, regional)
+            return [regional]
+        self.global_pending = step
+        pre_res = flat_digest(self.core.feedback.residual)
+        blob = self.core.encode_global_delta()
+        post_res = flat_digest(self.core.feedback.residual)
+        codec = str(self.core.global_codec.spec)
+        forward = Forward(
+            g,
+            step,
+            codec,
+            blob,
+            ForwardEntry(
+                round=g,
+                sync_step=step,
+                codec=codec,
+                digest=blob_digest(blob),
+                size=len(blob),
+                pre_residual=pre_res,
+                post_residual=post_res,
+            ),
+        )
+        return [regional, forward]
+
+    def on_global(self, event: GlobalArrived) -> list[Effect]:
+        """The aggregator's theta_{g+1} for the global round of ``event.sync_step`` arrived."""
+        s = event.sync_step
+        if s != self.global_pending:
+            raise HypertrainError(f"relay {self.region}: unexpected global update for step {s}")
+        if event.theta.shape != self.core.theta.shape:
+            raise HypertrainError(
+                f"relay {self.region}: global update of {event.theta.numel()} values, "
+                f"the model has {self.core.theta.numel()}"
+            )
+        self.core.set_global(event.theta)
+        self.global_pending = None
+        self._base_digest = flat_digest(self.core.theta)
+        merge = self._global_merge(s, event.commitment)
+        self.done = self.schedule.is_final(s)
+        record = GlobalAppliedEntry(
+            round=merge.round,
+            sync_step=s,
+            merge_step=merge.merge_step,
+            theta=self._base_digest,
+        )
+        return [Applied(merge, record)]
+
+    def _global_merge(self, sync_step: int, commitment: Commitment) -> Committed:
+        sched = self.schedule
+        merge = Committed(
+            "global",
+            sched.round_of(sync_step),
+            sync_step,
+            sched.merge_step(sync_step),
+            commitment,
+            self.core.theta.clone(),
+            "global",
+            None,
+        )
+        _keep(self.merges, merge)
+        return merge
+
+    def merge_for(self, sync_step: int) -> Committed | None:
+        """The merge islands apply for ``sync_step``, once it exists."""
+        return self.merges.get(sync_step)
+
+    @property
+    def open_round(self) -> int:
+        """The global round of the open sync step."""
+        return self.schedule.round_of(self.level.open_step)
+
+    # -- durable state ------------------------------------------------------------------
+    def snapshot(self) -> RelaySnapshot:
+        """The state to checkpoint right after a global round was applied."""
+        last = max((s for s, m in self.merges.items() if m.kind == "global"), default=None)
+        if self.global_pending is not None or self.level.inputs or last is None:
+            raise HypertrainError(f"relay {self.region}: a snapshot only between global rounds")
+        return RelaySnapshot(
+            last,
+            self.core.theta.clone(),
+            self.core.feedback.residual.clone(),
+            self.merges[last].commitment,
+        )
+
+    def restore(self, snap: RelaySnapshot, prior: Iterable[Record]) -> None:
+        """Resume from ``snap`` (a fresh machine only); ``prior``: the records taped before
+        it, so that islands re-sending what was already accepted get duplicates."""
+        if self.level.accepted or self.merges:
+            raise HypertrainError(f"relay {self.region}: restore needs a fresh machine")
+        self.core.set_global(snap.theta)
+        self.core.feedback.load_state_dict({"residual": snap.residual, "beta": self.cfg.ef_beta})
+        self._base_digest = None
+        self._global_merge(snap.sync_step, snap.commitment)
+        self.level.open_step = self.schedule.next_sync_step("regional", snap.sync_step)
+        self.level.remember(prior)
+        self.done = self.schedule.is_final(snap.sync_step)
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatorSnapshot:
+    """The aggregator's durable state after the global round of ``sync_step``."""
+
+    sync_step: int
+    theta: torch.Tensor
+    outer: dict[str, Any]
+
+
+class AggregatorMachine:
+    """The global round logic: one delta per region per round, then the outer step."""
+
+    def __init__(
+        self, cfg: RunConfig, theta0: torch.Tensor, trusted: TrustedKeys | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.schedule = Schedule.of(cfg)
+        self.core = GlobalCore(cfg, theta0)
+        self.level = _Level(
+            cfg,
+            self.schedule,
+            "global",
+            "aggregator",
+            tuple(sorted(cfg.topology.regions)),
+            self.core.codec,
+            theta0.numel(),
+            open_step=self.schedule.first_sync_step("global"),
+            trusted=trusted,
+            signer_of=relay_key,
+        )
+        self.merges: dict[int, Committed] = {}
+        self.done = False
+        self._theta_digest: str | None = None
+        self._outer_digest: str | None = None
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.level.members
+
+    @property
+    def round(self) -> int:
+        """The open global round."""
+        return self.schedule.round_of(self.level.open_step)
+
+    def on_regional(self, d: Delta) -> tuple[Decision, list[Effect]]:
+        refusal = self.level.check(d)
+        if refusal is not None:
+            return refusal, []
+        effects: list[Effect] = [Publish(d, d.record())]
+        if self.level.take(d):
+            effects.append(self._commit(d.sync_step))
+        return Decision(
+            OK, f"accepted regional delta from {d.sender} for step {d.sync_step}"
+        ), effects
+
+    def _commit(self, step: int) -> Committed:
+        sched, core = self.schedule, self.core
+        blobs = self.level.close()
+        pre = self._theta_digest or flat_digest(core.theta)
+        pre_outer = self._outer_digest or outer_state_digest(core.outer.state_dict())
+        commitment = core.step(blobs)
+        post = self._theta_digest = flat_digest(core.theta)
+        post_outer = self._outer_digest = outer_state_digest(core.outer.state_dict())
+        record = GlobalMergeEntry(
+            round=sched.round_of(step),
+            sync_step=step,
+            tau=sched.tau,
+            merge_step=sched.merge_step(step),
+            codec=tape_safe(commitment.codec),
+            outer=tape_safe(self.cfg.outer.to_dict()),
+            members=tuple(zip(commitment.members, commitment.input_digests, strict=True)),
+            mean=commitment.output_digest,
+            commitment=commitment.digest,
+            pre_state=pre,
+            post_state=post,
+            pre_outer=pre_outer,
+            post_outer=post_outer,
+        )
+        merge = Committed(
+            "global",
+            sched.round_of(step),
+            step,
+            sched.merge_step(step),
+            commitment,
+            core.theta.clone(),
+            "global",
+            record,
+            sum(len(b) for b in blobs.values()),
+        )
+        _keep(self.merges, merge)
+        self.done = sched.is_final(step)
+        return merge
+
+    def merge_for(self, sync_step: int) -> Committed | None:
+        return self.merges.get(sync_step)
+
+    # -- durable state ------------------------------------------------------------------
+    def snapshot(self) -> AggregatorSnapshot:
+        last = max(self.merges, default=None)
+        if last is None or self.level.open_step != self.schedule.next_sync_step("global", last):
+            raise HypertrainError("aggregator: a snapshot only right after a global round")
+        return AggregatorSnapshot(last, self.core.theta.clone(), self.core.outer.state_dict())
+
+    def restore(self, snap: AggregatorSnapshot, prior: Iterable[Record]) -> None:
+        """Resume from ``snap`` (a fresh machine only).  ``prior``: the records taped before
+        it: the inputs already accepted (duplicates after a restart) and the global merge of
+        ``snap.sync_step`` (relays that had not fetched it yet still can)."""
+        if self.level.accepted or self.merges:
+            raise HypertrainError("aggregator: restore needs a fresh machine")
+        prior = list(prior)
+        last = next(
+            (
+                r
+                for r in reversed(prior)
+                if isinstance(r, GlobalMergeEntry) and r.sync_step == snap.sync_step
+            ),
+            None,
+        )
+        if last is None:
+            raise HypertrainError(
+                f"aggregator: no global merge of step {snap.sync_step} before the checkpoint"
+            )
+        self.core.theta.copy_(snap.theta)
+        self.core.outer.load_state_dict(snap.outer)
+        self._theta_digest = self._outer_digest = None
+        commitment = Commitment(
+            self.core.codec.spec.to_dict(),
+            tuple(m for m, _ in last.members),
+            tuple(d for _, d in last.members),
+            last.mean,
+        )
+        _keep(
+            self.merges,
+            Committed(
+                "global",
+                last.round,
+                last.sync_step,
+                last.merge_step,
+                commitment,
+                self.core.theta.clone(),
+                "global",
+                last,
+            ),
+        )
+        self.level.open_step = self.schedule.next_sync_step("global", snap.sync_step)
+        self.level.remember(prior)
+        self.done = self.schedule.is_final(snap.sync_step)

@@ -1,0 +1,514 @@
+"""Relay and aggregator nodes: a round machine made durable, whatever carries its messages.
+
+A node is what a relay or the aggregator *is*, minus the transport: its machine, its
+store (tape, published inputs, checkpoints) and the order in which a decision becomes
+durable.  The gRPC daemons (services/relay, services/aggregator) and the in-process
+cluster (``local.py``: ``hypertrain run --local`` and the fault simulation) drive the
+same nodes; they only deliver calls and carry messages.
+
+Durability order (a crash may come between any two steps; ``crash(point)`` marks them):
+
+- an accepted input: its bytes are published, then its ``input`` entry is taped, then
+  the effects it completed (``regional_merge``, ``forward`` / ``global_merge``) are
+  taped, in the machine's order; only then is the push answered.  An input whose entry
+  is on the tape is accepted; one whose entry is not was never acknowledged.
+- the aggregator's outer step: ``global_merge`` taped (the commit record), then
+  ``checkpoints/round-N.pt`` and ``state.pt``.
+- a relay's global update: ``checkpoints/round-N.pt`` first (it holds the new
+  parameters, which are not on the relay's tape), then the ``global_applied`` entry.
+
+Restart (``recover``): load the latest checkpoint into a fresh machine, replay the tape
+after it through ``replay.py`` (every redone merge checked bit for bit against its
+record), then tape and carry out what the crash cut off (effects computed but not
+taped; a relay's forward whose global update has not come back).  No network is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hypertrain.common.aggregate import Commitment, aggregate
+from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import ConfigError, HypertrainError
+from hypertrain.common.rounds.machines import (
+    INVALID,
+    PRECONDITION,
+    AggregatorMachine,
+    AggregatorSnapshot,
+    Applied,
+    Committed,
+    Decision,
+    Delta,
+    Effect,
+    Forward,
+    GlobalArrived,
+    Publish,
+    RelayMachine,
+    RelaySnapshot,
+)
+from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, ReplayError
+from hypertrain.common.rounds.store import NodeStore, load_state
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.common.trust.schema import GlobalAppliedEntry, RejectionEntry, parse
+from hypertrain.common.trust.tape import Entry
+
+FORBIDDEN = "permission_denied"
+"""Decision code of a fetch by someone who is not a member here."""
+CHECKPOINT_FORMAT = 2
+"""Relay checkpoints carry the aggregator's commitment and are written before the
+``global_applied`` entry (format 1, before this, wrote neither)."""
+
+Publisher = Callable[[Delta], None]
+"""Keeps an accepted delta's bytes under its digest (the driver may move a spooled file)."""
+
+
+def _records(entries: list[Entry]) -> list[Any]:
+    return [r for r in (parse(e) for e in entries) if r is not None]
+
+
+class _Node:
+    """Shared by both nodes: the store, rejections, fetch answers, final bookkeeping."""
+
+    role: str
+    machine: RelayMachine | AggregatorMachine
+
+    def __init__(self, cfg: RunConfig, store: NodeStore | None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.finals: set[str] = store.finals() if store is not None else set()
+
+    def _publish(self, delta: Delta, publisher: Publisher | None) -> None:
+        if self.store is None:
+            return
+        if publisher is not None:
+            publisher(delta)
+        else:
+            self.store.publish(delta.digest, delta.data)
+
+    def _crash(self, point: str) -> None:
+        if self.store is not None:
+            self.store.crash(point)
+
+    def _decided(
+        self, decision: Decision, delta: Delta, effects: list[Effect], publisher: Publisher | None
+    ) -> None:
+        if not decision.accepted:
+            self.reject(decision.code, decision.reason, delta)
+        elif not decision.duplicate:
+            self._accept(effects, publisher)
+
+    def _accept(self, effects: list[Effect], publisher: Publisher | None) -> None:
+        """Make an accepted delta and what it completed durable, in order."""
+        from hypertrain.common import planted
+
+        for effect in effects:
+            if isinstance(effect, Publish):
+                if planted.on("publish_after_tape"):
+                    self._record(effect)
+                    self._crash("after_input_entry")
+                    self._publish(effect.delta, publisher)
+                    continue
+                self._publish(effect.delta, publisher)
+                self._crash("after_publish")
+                self._record(effect)
+            else:
+                self._carry_out(effect)
+
+    def _record(self, effect: Effect) -> None:
+        if self.store is not None and effect.record is not None:
+            self.store.record(effect.record)
+
+    def _carry_out(self, effect: Effect) -> None:
+        raise NotImplementedError
+
+    def reject(self, code: str, reason: str, delta: Delta | None) -> None:
+        """Tape a refused push (evidence; changes nothing).  After ``close`` it is only
+        refused (the daemon logs it), not taped."""
+        if self.store is None or self.store.closed:
+            return
+        rec = RejectionEntry(
+            code=code,
+            reason=reason,
+            sender=delta.sender if delta else None,
+            sync_step=delta.sync_step if delta else None,
+            round=delta.round if delta else None,
+        )
+        self.store.record(rec)
+
+    def fetch(
+        self, run_id: str, requester: str, sync_step: int, kind: str | None = None
+    ) -> Decision | Committed | None:
+        """The merge of ``sync_step`` for ``requester``; a refusal; or None: not yet."""
+        if run_id != self.cfg.run_id:
+            return Decision(INVALID, f"wrong run {run_id!r}")
+        if requester not in self.machine.members:
+            return Decision(FORBIDDEN, f"{requester!r} is not a member of this {self.role}")
+        merge = self.machine.merge_for(sync_step)
+        if merge is None:
+            return None
+        if kind is not None and merge.kind != kind:
+            return Decision(INVALID, f"the merge of step {sync_step} is {merge.kind}, not {kind}")
+        return merge
+
+    def fetched_final(self, requester: str) -> bool:
+        """Record that ``requester`` holds the run's final merge; True once every member does."""
+        if requester not in self.finals:
+            if self.store is not None:
+                self.store.mark_final(requester)
+            self.finals.add(requester)
+        return self.all_final()
+
+    def all_final(self) -> bool:
+        return self.finals >= set(self.machine.members)
+
+    @property
+    def done(self) -> bool:
+        return self.machine.done
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+class RelayNode(_Node):
+    """A relay: its machine, store, and the forward waiting for its global update."""
+
+    role = "relay"
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        region: str,
+        theta0: torch.Tensor,
+        store: NodeStore | None,
+        trusted: TrustedKeys | None = None,
+    ) -> None:
+        super().__init__(cfg, store)
+        self.region = region
+        self.theta0 = theta0
+        self.trusted = trusted
+        self.machine: RelayMachine = RelayMachine(cfg, region, theta0, trusted)
+        self.outbox: Forward | None = None
+        """The forward whose global update has not arrived yet (the driver sends it, then
+        fetches the update and calls ``on_global``)."""
+        self.recovered: dict[str, Any] = {}
+
+    # -- events ----------------------------------------------------------------------------
+    def push(
+        self, delta: Delta, publisher: Publisher | None = None
+    ) -> tuple[Decision, list[Effect]]:
+        """An island's delta arrived: decide, and make an acceptance durable before answering."""
+        decision, effects = self.machine.on_delta(delta)
+        self._decided(decision, delta, effects, publisher)
+        return decision, effects
+
+    def _carry_out(self, effect: Effect) -> None:
+        if isinstance(effect, Committed):
+            self._crash("relay_before_merge_entry")
+            self._record(effect)
+        elif isinstance(effect, Forward):
+            self._record(effect)
+            self._crash("relay_after_forward_entry")
+            self.outbox = effect
+
+    def forward_delta(self, fwd: Forward, key: SigningKey | None) -> Delta:
+        """The delta a forward is sent as: from this region, signed with the relay's key."""
+        delta = Delta(
+            self.cfg.run_id,
+            fwd.round,
+            fwd.sync_step,
+            self.region,
+            fwd.record.digest,
+            fwd.codec,
+            fwd.data,
+        )
+        return delta if key is None else delta.signed(key.sign(delta.transfer_message()))
+
+    def on_global(self, event: GlobalArrived) -> Committed:
+        """The aggregator's new parameters for the forwarded round arrived: apply them,
+        checkpoint, tape."""
+        if self.outbox is None or event.sync_step != self.outbox.sync_step:
+            raise HypertrainError(
+                f"relay {self.region}: a global update for step {event.sync_step} "
+                "that this relay did not ask for"
+            )
+        (applied,) = self.machine.on_global(event)
+        assert isinstance(applied, Applied)
+        self.outbox = None
+        self._checkpoint(applied)
+        self._crash("relay_after_checkpoint")
+        self._record(applied)
+        return applied.merge
+
+    def _checkpoint(self, applied: Applied) -> None:
+        """The relay's state after a global update, written before the update's tape entry;
+        it records the tape as it will be once that entry is written (entries are
+        canonical, so their hash is known before), and a restart between the two writes
+        the same entry again."""
+        if self.store is None:
+            return
+        snap = self.machine.snapshot()
+        seq, head = self.store.tape_position
+        if self.store.tape is not None:
+            rec = applied.record
+            seq, head = seq + 1, self.store.tape.next_hash(rec.KIND, rec.to_body())
+        self.store.write_checkpoint(
+            applied.merge.round,
+            {
+                "format": CHECKPOINT_FORMAT,
+                "run_id": self.cfg.run_id,
+                "config_digest": self.cfg.digest,
+                "region": self.region,
+                "round": applied.merge.round,
+                "sync_step": snap.sync_step,
+                "theta": snap.theta,
+                "residual": snap.residual,
+                "commitment": json.dumps(snap.commitment.to_dict(), sort_keys=True),
+                "tape_seq": seq,
+                "tape_head": head,
+            },
+        )
+
+    def fetch(
+        self, run_id: str, requester: str, sync_step: int, kind: str | None = None
+    ) -> Decision | Committed | None:
+        got = super().fetch(run_id, requester, sync_step, kind)
+        if got is None and kind != "global":
+            return self._recomputed(sync_step)
+        return got
+
+    def _recomputed(self, sync_step: int) -> Committed | None:
+        """A regional merge no longer held in memory (an island restarted from its last
+        global state retrains the round and asks for each of its merges again): the same
+        fixed-order mean, recomputed from the published inputs."""
+        m = self.machine
+        if (
+            self.store is None
+            or m.schedule.sync_kind(sync_step) != "regional"
+            or sync_step >= m.level.open_step
+        ):
+            return None
+        digests = {i: m.level.accepted.get((sync_step, i)) for i in m.members}
+        if any(d is None for d in digests.values()):
+            return None
+        blobs = {i: (self.store.published / str(d)).read_bytes() for i, d in digests.items()}
+        mean, commitment = aggregate(blobs, m.core.codec, tuple(m.core.base.shape))
+        s = m.schedule
+        return Committed(
+            "regional",
+            s.round_of(sync_step),
+            sync_step,
+            s.merge_step(sync_step),
+            commitment,
+            mean,
+            "regional",
+            None,
+        )
+
+    # -- restart ---------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Resume from the latest checkpoint and the tape after it (module docstring)."""
+        store = self.store
+        if store is None:
+            return
+        if store.tape is None:
+            if store.has_state():
+                raise ConfigError(
+                    f"{store.folder} holds the state of an earlier start but this relay keeps "
+                    "no tape (no --signing-key), so it cannot resume: start it with its key, "
+                    "or with a new --state-dir for a new run"
+                )
+            return
+        entries = store.entries()
+        path = store.latest_checkpoint()
+        start, snap = 0, None
+        if path is not None:
+            snap, start, head = self._read_checkpoint(path)
+            if start and len(entries) == start - 1:  # died between checkpoint and entry
+                self.machine.restore(snap, _records(entries))
+                merge = self.machine.merge_for(snap.sync_step)
+                assert merge is not None
+                self._record(Applied(merge, _applied_record(self.machine, snap)))
+                entries = store.entries()
+            else:
+                self.machine.restore(snap, _records(entries[:start]))
+            if len(entries) < start or (start and entries[start - 1].hash != head):
+                raise ConfigError(
+                    f"tape {store.folder / 'tape'} does not contain what {path} recorded "
+                    f"({start} entries ending in {head[:16]})"
+                )
+        elif not entries:
+            return
+        replay = RelayReplay(self.machine, entries[start:], store.blobs)
+        try:
+            step = replay.advance()
+        except ReplayError as e:
+            where = f"entry {e.entry.seq}" if e.entry else "the tape"
+            raise ConfigError(f"cannot resume {store.folder}: {where}: {e.detail}") from None
+        if step is not None:
+            raise ConfigError(
+                f"cannot resume {store.folder}: the tape applies the global update of step "
+                f"{step} after the last checkpoint"
+            )
+        taped_forward = replay.forwards.get(self.machine.global_pending or -1)
+        for effect in replay.pending:  # the crash came before these were taped
+            self._carry_out(effect)
+        if self.machine.global_pending is not None and self.outbox is None:
+            self.outbox = taped_forward
+        self.recovered = {
+            "checkpoint_round": None
+            if snap is None
+            else self.machine.schedule.round_of(snap.sync_step),
+            "entries_redone": len(entries) - start,
+            "open_step": self.machine.level.open_step,
+        }
+
+    def _read_checkpoint(self, path: Any) -> tuple[RelaySnapshot, int, str]:
+        ck = load_state(path)
+        if ck.get("format") != CHECKPOINT_FORMAT:
+            raise ConfigError(
+                f"{path}: a relay checkpoint of an older format (written by an earlier "
+                "hypertrain); this version cannot resume it: start a new run in a new "
+                "--state-dir"
+            )
+        if (ck["run_id"], ck["region"], ck["config_digest"]) != (
+            self.cfg.run_id,
+            self.region,
+            self.cfg.digest,
+        ):
+            raise ConfigError(
+                f"{path} belongs to another run, region or config; use a new --state-dir"
+            )
+        snap = RelaySnapshot(
+            int(ck["sync_step"]),
+            ck["theta"],
+            ck["residual"],
+            Commitment.from_dict(json.loads(ck["commitment"])),
+        )
+        return snap, int(ck["tape_seq"]), str(ck["tape_head"])
+
+
+def _applied_record(machine: RelayMachine, snap: RelaySnapshot) -> GlobalAppliedEntry:
+    """The ``global_applied`` record of the update a snapshot was taken after."""
+    s = machine.schedule
+    return GlobalAppliedEntry(
+        round=s.round_of(snap.sync_step),
+        sync_step=snap.sync_step,
+        merge_step=s.merge_step(snap.sync_step),
+        theta=flat_digest(snap.theta),
+    )
+
+
+class AggregatorNode(_Node):
+    """The aggregator: its machine and store."""
+
+    role = "aggregator"
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        theta0: torch.Tensor,
+        store: NodeStore | None,
+        trusted: TrustedKeys | None = None,
+    ) -> None:
+        super().__init__(cfg, store)
+        self.machine: AggregatorMachine = AggregatorMachine(cfg, theta0, trusted)
+        self.committed: list[Committed] = []
+        """Global merges made durable since the driver last looked (it evaluates them)."""
+        self.recovered: dict[str, Any] = {}
+
+    def push(
+        self, delta: Delta, publisher: Publisher | None = None
+    ) -> tuple[Decision, list[Effect]]:
+        """A relay's regional delta arrived: decide; an outer step is taped and checkpointed
+        before the push is answered."""
+        decision, effects = self.machine.on_regional(delta)
+        self._decided(decision, delta, effects, publisher)
+        return decision, effects
+
+    def _carry_out(self, effect: Effect) -> None:
+        if not isinstance(effect, Committed):
+            return
+        self._crash("before_tape")
+        self._record(effect)
+        self._crash("after_tape")
+        self._checkpoint(effect)
+        self.committed.append(effect)
+
+    def _checkpoint(self, c: Committed, position: tuple[int, str] | None = None) -> None:
+        """The state after ``c`` (just committed, or just redone); ``position``: the tape
+        position it follows (default: the tape's end)."""
+        if self.store is None:
+            return
+        snap = self.machine.snapshot()
+        seq, head = position or self.store.tape_position
+        state = {
+            "run_id": self.cfg.run_id,
+            "config_digest": self.cfg.digest,
+            "round": c.round,
+            "sync_step": c.sync_step,
+            "theta": snap.theta,
+            "outer": snap.outer,
+            "tape_seq": seq,
+            "tape_head": head,
+        }
+        self.store.write_checkpoint(c.round, state, copy_as="state.pt")
+
+    def applied(self, requester: str, step: int) -> Decision | None:
+        """A relay reports the global merge of ``step`` applied and durable at its end.
+
+        The aggregator's work ends when every relay has reported the run's last step (not
+        when each fetched it: a relay killed before its checkpoint fetches it again)."""
+        if requester not in self.machine.members:
+            return Decision(FORBIDDEN, f"{requester!r} is not a region")
+        if step == self.cfg.steps:
+            if self.machine.merge_for(step) is None:
+                return Decision(PRECONDITION, f"the last step {step} is not applied here yet")
+            self.fetched_final(requester)
+        return None
+
+    def recover(self) -> bool:
+        """Resume from ``state.pt`` and the tape after it; False on a fresh start."""
+        store = self.store
+        if store is None:
+            return False
+        path = store.folder / "state.pt"
+        entries = store.entries()
+        start = 0
+        if path.exists():
+            ck = load_state(path)
+            if ck["run_id"] != self.cfg.run_id or ck["config_digest"] != self.cfg.digest:
+                raise ConfigError(f"{path} belongs to another run or config; use a new --state-dir")
+            start = int(ck["tape_seq"])
+            if store.tape is not None and len(entries) < start:
+                raise ConfigError(
+                    f"tape {store.folder / 'tape'} is shorter than {path} recorded ({start})"
+                )
+            snap = AggregatorSnapshot(int(ck["sync_step"]), ck["theta"], ck["outer"])
+            try:
+                self.machine.restore(snap, _records(entries[:start]))
+            except HypertrainError as e:
+                raise ConfigError(f"cannot resume {store.folder}: {e}") from None
+        elif not entries:
+            return False
+        replay = AggregatorReplay(self.machine, entries[start:], store.blobs)
+        redone = 0
+        try:
+            while (found := replay.next_merge()) is not None:
+                # taped, perhaps not checkpointed (the crash came between): write it again
+                merge, entry = found
+                self._checkpoint(merge, (entry.seq + 1, entry.hash))
+                redone += 1
+        except ReplayError as e:
+            where = f"entry {e.entry.seq}" if e.entry else "the tape"
+            raise ConfigError(f"cannot resume {store.folder}: {where}: {e.detail}") from None
+        for effect in replay.pending:  # completed by taped inputs, crashed before its entry
+            self._carry_out(effect)
+            redone += 1
+        self.recovered = {"rounds_redone": redone}
+        return True

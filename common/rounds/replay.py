@@ -1,0 +1,282 @@
+"""Rebuilding a round machine from its tape and published inputs.
+
+A machine's tape is the list of what it did: the inputs it accepted (events), and the
+records of what those inputs made it do (effects: regional merges, forwards, global
+merges, global updates applied).  ``RelayReplay`` and ``AggregatorReplay`` feed the
+taped events through a fresh (or restored) machine and check that every taped effect
+record is exactly the one the machine produces now, field by field.  The daemons'
+restart paths and the auditor (common/trust/audit.py) both call them; there is no
+other replay.
+
+- An ``input`` entry becomes the ``Delta`` it recorded, with its bytes read back from
+  the published inputs (``BlobSource``); the machine must accept it as new.
+- A ``regional_merge``, ``forward`` or ``global_merge`` entry must equal the next effect
+  the machine produced.
+- A relay's ``global_applied`` entry needs the aggregator's new parameters, which are
+  not on the relay's tape: ``RelayReplay.advance`` stops there and returns the sync step;
+  the caller supplies them (``apply_global``) from the aggregator's replay (the audit).
+  A restart never needs them: a relay checkpoints each global update before taping it
+  and resumes after its last checkpoint (node.py).
+- ``rejection`` and ``checkpoint`` entries change nothing and are skipped.
+- Effects produced but not on the tape (a crash came between an input and its merge
+  record) are left in ``pending``: a restarted daemon tapes and carries them out.
+
+Every mismatch raises ``ReplayError`` naming the entry and the first differing field.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from hypertrain.common.aggregate import Blob
+from hypertrain.common.digest import blob_digest
+from hypertrain.common.errors import HypertrainError
+from hypertrain.common.rounds.machines import (
+    OK,
+    AggregatorMachine,
+    Applied,
+    Committed,
+    Delta,
+    Effect,
+    Forward,
+    GlobalArrived,
+    Publish,
+    RelayMachine,
+)
+from hypertrain.common.trust.schema import (
+    GlobalAppliedEntry,
+    InputEntry,
+    Record,
+    parse,
+)
+from hypertrain.common.trust.tape_format import Entry
+
+
+class ReplayError(HypertrainError):
+    """The tape and the replay disagree; ``entry`` is the first entry that does not fit."""
+
+    def __init__(self, entry: Entry | None, detail: str) -> None:
+        super().__init__(detail)
+        self.entry = entry
+        self.detail = detail
+
+
+class BlobSource(Protocol):
+    """Where the published inputs of a tape are read back from."""
+
+    def load(self, rec: InputEntry) -> Blob:
+        """The bytes of the input ``rec`` recorded (KeyError-free: raise ReplayError)."""
+        ...
+
+    def where(self, rec: InputEntry) -> str:
+        """Where that input is kept, for messages."""
+        ...
+
+
+class PublishedFolder:
+    """A node's ``published/`` folder: accepted inputs under their sha256, mapped not copied."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.bytes = 0  # bytes read back, for reports
+
+    def where(self, rec: InputEntry) -> str:
+        return str(self.folder / rec.digest)
+
+    def load(self, rec: InputEntry) -> Blob:
+        path = self.folder / rec.digest
+        if not path.is_file():
+            raise ReplayError(None, f"missing input {rec.digest} from {rec.sender} ({path})")
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.bytes += size
+            if size == 0:
+                return b""
+            flags = getattr(mmap, "MAP_POPULATE", 0) | mmap.MAP_SHARED
+            return memoryview(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
+
+
+def _where(e: Entry) -> str:
+    step = e.body.get("sync_step")
+    return f"entry {e.seq} ({e.kind}{f', step {step}' if step is not None else ''})"
+
+
+class _Replay:
+    """Shared by both machines: walk entries, feed inputs, match effect records."""
+
+    def __init__(self, entries: Sequence[Entry], blobs: BlobSource) -> None:
+        self.entries = list(entries)
+        self.blobs = blobs
+        self.pos = 0
+        self.pending: list[Effect] = []
+        """Effects the machine produced that the tape does not (yet) record, in order."""
+        self.inputs: dict[tuple[int, str], Entry] = {}  # (step, sender) -> its input entry
+
+    def _parse(self, e: Entry) -> Record | None:
+        try:
+            return parse(e)
+        except HypertrainError as err:
+            raise ReplayError(e, str(err)) from None
+
+    def _input(self, e: Entry, rec: InputEntry, run_id: str) -> Delta:
+        try:
+            data = self.blobs.load(rec)
+        except ReplayError as err:
+            raise ReplayError(e, err.detail) from None
+        self.inputs[(rec.sync_step, rec.sender)] = e
+        return Delta.from_record(run_id, rec, data)
+
+    def _accepted(self, e: Entry, delta: Delta, decision_code: str, reason: str, dup: bool) -> None:
+        if decision_code == OK and not dup:
+            return
+        if blob_digest(delta.data) != delta.digest:
+            raise ReplayError(e, self._changed(delta))
+        raise ReplayError(e, f"cannot replay this input: {reason}")
+
+    def _changed(self, d: Delta) -> str:
+        rec = d.record()
+        return f"changed input: {self.blobs.where(rec)} no longer has sha256 {d.digest}"
+
+    def _match(self, e: Entry, rec: Record) -> Effect:
+        """``e`` records an effect: it must be the next one the machine produced."""
+        if not self.pending:
+            raise ReplayError(e, f"the replay produced no {e.kind} here")
+        effect = self.pending[0]
+        want = effect.record
+        if want is None or want.KIND != rec.KIND:
+            kind = want.KIND if want is not None else type(effect).__name__
+            raise ReplayError(e, f"expected a {kind} entry here")
+        field = want.first_difference(rec)
+        if field == "members" and isinstance(effect, Committed):
+            self._check_members(e, effect)
+        if field is not None:
+            raise ReplayError(
+                e,
+                f"recomputed {field} differs: tape has {getattr(rec, field)}, "
+                f"replay gives {getattr(want, field)}",
+            )
+        self.pending.pop(0)
+        return effect
+
+    def _check_members(self, e: Entry, c: Committed) -> None:
+        """A recomputed input digest differs from the taped one: name the changed input."""
+        for member, digest in zip(c.commitment.members, c.commitment.input_digests, strict=True):
+            src = self.inputs.get((c.sync_step, member))
+            if src is not None and parse(src).digest != digest:  # type: ignore[union-attr]
+                rec = parse(src)
+                assert isinstance(rec, InputEntry)
+                raise ReplayError(
+                    src,
+                    f"changed input: {self.blobs.where(rec)} no longer has sha256 {rec.digest}",
+                )
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.entries)
+
+
+class RelayReplay(_Replay):
+    """A relay's tape through its machine (see the module docstring)."""
+
+    def __init__(self, machine: RelayMachine, entries: Sequence[Entry], blobs: BlobSource) -> None:
+        super().__init__(entries, blobs)
+        self.machine = machine
+        self.forwards: dict[int, Forward] = {}
+        """sync step -> the forward the replay produced and the tape recorded."""
+
+    def advance(self) -> int | None:
+        """Replay up to the next ``global_applied`` entry (returns its sync step: call
+        ``apply_global``) or to the end of the tape (returns None)."""
+        m = self.machine
+        while self.pos < len(self.entries):
+            e = self.entries[self.pos]
+            rec = self._parse(e)
+            if isinstance(rec, GlobalAppliedEntry):
+                if self.pending:
+                    raise ReplayError(e, f"expected a {self.pending[0].record.KIND} entry here")  # type: ignore[union-attr]
+                if m.global_pending != rec.sync_step:
+                    raise ReplayError(e, "a global update without the forward of its round")
+                return rec.sync_step
+            self.pos += 1
+            if isinstance(rec, InputEntry):
+                delta = self._input(e, rec, m.cfg.run_id)
+                decision, effects = m.on_delta(delta)
+                self._accepted(e, delta, decision.code, decision.reason, decision.duplicate)
+                self.pending.extend(x for x in effects if not isinstance(x, Publish))
+            elif rec is not None and rec.KIND in ("regional_merge", "forward"):
+                effect = self._match(e, rec)
+                if isinstance(effect, Forward):
+                    self.forwards[effect.sync_step] = effect
+            elif rec is not None and rec.KIND != "rejection":
+                raise ReplayError(e, f"a {rec.KIND} entry does not belong on a relay's tape")
+        return None
+
+    def apply_global(self, event: GlobalArrived) -> Committed:
+        """Consume the ``global_applied`` entry ``advance`` stopped at, with the aggregator's
+        parameters for it; the recorded theta digest must be the one the replay applies."""
+        e = self.entries[self.pos]
+        rec = self._parse(e)
+        if not isinstance(rec, GlobalAppliedEntry) or rec.sync_step != event.sync_step:
+            raise ReplayError(e, f"expected the global update of step {event.sync_step} here")
+        try:
+            effects = self.machine.on_global(event)
+        except HypertrainError as err:
+            raise ReplayError(e, str(err)) from None
+        self.pending.extend(effects)
+        applied = self._match(e, rec)
+        self.pos += 1
+        assert isinstance(applied, Applied)
+        return applied.merge
+
+
+class AggregatorReplay(_Replay):
+    """The aggregator's tape through its machine."""
+
+    def __init__(
+        self, machine: AggregatorMachine, entries: Sequence[Entry], blobs: BlobSource
+    ) -> None:
+        super().__init__(entries, blobs)
+        self.machine = machine
+        self.merges: list[Committed] = []
+        """Global merges the replay produced and the tape recorded, in order."""
+        self.received: dict[tuple[int, str], InputEntry] = {}
+        """(sync step, region) -> the taped input (what each relay's forward must be)."""
+
+    def next_merge(self) -> tuple[Committed, Entry] | None:
+        """Replay up to the next global merge the tape records; returns it with its entry,
+        or None at the end of the tape."""
+        m = self.machine
+        while self.pos < len(self.entries):
+            e = self.entries[self.pos]
+            rec = self._parse(e)
+            self.pos += 1
+            if isinstance(rec, InputEntry):
+                delta = self._input(e, rec, m.cfg.run_id)
+                decision, effects = m.on_regional(delta)
+                self._accepted(e, delta, decision.code, decision.reason, decision.duplicate)
+                self.received[(rec.sync_step, rec.sender)] = rec
+                self.pending.extend(x for x in effects if not isinstance(x, Publish))
+            elif rec is not None and rec.KIND == "global_merge":
+                merge = self._match(e, rec)
+                assert isinstance(merge, Committed)
+                self.merges.append(merge)
+                return merge, e
+            elif rec is not None and rec.KIND != "rejection":
+                raise ReplayError(e, f"a {rec.KIND} entry does not belong on the aggregator's tape")
+        return None
+
+    def advance(self, until_step: int | None = None) -> Committed | None:
+        """Replay until the global merge of ``until_step`` was matched (returned) or, with
+        None, to the end of the tape (returns the last merge matched, if any)."""
+        last = None
+        while (found := self.next_merge()) is not None:
+            last = found[0]
+            if last.sync_step == until_step:
+                return last
+        if until_step is not None:
+            raise ReplayError(None, f"the tape ends before the global merge of step {until_step}")
+        return last

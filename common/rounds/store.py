@@ -1,0 +1,174 @@
+"""A node's durable state on disk: tape, published inputs, checkpoints, final markers.
+
+One folder per relay or aggregator (a daemon's ``--state-dir``)::
+
+    tape                      the signed event tape (common/trust/tape.py)
+    published/<sha256>        every accepted input's encoded bytes
+    spool/                    transfers still arriving (the gRPC driver's; never state)
+    checkpoints/round-N.pt    the machine's state after global round N (torch.save)
+    state.pt                  aggregator: a copy of the latest checkpoint
+    final/<member>            members known to hold the run's final merge
+
+Small files are written atomically (temp file in the same folder, fsync, rename, fsync of
+the folder); ``sync=False`` skips the fsyncs (simulations on a memory file system only).
+``crash(point)`` is called at named points between durable steps: the daemons pass a
+hook that kills the process there in crash tests, the fault simulation one that raises,
+so that every ordering of writes is exercised.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hypertrain.common.aggregate import Blob
+from hypertrain.common.errors import HypertrainError
+from hypertrain.common.rounds.replay import PublishedFolder
+from hypertrain.common.trust.keys import SigningKey, fsync_dir
+from hypertrain.common.trust.schema import Record
+from hypertrain.common.trust.tape import Entry, TapeWriter
+
+Crash = Callable[[str], None]
+"""A crash hook: called with a point's name where a process may die between two writes."""
+
+
+def no_crash(point: str) -> None:
+    """The hook outside crash tests: nothing happens."""
+
+
+def atomic_write(path: Path, data: Blob, crash: Crash = no_crash, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    view = memoryview(data)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(view[: len(view) // 2])
+            crash("mid_write")
+            f.write(view[len(view) // 2 :])
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        crash("before_rename")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if sync:
+        fsync_dir(path.parent)
+
+
+def save_state(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path, weights_only=True)
+    return state
+
+
+class NodeStore:
+    """The folder of one relay or aggregator (see the module docstring)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        run_id: str,
+        key: SigningKey | None,
+        *,
+        sync: bool = True,
+        crash: Crash = no_crash,
+        checkpoint_every: int | None = None,
+    ) -> None:
+        """``key``: the node's signing key; without one nothing is taped (and a restart
+        cannot resume).  ``checkpoint_every``: tape entries between signed tape checkpoints
+        (None: the tape's default)."""
+        self.folder = folder
+        self.sync = sync
+        self.crash = crash
+        self.published = folder / "published"
+        self.spool = folder / "spool"
+        self.checkpoints = folder / "checkpoints"
+        self.final = folder / "final"
+        for d in (self.published, self.spool):
+            d.mkdir(parents=True, exist_ok=True)
+        kw: dict[str, Any] = {"sync": sync}
+        if checkpoint_every is not None:
+            kw["checkpoint_every"] = checkpoint_every
+        self.tape = TapeWriter.open(folder / "tape", run_id, key, **kw) if key else None
+        self.key_id = key.key_id if key else ""
+        self.blobs = PublishedFolder(self.published)
+        self.closed = False
+
+    @property
+    def taped(self) -> bool:
+        return self.tape is not None
+
+    def entries(self) -> list[Entry]:
+        """Every verified entry of the tape (what a restart replays)."""
+        return list(self.tape.entries) if self.tape is not None else []
+
+    def record(self, rec: Record) -> Entry | None:
+        """Append one record to the tape, durably (None when the node keeps no tape).  After
+        ``close`` a taped node refuses: what cannot be taped must not be acted on."""
+        if self.tape is None:
+            if self.closed and self.key_id:
+                raise HypertrainError(f"tape closed: cannot record {rec.KIND}")
+            return None
+        return self.tape.append(rec.KIND, rec.to_body())
+
+    def publish(self, digest: str, data: Blob) -> None:
+        """Keep an accepted input's bytes under its digest (idempotent)."""
+        path = self.published / digest
+        if not path.exists():
+            atomic_write(path, data, sync=self.sync)
+
+    @property
+    def tape_position(self) -> tuple[int, str]:
+        """(entries so far, hash of the last): what a checkpoint records."""
+        if self.tape is None:
+            return 0, ""
+        return self.tape.next_seq, self.tape.head
+
+    def write_checkpoint(self, round_: int, state: dict[str, Any], copy_as: str = "") -> None:
+        """``checkpoints/round-N.pt`` (and ``copy_as`` in the folder, e.g. state.pt)."""
+        data = save_state(state)
+        atomic_write(self.checkpoints / f"round-{round_:06d}.pt", data, self.crash, self.sync)
+        if copy_as:
+            self.crash("between_checkpoints")
+            atomic_write(self.folder / copy_as, data, self.crash, self.sync)
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted(self.checkpoints.glob("round-*.pt"))
+        return found[-1] if found else None
+
+    def has_state(self) -> bool:
+        """Did an earlier start leave state here?"""
+        return self.latest_checkpoint() is not None or any(self.published.iterdir())
+
+    def mark_final(self, member: str) -> None:
+        if not (self.final / member).exists():
+            atomic_write(self.final / member, b"", sync=self.sync)
+
+    def finals(self) -> set[str]:
+        if not self.final.is_dir():
+            return set()
+        return {f.name for f in self.final.iterdir() if not f.name.startswith(".")}
+
+    def close(self) -> None:
+        """A final signed tape checkpoint (the tape's end is attested), then no more entries."""
+        tape, self.tape = self.tape, None
+        self.closed = True
+        if tape is not None:
+            cp = tape.last_checkpoint
+            if tape.next_seq and (cp is None or cp.size < tape.next_seq - 1):
+                tape.checkpoint()
+            tape.close()

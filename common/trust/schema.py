@@ -1,0 +1,252 @@
+"""The tape's entry bodies, typed: one frozen record per entry kind.
+
+Every producer (the relay and aggregator nodes) builds a record and writes
+``record.to_body()``; every reader (recovery, replay, the audit) parses a verified
+entry with ``parse(entry)``, which refuses a body that does not have exactly the
+kind's fields with the right types, naming the entry, the kind and the field.  No
+other module builds or indexes a body dict.
+
+Bodies hold no floats (common/trust/tape_format.py): digests are hex strings, steps
+are ints, codec and outer-optimizer parameters are dicts whose floats are ``repr``
+strings (``tape_safe``).  The bytes on disk are the same as before the records
+existed (tests/unit/test_schema.py pins a body of each kind).
+
+Kinds (fields in the order replay compares them, so a mismatch names the first
+differing field):
+
+- ``input`` (relay, aggregator): an accepted delta: round, sync_step, sender, digest,
+  size, codec, signature (hex, Ed25519 of ``ledger.transfer_message``).
+- ``rejection``: code, reason, and the claimed sender, sync_step, round when the
+  transfer header was readable.
+- ``regional_merge`` (relay): round, sync_step, tau, merge_step, codec, members
+  [[island, sha256], ...], mean (output digest), commitment, pre_base, post_base.
+- ``forward`` (relay, at a global sync step): round, sync_step, codec, digest, size,
+  pre_residual, post_residual (the relay's global-codec error feedback).
+- ``global_applied`` (relay): round, sync_step, merge_step, theta (digest).
+- ``global_merge`` (aggregator): round, sync_step, tau, merge_step, codec, outer,
+  members [[region, sha256], ...], mean, commitment, pre_state, post_state, pre_outer,
+  post_outer.
+- ``checkpoint``: written by ``TapeWriter.checkpoint`` itself (size, root).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeAlias
+
+from hypertrain.common.errors import TapeError
+from hypertrain.common.trust.tape_format import CHECKPOINT, Entry
+
+Members = tuple[tuple[str, str], ...]
+"""Ordered (member, sha256 of its encoded input) pairs of an aggregate."""
+
+
+class SchemaError(TapeError):
+    """A verified entry whose body is not what its kind says (a wrong or missing field)."""
+
+
+def _check(kind: str, name: str, value: Any, typ: Any) -> Any:
+    if typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is Members:
+        ok = isinstance(value, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in value
+        )
+        value = tuple((p[0], p[1]) for p in value) if ok else value
+    else:
+        ok = isinstance(value, typ)
+    if not ok:
+        raise SchemaError(f"{kind} entry: field {name!r} has the wrong type", reason="schema")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """Shared by every record: strict parsing and the canonical body."""
+
+    KIND: ClassVar[str]
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Any:
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        extra = sorted(set(body) - names)
+        if extra:
+            raise SchemaError(f"{cls.KIND} entry: unexpected field {extra[0]!r}", reason="schema")
+        values: dict[str, Any] = {}
+        for f in fields:
+            if f.name not in body:
+                if f.name in cls.OPTIONAL:
+                    continue
+                raise SchemaError(f"{cls.KIND} entry: missing field {f.name!r}", reason="schema")
+            values[f.name] = _check(cls.KIND, f.name, body[f.name], _TYPES[f.type])  # type: ignore[index]
+        return cls(**values)
+
+    def to_body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None and f.name in self.OPTIONAL:
+                continue
+            out[f.name] = [list(p) for p in v] if f.type == "Members" else v
+        return out
+
+    def first_difference(self, other: _Record) -> str | None:
+        """The first field (in declaration order) whose value differs from ``other``'s."""
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) != getattr(other, f.name):
+                return f.name
+        return None
+
+
+_TYPES: dict[str, Any] = {
+    "int": int,
+    "str": str,
+    "Members": Members,
+    "dict[str, Any]": dict,
+    "int | None": int,
+    "str | None": str,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InputEntry(_Record):
+    """An accepted delta: its membership in the round of ``sync_step``."""
+
+    KIND: ClassVar[str] = "input"
+    round: int
+    sync_step: int
+    sender: str
+    digest: str
+    size: int
+    codec: str
+    signature: str
+    """hex of the sender's Ed25519 signature over the transfer (empty when unsigned)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RejectionEntry(_Record):
+    """A refused push: why, and who it claimed to be from (when that was readable)."""
+
+    KIND: ClassVar[str] = "rejection"
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"sender", "sync_step", "round"})
+    code: str
+    reason: str
+    sender: str | None = None
+    sync_step: int | None = None
+    round: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RegionalMergeEntry(_Record):
+    """A relay's committed regional mean and how its base moved."""
+
+    KIND: ClassVar[str] = "regional_merge"
+    round: int
+    sync_step: int
+    tau: int
+    merge_step: int
+    codec: dict[str, Any]
+    members: Members
+    mean: str
+    commitment: str
+    pre_base: str
+    post_base: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardEntry(_Record):
+    """What a relay sent the aggregator for a global round, and its error feedback."""
+
+    KIND: ClassVar[str] = "forward"
+    round: int
+    sync_step: int
+    codec: str
+    digest: str
+    size: int
+    pre_residual: str
+    post_residual: str
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalAppliedEntry(_Record):
+    """A relay took the aggregator's new global parameters (their digest)."""
+
+    KIND: ClassVar[str] = "global_applied"
+    round: int
+    sync_step: int
+    merge_step: int
+    theta: str
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalMergeEntry(_Record):
+    """The aggregator's commit record of one outer step."""
+
+    KIND: ClassVar[str] = "global_merge"
+    round: int
+    sync_step: int
+    tau: int
+    merge_step: int
+    codec: dict[str, Any]
+    outer: dict[str, Any]
+    members: Members
+    mean: str
+    commitment: str
+    pre_state: str
+    post_state: str
+    pre_outer: str
+    post_outer: str
+
+
+Record: TypeAlias = (
+    InputEntry
+    | RejectionEntry
+    | RegionalMergeEntry
+    | ForwardEntry
+    | GlobalAppliedEntry
+    | GlobalMergeEntry
+)
+KINDS: dict[str, type[_Record]] = {
+    c.KIND: c
+    for c in (
+        InputEntry,
+        RejectionEntry,
+        RegionalMergeEntry,
+        ForwardEntry,
+        GlobalAppliedEntry,
+        GlobalMergeEntry,
+    )
+}
+
+
+def parse(entry: Entry) -> Record | None:
+    """The typed record of a verified entry (None for a tape ``checkpoint``).
+
+    Raises SchemaError naming the entry when its kind is unknown or its body is not
+    exactly the kind's fields."""
+    if entry.kind == CHECKPOINT:
+        return None
+    cls = KINDS.get(entry.kind)
+    if cls is None:
+        raise SchemaError(f"entry {entry.seq}: unknown entry kind {entry.kind!r}", reason="schema")
+    try:
+        record: Record = cls.from_body(entry.body)
+    except SchemaError as e:
+        raise SchemaError(f"entry {entry.seq}: {e}", reason="schema", seq=entry.seq) from None
+    return record
+
+
+def tape_safe(obj: Any) -> Any:
+    """``obj`` with every float replaced by its repr string (tape entries hold no floats:
+    a float's text could re-serialize differently; see common/trust/tape_format.py)."""
+    if isinstance(obj, float):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: tape_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [tape_safe(v) for v in obj]
+    return obj

@@ -1,0 +1,114 @@
+"""What goes wrong in one fault schedule, drawn from its seed.
+
+A seed fixes everything: the cluster (regions, islands, sync intervals, tau, codecs,
+outer optimizer), the network (per message: delay, loss, duplication; partitions of
+links for a while), and the crashes (nodes killed between events and restarted after
+a while, and crash points inside a node's durable writes where it dies mid-sequence).
+Two runs of one seed make the same choices in the same order, so any failure is
+reproduced by its seed alone.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from hypertrain.common.config import TOY_MODEL, RunConfig
+from hypertrain.common.rounds.local import Crash
+
+REGIONS = ("a", "b", "c")
+
+
+def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunConfig:
+    """A small cluster configuration, different per seed."""
+    n_regions = rng.choice((1, 2, 2, 3))
+    n_r = rng.choice((1, 2, 2, 3))
+    h_r = rng.choice((1, 2, 3))
+    k = rng.choice((1, 2, 3))
+    rounds = rng.choice((2, 3))
+    tau = rng.randrange(h_r)
+    codec = rng.choice(("int8", "int8", "fp32", "sparseloco+zstd"))
+    outer = rng.choice(("nesterov", "nesterov", "average"))
+    return RunConfig.from_dict(
+        {
+            "run_id": f"chaos-{seed}",
+            "model": model,
+            "seed": seed % 1000,
+            "steps": h_r * k * rounds,
+            "batch_per_island": 2,
+            "holdout_windows": 8,
+            "regional_codec": codec,
+            "topology": {
+                "regions": list(REGIONS[:n_regions]),
+                "islands_per_region": n_r,
+                "h_r": h_r,
+                "h_g": h_r * k,
+                "tau": tau,
+            },
+            "outer": {"name": outer},
+        }
+    )
+
+
+@dataclass
+class Faults:
+    """The network's and the crash points' faults for one schedule (a ``LinkPolicy``)."""
+
+    rng: random.Random
+    drop: float
+    duplicate: float
+    max_delay: float
+    partitions: list[tuple[frozenset[str], float, float]] = field(default_factory=list)
+    """(pair of nodes, from, until): every message between them is lost meanwhile."""
+    point_crash: float = 0.0
+    """Probability that a node dies at each crash point it passes (while the budget lasts)."""
+    point_budget: int = 0
+    crashes_at_points: list[str] = field(default_factory=list)
+
+    @classmethod
+    def draw(cls, rng: random.Random, names: list[str], horizon: float) -> Faults:
+        quiet = rng.random() < 0.1  # some schedules have no faults at all
+        f = cls(
+            rng=rng,
+            drop=0.0 if quiet else rng.choice((0.0, 0.02, 0.05, 0.1)),
+            duplicate=0.0 if quiet else rng.choice((0.0, 0.02, 0.05, 0.1)),
+            max_delay=0.0 if quiet else rng.choice((0.0, 0.5, 2.0, 5.0)),
+            point_crash=0.0 if quiet else rng.choice((0.0, 0.02, 0.05)),
+            point_budget=0 if quiet else rng.randrange(0, 4),
+        )
+        if not quiet:
+            for _ in range(rng.randrange(0, 3)):
+                a, b = rng.sample(names, 2)
+                start = rng.uniform(0, horizon)
+                f.partitions.append((frozenset((a, b)), start, start + rng.uniform(1, 30)))
+        return f
+
+    def deliveries(self, src: str, dst: str, now: float) -> list[float]:
+        rng = self.rng
+        for pair, start, end in self.partitions:
+            if start <= now < end and src in pair and dst in pair:
+                return []
+        if rng.random() < self.drop:
+            return []
+        out = [now + rng.uniform(0, self.max_delay)]
+        if rng.random() < self.duplicate:
+            out.append(now + rng.uniform(0, self.max_delay))
+        return out
+
+    def hook(self, node: str) -> CrashAt:
+        return CrashAt(self, node)
+
+
+@dataclass
+class CrashAt:
+    """A node store's crash hook: the node dies at a crash point, as the draw says."""
+
+    faults: Faults
+    node: str
+
+    def __call__(self, point: str) -> None:
+        f = self.faults
+        if f.point_budget > 0 and f.rng.random() < f.point_crash:
+            f.point_budget -= 1
+            f.crashes_at_points.append(f"{self.node}@{point}")
+            raise Crash(f"{self.node} crashed at {point}")

@@ -1,0 +1,157 @@
+"""The invariants checked while a fault schedule runs (and at its end).
+
+After every event (a message delivered, a step trained, a node crashed or restarted):
+
+1. No accepted delta is lost: every push a node answered "accepted" is known to that
+   node, with the same digest, for as long as it is up, restarts included.
+2. None is counted twice: every committed aggregate has each configured member exactly
+   once; a sync step of a level is committed once (a replay may commit it again only
+   identically).
+3. Every committed aggregate is recomputable from its committed inputs: the published
+   blobs of its members give the same fixed-order mean and commitment.
+4. Every island that applies the merge of sync step s holds the same base as every
+   other island that applied it, and as the node that committed it.
+5. Every island ends on the same final parameters.
+
+At the end of the schedule (runner.py): the run completed; the final digest equals the
+fault-free run's (no member is ever excluded in this version of the protocol); and the
+run's tapes pass the audit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hypertrain.common.aggregate import aggregate
+from hypertrain.common.rounds.local import Cluster, Observer
+from hypertrain.common.rounds.machines import Committed, Decision, Delta, Effect
+from hypertrain.common.trust.ledger import flat_digest
+
+
+class Violation(Exception):
+    """An invariant broke; the message says which and where."""
+
+
+class Checker(Observer):
+    """Watches one cluster (see the module docstring)."""
+
+    def __init__(
+        self,
+        cluster_members: dict[str, tuple[str, ...]],
+        on_crash: Callable[[str], None] = lambda name: None,
+    ) -> None:
+        self.members = cluster_members  # node name -> its configured members
+        self.on_crash = on_crash  # the runner restarts a crashed process after a while
+        self.cluster: Cluster | None = None
+        self.acked: dict[str, dict[tuple[int, str], str]] = {n: {} for n in cluster_members}
+        self.commits: dict[tuple[str, int], str] = {}  # (node, sync step) -> commitment digest
+        self.bases: dict[tuple[str, int], str] = {}  # (region or "*", step) -> base digest
+        self.finals: dict[str, str] = {}
+        self.dirty: set[str] = set()  # nodes to check in full after this event
+
+    def attach(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    # -- observations ------------------------------------------------------------------------
+    def pushed(self, node: str, delta: Delta, decision: Decision) -> None:
+        if not decision.accepted:
+            return
+        key = (delta.sync_step, delta.sender)
+        known = self.acked[node].setdefault(key, delta.digest)
+        if known != delta.digest:
+            raise Violation(
+                f"{node} accepted two different deltas from {delta.sender} for step "
+                f"{delta.sync_step}"
+            )
+        self._check_known(node, key)
+
+    def committed(self, node: str, effect: Effect) -> None:
+        if not isinstance(effect, Committed) or effect.record is None:
+            return
+        c = effect.commitment
+        want = tuple(sorted(self.members[node]))
+        if c.members != want:
+            raise Violation(
+                f"{node} committed step {effect.sync_step} with members {list(c.members)}, "
+                f"not each of {list(want)} once"
+            )
+        key = (node, effect.sync_step)
+        seen = self.commits.setdefault(key, c.digest)
+        if seen != c.digest:
+            raise Violation(f"{node} committed step {effect.sync_step} twice, differently")
+        self._recompute(node, effect)
+        group = "*" if effect.level == "global" else node.removeprefix("relay-")
+        post = getattr(effect.record, "post_base", None) or getattr(
+            effect.record, "post_state", None
+        )
+        if post is not None:
+            self._same_base(group, effect.sync_step, str(post), node)
+
+    def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
+        group = "*" if kind == "global" else island.rpartition("-")[0]
+        self._same_base(group, sync_step, flat_digest(base), island)
+
+    def finished(self, island: str, theta: torch.Tensor) -> None:
+        self.finals[island] = flat_digest(theta)
+        if len(set(self.finals.values())) > 1:
+            raise Violation(f"islands end on different parameters: {self.finals}")
+
+    def crashed(self, name: str) -> None:
+        self.dirty.add(name)
+        self.on_crash(name)
+
+    # -- checks ------------------------------------------------------------------------------
+    def _same_base(self, group: str, step: int, digest: str, who: str) -> None:
+        seen = self.bases.setdefault((group, step), digest)
+        if seen != digest:
+            raise Violation(
+                f"{who} holds base {digest[:12]} after the merge of step {step}, others {seen[:12]}"
+            )
+
+    def _node(self, name: str) -> object | None:
+        assert self.cluster is not None
+        actor = self.cluster.actors[name]
+        return getattr(actor, "node", None) if actor.alive else None
+
+    def _check_known(self, node: str, key: tuple[int, str]) -> None:
+        n = self._node(node)
+        if n is None:
+            return
+        have = n.machine.level.accepted.get(key)  # type: ignore[attr-defined]
+        if have != self.acked[node][key]:
+            raise Violation(
+                f"{node} lost the accepted delta from {key[1]} for step {key[0]} (it knows {have})"
+            )
+
+    def after_event(self) -> None:
+        """Full checks of the nodes that restarted since the last event."""
+        if not self.dirty:
+            return
+        assert self.cluster is not None
+        for name in list(self.dirty):
+            actor = self.cluster.actors[name]
+            if not actor.alive:
+                continue
+            self.dirty.discard(name)
+            for key in self.acked.get(name, {}):
+                self._check_known(name, key)
+
+    def _recompute(self, node: str, c: Committed) -> None:
+        n = self._node(node)
+        store = getattr(n, "store", None)
+        if store is None:
+            return
+        blobs = {
+            m: (store.published / d).read_bytes()
+            for m, d in zip(c.commitment.members, c.commitment.input_digests, strict=True)
+        }
+        machine = n.machine  # type: ignore[attr-defined]
+        codec = machine.core.codec
+        _, commitment = aggregate(blobs, codec, (machine.core.theta.numel(),))
+        if commitment.digest != c.commitment.digest:
+            raise Violation(
+                f"{node}: the aggregate of step {c.sync_step} does not recompute from its "
+                "published inputs"
+            )

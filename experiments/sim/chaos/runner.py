@@ -1,0 +1,286 @@
+"""Running fault schedules: one seed, or thousands on a process pool.
+
+    hypertrain sim chaos --seeds 10000            # toy model; prints N schedules, K events, V violations
+    hypertrain sim chaos --seed 17 --trace        # one schedule: its events, and the first broken invariant
+    hypertrain sim chaos --model tiny --seeds 20  # the real tiny model
+
+One schedule (``run_schedule``): draw the cluster and the faults from the seed, build
+the whole cluster in one process over the in-process transport (common/rounds/local.py:
+the real nodes, stores on a memory file system, signing keys, island cores), and step
+it in virtual time: islands train when they are not waiting; messages arrive late,
+twice or never; links partition; nodes crash between events or at crash points inside
+their durable writes, and restart from their folders.  After every event the checker
+(invariants.py) runs; at the end the run must be complete, end on the digest of the
+same cluster run without faults, and its tapes must pass ``hypertrain audit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hypertrain.common import planted
+from hypertrain.common.config import TOY_MODEL, RunConfig
+from hypertrain.common.data import SampleStream
+from hypertrain.common.errors import HypertrainError
+from hypertrain.common.model import preset
+from hypertrain.common.reference import open_dataset
+from hypertrain.common.roles import IslandCore, IslandState, initial_parameters
+from hypertrain.common.rounds.local import (
+    Cluster,
+    IslandActor,
+    ProtocolFailure,
+)
+from hypertrain.common.toy import ToyIsland
+from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
+from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.sim.chaos.faults import Faults, draw_config
+from hypertrain.sim.chaos.invariants import Checker, Violation
+
+MAX_EVENTS = 200_000
+"""A schedule still running after this many events is stuck (a liveness violation)."""
+STEP_TIME = (0.5, 1.5)
+"""Virtual seconds an island takes per inner step (drawn per island)."""
+
+
+@dataclass
+class Outcome:
+    """What one schedule did."""
+
+    seed: int
+    events: int = 0
+    violation: str | None = None
+    trace: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    crashes: int = 0
+
+
+def _core_factory(cfg: RunConfig, theta0: torch.Tensor) -> Callable[[str], IslandState]:
+    if cfg.model == TOY_MODEL:
+        return lambda i: ToyIsland(cfg, i, theta0)
+    stream = SampleStream(open_dataset(cfg), preset(cfg.model).seq_len, cfg.global_batch, cfg.seed)
+    return lambda i: IslandCore(cfg, i, stream, theta0)
+
+
+@functools.lru_cache(maxsize=64)
+def _keys(names: tuple[str, ...]) -> tuple[dict[str, SigningKey], TrustedKeys]:
+    keys = {n: SigningKey.from_seed(n, n.encode().ljust(32, b".")) for n in names}
+    return keys, TrustedKeys.of(keys.values())
+
+
+def fault_free_digest(cfg: RunConfig) -> str:
+    """The final parameters' digest of ``cfg`` run without faults, with no bug planted."""
+    return _fault_free(json.dumps(cfg.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _fault_free(cfg_json: str) -> str:
+    cfg = RunConfig.from_dict(json.loads(cfg_json))
+    was = planted.active()
+    planted.enable(None)
+    try:
+        _, theta0 = initial_parameters(cfg)
+        cluster = Cluster(cfg, theta0, _core_factory(cfg, theta0))
+        islands = list(cluster.islands.values())
+        for _ in range(cfg.steps):
+            for i in islands:
+                i.train()
+                i.after_train()
+            cluster.run_until_quiet()
+        return flat_digest(cluster.final_theta())
+    finally:
+        planted.enable(was)
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[Path]:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    d = Path(tempfile.mkdtemp(prefix="hypertrain-chaos-", dir=base))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run_schedule(seed: int, model: str = TOY_MODEL, trace: bool = False) -> Outcome:
+    """Run the fault schedule of ``seed``; never raises for a broken invariant (it is the
+    outcome's ``violation``)."""
+    rng = random.Random(seed)
+    cfg = draw_config(rng, seed, model)
+    out = Outcome(seed, config=cfg.to_dict())
+    log = out.trace.append if trace else None
+    with _scratch() as run_dir:
+        try:
+            _run(cfg, rng, run_dir, out, log)
+        except (Violation, ProtocolFailure, HypertrainError) as e:
+            out.violation = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a crash of the code under test is a finding too
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            out.violation = (
+                f"unexpected {type(e).__name__}: {e} ({Path(where.filename).name}:{where.lineno})"
+            )
+    return out
+
+
+def _run(
+    cfg: RunConfig,
+    rng: random.Random,
+    run_dir: Path,
+    out: Outcome,
+    log: Callable[[str], None] | None,
+) -> None:
+    topo = cfg.topology
+    names = ["aggregator", *(f"relay-{r}" for r in sorted(topo.regions)), *topo.island_ids()]
+    step_times = {i: rng.uniform(*STEP_TIME) for i in topo.island_ids()}
+    horizon = cfg.steps * STEP_TIME[1] * 2
+    faults = Faults.draw(rng, names, horizon)
+    members = {"aggregator": tuple(topo.regions)}
+    members.update({f"relay-{r}": topo.islands_of(r) for r in topo.regions})
+    restarts: list[str] = []
+    checker = Checker(members, on_crash=restarts.append)
+    keys, trusted = _keys(tuple(daemon_key_names(topo)))
+    _, theta0 = initial_parameters(cfg)
+    cluster = Cluster(
+        cfg,
+        theta0,
+        _core_factory(cfg, theta0),
+        run_dir=run_dir,
+        keys=keys,
+        trusted=trusted,
+        policy=faults,
+        observer=checker,
+        crash_hook=faults.hook,
+    )
+    checker.attach(cluster)
+    net = cluster.net
+    net.trace = log
+
+    for island in cluster.islands.values():
+        cluster.start_training(island, step_times[island.name])
+    for _ in range(rng.randrange(0, 4)):  # crashes between events
+        victim = cluster.actors[rng.choice(names)]
+        net.at(rng.uniform(0, horizon), victim.crash)
+
+    def after_event() -> None:
+        for name in restarts:  # every crash (between events or at a crash point) restarts later
+            net.at(net.now + rng.uniform(0.5, 20.0), _restart(cluster, name, log, step_times))
+            out.crashes += 1
+            if log:
+                log(f"t={net.now:.2f} crash {name}")
+        restarts.clear()
+        checker.after_event()
+
+    try:
+        out.events = cluster.drive(MAX_EVENTS, after_event)
+    except ProtocolFailure as e:
+        out.events = net.events
+        if str(e).startswith("stuck"):
+            raise Violation(str(e)) from None
+        raise
+    if log:
+        for c in faults.crashes_at_points:
+            log(f"crash point: {c}")
+    final = flat_digest(cluster.final_theta())
+    want = fault_free_digest(cfg)
+    if final != want:
+        raise Violation(f"final digest {final[:16]} != the fault-free run's {want[:16]}")
+    for island in cluster.islands.values():  # every process stops: the tapes close
+        island.alive = False
+    nodes = [cluster.aggregator.node, *(r.node for r in cluster.relays.values())]
+    for actor, node in zip((cluster.aggregator, *cluster.relays.values()), nodes, strict=True):
+        if actor.alive:
+            node.close()
+    relays = {r: run_dir / f"relay-{r}" for r in sorted(topo.regions)}
+    try:
+        Auditor(RunLayout(cfg, run_dir / "aggregator", relays), trusted).run()
+    except AuditError as e:
+        raise Violation(f"audit failed: {e}") from None
+
+
+def _restart(
+    cluster: Cluster,
+    name: str,
+    log: Callable[[str], None] | None,
+    step_times: dict[str, float],
+) -> Callable[[], None]:
+    actor = cluster.actors[name]
+    net = cluster.net
+
+    def restart() -> None:
+        if log:
+            log(f"t={net.now:.2f} restart {name}")
+        actor.restart()
+        if isinstance(actor, IslandActor) and actor.alive:  # trains again from its saved state
+            cluster.start_training(actor, step_times[name])
+
+    return restart
+
+
+@dataclass
+class Summary:
+    schedules: int = 0
+    events: int = 0
+    crashes: int = 0
+    violations: list[Outcome] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"{self.schedules} schedules, {self.events} events, "
+            f"{len(self.violations)} invariant violations"
+        )
+
+
+def _one(args: tuple[int, str, str | None]) -> Outcome:
+    seed, model, bug = args
+    torch.set_num_threads(1)
+    planted.enable(bug)
+    return run_schedule(seed, model)
+
+
+def run_seeds(
+    seeds: range,
+    model: str = TOY_MODEL,
+    processes: int = 2,
+    plant: str | None = None,
+    on_outcome: Callable[[Outcome], None] | None = None,
+) -> Summary:
+    """Run every seed of ``seeds`` (on ``processes`` workers); ``plant`` turns on a bug."""
+    s = Summary()
+    t0 = time.perf_counter()
+    jobs = [(seed, model, plant) for seed in seeds]
+    if processes <= 1:
+        results: Iterator[Outcome] = map(_one, jobs)
+        pool = None
+    else:
+        pool = get_context("forkserver").Pool(processes)
+        results = pool.imap(_one, jobs, chunksize=8)
+    try:
+        for o in results:
+            s.schedules += 1
+            s.events += o.events
+            s.crashes += o.crashes
+            if o.violation is not None:
+                s.violations.append(o)
+            if on_outcome is not None:
+                on_outcome(o)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    s.seconds = time.perf_counter() - t0
+    return s

@@ -1,0 +1,197 @@
+"""The gRPC implementation of the transport interface, and the daemons' waiting policy.
+
+- ``GrpcUpstream`` is ``hypertrain.common.rounds.transport.Upstream`` over gRPC: one call
+  per method, the answer mapped back to the node's vocabulary (a ``Decision``, a
+  ``Committed`` merge, None for "not committed yet", ``Unavailable`` for a peer that
+  cannot be reached).  The servicers on the other side call the same nodes the
+  in-process transport calls.
+- ``Patient`` wraps any ``Upstream`` with the daemons' policy: wait out "not now",
+  "not yet" and "unavailable", for as long as the run goes on, checking between tries
+  whether the caller was asked to stop; any other refusal is raised as ``WireError``
+  naming the peer.  The island daemon and the relay's forwarder use it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import torch
+
+from hypertrain.common.aggregate import Commitment
+from hypertrain.common.rounds.machines import (
+    OK,
+    PRECONDITION,
+    Committed,
+    Decision,
+    Delta,
+)
+from hypertrain.common.rounds.transport import Unavailable, Upstream
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.client import fetch_merge, push_delta
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.peers import FETCH_DEADLINE_S, Peer
+from hypertrain.wire.protocol_codes import STATUS
+
+T = TypeVar("T")
+_CODES = {status: code for code, status in STATUS.items()}
+_STOPPED_AFTER = "stopped while waiting"
+
+
+def _code(e: grpc.RpcError | WireError) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, WireError):
+        return e.code, e.message
+    call: object = e
+    return call.code(), call.details()  # type: ignore[attr-defined]
+
+
+class GrpcUpstream:
+    """``Upstream`` over a gRPC channel to a relay (islands) or the aggregator (relays)."""
+
+    def __init__(self, peer: Peer, run_id: str, numel: int, reuse_buffer: bool = True) -> None:
+        """``run_id``: the run every call names; ``numel``: the model's parameter count (every merge is checked against it);
+        ``reuse_buffer``: download every merge into one buffer (a caller that is done with
+        each merge before the next fetch never touches fresh memory)."""
+        self.peer = peer
+        self.run_id = run_id
+        self.numel = numel
+        self.buffer = torch.empty(numel, dtype=torch.float32) if reuse_buffer else None
+
+    def _answer(self, what: str, e: grpc.RpcError | WireError) -> Decision:
+        """A failed call as the node's answer: a refusal, or Unavailable / WireError."""
+        code, detail = _code(e)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            raise Unavailable(f"{what}: {self.peer.service} {self.peer.address}: {detail}")
+        if code in _CODES:
+            return Decision(_CODES[code], detail)
+        raise WireError(code, f"{what}: {self.peer.service} {self.peer.address} said: {detail}")
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T | Decision:
+        try:
+            return fn()
+        except (grpc.RpcError, WireError) as e:
+            return self._answer(what, e)
+
+    def push(self, delta: Delta) -> Decision:
+        header = pb.TransferHeader(
+            run_id=delta.run_id,
+            round=delta.round,
+            sync_step=delta.sync_step,
+            sender=delta.sender,
+            digest=delta.digest,
+            size=len(delta.data),
+            codec=delta.codec,
+            signature=delta.signature,
+        )
+        got = self._call(
+            f"push of step {delta.sync_step} from {delta.sender}",
+            lambda: push_delta(self.peer._push, header, delta.data),
+        )
+        if isinstance(got, Decision):
+            return got
+        return Decision(OK, "accepted", duplicate=got.duplicate)
+
+    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed | Decision | None:
+        request = pb.MergeRequest(
+            run_id=self.run_id, requester=requester, sync_step=sync_step, kind=kind
+        )
+        what = f"fetch of the {kind} merge of step {sync_step}"
+        try:
+            header, payload = fetch_merge(
+                self.peer._fetch,
+                request,
+                numel=self.numel,
+                out=self.buffer,
+                timeout=FETCH_DEADLINE_S,
+            )
+        except (grpc.RpcError, WireError) as e:
+            if _code(e)[0] == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None  # held while not committed, then "ask again"
+            return self._answer(what, e)
+        if header.sync_step != sync_step or header.kind != kind:
+            raise WireError(
+                grpc.StatusCode.INTERNAL,
+                f"{what}: the peer sent the {header.kind} merge of step {header.sync_step}",
+            )
+        return Committed(
+            header.kind,  # type: ignore[arg-type]
+            header.round,
+            header.sync_step,
+            header.merge_step,
+            Commitment.from_dict(json.loads(header.commitment)),
+            payload,
+            header.kind,  # type: ignore[arg-type]
+            None,
+        )
+
+    def report_applied(self, requester: str, step: int) -> Decision | None:
+        request = pb.StatusRequest(requester=requester, applied_step=step)
+        got = self._call(f"report of step {step} applied", lambda: self.peer.status(request))
+        return got if isinstance(got, Decision) else None
+
+
+class Patient:
+    """Blocking calls on an ``Upstream`` with the daemons' waiting policy (module docstring)."""
+
+    def __init__(self, upstream: Upstream, name: str, stop: Callable[[], bool]) -> None:
+        self.upstream = upstream
+        self.name = name
+        self.stop = stop
+
+    def _wait(self, what: str, attempt: Callable[[], T | Decision | None]) -> T | None:
+        delay = 0.005
+        while True:
+            try:
+                got = attempt()
+            except Unavailable as e:
+                got, why = None, str(e)
+            else:
+                why = "not committed yet" if got is None else ""
+                if isinstance(got, Decision):
+                    if got.accepted:
+                        return None
+                    if got.code != PRECONDITION:
+                        raise WireError(
+                            STATUS.get(got.code, grpc.StatusCode.PERMISSION_DENIED),
+                            f"{what}: {self.name} said: {got.reason}",
+                        )
+                    why = got.reason
+                elif got is not None:
+                    return got
+            if self.stop():
+                raise WireError(grpc.StatusCode.CANCELLED, f"{what}: {_STOPPED_AFTER} ({why})")
+            if why == "not committed yet":
+                continue  # the peer held the call while waiting: ask again at once
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def push(self, delta: Delta) -> None:
+        """Push until accepted (or a duplicate of an accepted delta)."""
+        self._wait(
+            f"push of step {delta.sync_step} from {delta.sender}",
+            lambda: self.upstream.push(delta),
+        )
+
+    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed:
+        got = self._wait(
+            f"fetch of the {kind} merge of step {sync_step}",
+            lambda: self.upstream.fetch(requester, sync_step, kind),
+        )
+        assert isinstance(got, Committed)
+        return got
+
+    def report_applied(self, requester: str, step: int, stop: Callable[[], bool]) -> None:
+        """Report ``step`` applied, waiting while the peer is down, until ``stop()``."""
+
+        def attempt() -> Decision:
+            got = self.upstream.report_applied(requester, step)
+            return Decision(OK, "reported") if got is None else got
+
+        own, self.stop = self.stop, stop
+        try:
+            self._wait(f"report of step {step} applied", attempt)
+        finally:
+            self.stop = own

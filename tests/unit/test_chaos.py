@@ -1,0 +1,75 @@
+"""The fault simulation: seeds pass, known bugs are found, a failure is reproduced by its seed.
+
+Default suite: 60 toy seeds and 2 seeds of the real tiny model.  Slow suite
+(`bash scripts/test.sh -m slow`): the 10,000 toy seeds and 20 tiny ones.
+
+How soon each planted bug is found (tests below; hypertrain/common/planted.py):
+``count_duplicate_twice`` within the first 10 seeds, ``publish_after_tape`` within the
+first 20, ``merge_one_step_late`` on the first seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hypertrain.cli import main
+from hypertrain.common import planted
+from hypertrain.sim.chaos.runner import run_schedule, run_seeds
+
+
+@pytest.fixture(autouse=True)
+def _no_bug_left_on() -> object:
+    yield
+    planted.enable(None)
+
+
+def test_toy_schedules_break_no_invariant() -> None:
+    s = run_seeds(range(60), processes=1)
+    assert s.schedules == 60 and s.events > 10_000
+    assert not s.violations, [(o.seed, o.violation) for o in s.violations]
+    assert s.crashes > 0  # the seeds do crash nodes
+
+
+@pytest.mark.parametrize(
+    "bug,within",
+    [("count_duplicate_twice", 10), ("publish_after_tape", 20), ("merge_one_step_late", 1)],
+)
+def test_a_planted_bug_is_found_within_a_few_seeds(bug: str, within: int) -> None:
+    for seed in range(within):
+        planted.enable(bug)
+        outcome = run_schedule(seed)
+        if outcome.violation is not None:
+            break
+    else:
+        raise AssertionError(f"{bug} was not found in {within} seeds")
+    planted.enable(None)
+    assert run_schedule(seed).violation is None  # the same seed passes without the bug
+
+
+def test_a_failing_seed_is_reproduced_with_its_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "chaos", "--seed", "0", "--plant", "count_duplicate_twice", "--trace"]) == 1
+    out = capsys.readouterr().out
+    assert "1 schedules" in out and "1 invariant violations" in out
+    assert "trains step 1" in out and "-> relay-" in out  # the event list
+    assert "committed step" in out and "not each of" in out  # the first broken invariant
+    assert main(["sim", "chaos", "--seeds", "3", "--processes", "1"]) == 0
+    assert "3 schedules" in capsys.readouterr().out
+
+
+def test_the_real_tiny_model_passes_a_few_seeds() -> None:
+    for seed in range(2):
+        o = run_schedule(seed, model="tiny")
+        assert o.violation is None, (seed, o.violation)
+
+
+@pytest.mark.slow
+def test_ten_thousand_toy_schedules() -> None:
+    s = run_seeds(range(10_000), processes=2)
+    assert s.schedules == 10_000
+    assert not s.violations, [(o.seed, o.violation) for o in s.violations[:5]]
+
+
+@pytest.mark.slow
+def test_twenty_tiny_schedules() -> None:
+    s = run_seeds(range(20), model="tiny", processes=2)
+    assert not s.violations, [(o.seed, o.violation) for o in s.violations[:5]]
