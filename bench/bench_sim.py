@@ -26,9 +26,9 @@ What it measures, on the ``proxy`` preset (4 x 128, seq 256) with global batch
   only (all parameters, no attention term) is printed beside it;
 - the ceiling of the M = 32 speedup: per-replica M = 32 / dense M = 1 step time
   (batched M = 32 does the dense model's FLOPs in smaller kernels);
-- the projected wall time of the full registered grid (S6 "full": 3000 steps,
-  proxy, global batch 32, 3 seeds, the cells and eta sweeps of
-  ``hypertrain.sim.study.prereg.registered_design()``), on this machine (jobs one
+- the projected wall time of the full registered grid (the `full` scale,
+  docs/design.md §7.3: 3000 steps, proxy, global batch 32, 3 seeds, the cells and eta
+  sweeps of ``hypertrain.sim.study.prereg.registered_design()``), on this machine (jobs one
   after another, each using every core) and on one modern GPU (assumptions
   printed: an achieved fp32 rate and a per-op dispatch cost, the step time
   being whichever bound is larger; op counts are counted here).

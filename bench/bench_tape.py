@@ -75,12 +75,15 @@ from typing import Any
 
 import torch
 
+from hypertrain.common import roles as roles_mod
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import CHUNK_BYTES, state_digest
 from hypertrain.common.outer import NesterovOuter, SGDOuter, make_outer
 from hypertrain.common.roles import initial_parameters
+from hypertrain.common.rounds import machines as machines_mod
+from hypertrain.common.rounds.replay import PublishedFolder
 from hypertrain.common.trust import audit as audit_mod
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY, relay_key, transfer_message
@@ -424,14 +427,11 @@ def audit_timers() -> Iterator[dict[str, float]]:
         setattr(owner, attr, timed_call)
 
     wrap(audit_mod, "verify_tape", "tape verification (signatures, chain, canonical form, Merkle)")
-    wrap(
-        audit_mod.Auditor,
-        "_input",
-        "input checks (sender signature, blob read + sha256)",
-    )
-    wrap(audit_mod, "flat_digest", "state digests (base, residual, theta before/after)")
-    wrap(audit_mod, "outer_state_digest", "outer-state digests (momentum before/after)")
-    wrap(audit_mod, "aggregate", "aggregate() (decode, sum, commitment digests) [compute]")
+    wrap(PublishedFolder, "load", "input blob reads (mapped)")
+    wrap(machines_mod._Level, "check", "input checks (sender signature, codec validation)")
+    wrap(machines_mod, "flat_digest", "state digests (base, residual, theta before/after)")
+    wrap(machines_mod, "outer_state_digest", "outer-state digests (momentum before/after)")
+    wrap(roles_mod, "aggregate", "aggregate() (decode, sum, commitment digests) [compute]")
     wrap(ErrorFeedback, "encode", "ErrorFeedback.encode [compute]")
     wrap(NesterovOuter, "step", "outer.step [compute]")
     wrap(SGDOuter, "step", "outer.step [compute]")

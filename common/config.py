@@ -27,7 +27,7 @@ from hypertrain.common.outer import OuterConfig
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TopologyConfig:
-    """Islands, regions and the two sync intervals (S1)."""
+    """Islands, regions and the two sync intervals (docs/design.md §2)."""
 
     regions: tuple[str, ...] = ("eu", "us")
     """Region names; aggregation order is their sorted order."""
@@ -71,6 +71,12 @@ class TopologyConfig:
         return region
 
 
+KNOWN_TABLES = ("aggregator", "island", "relay", "run")
+"""The top-level tables a config file may hold: ``[run]`` (``RunConfig``) and one table
+of settings per daemon kind (common/settings.py).  Every reader of a config file refuses
+anything else, so a mistyped table (``[rnu]``) is an error, not silently ignored."""
+
+
 CUSTOM_MODEL = "custom"
 """``RunConfig.model`` of a run whose ``model_shape`` is given (no preset has this name)."""
 TOY_MODEL = "toy"
@@ -108,7 +114,7 @@ class RunConfig:
     data: str | None = None
     """Prepared dataset directory; None = the built-in corpus."""
     holdout_windows: int = 512
-    """Held-out windows evaluated (the first n of the registered 512; S6)."""
+    """Held-out windows evaluated (the first n of the registered 512; docs/design.md §7)."""
     threads: int = 1
     """Intra-op threads per island.  CPU GEMM results depend on the thread
     count, so it is part of the config: equal threads give equal bits."""
@@ -177,13 +183,27 @@ class RunConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
+        """The ``[run]`` table of the config file at ``path`` (absent: the defaults).
+
+        ConfigError if the file cannot be read, is not TOML, or holds anything at the top
+        level but the tables of ``KNOWN_TABLES`` (the daemons' tables are read by
+        common/settings.py, with the same rule)."""
         try:
             with open(path, "rb") as f:
-                return cls.from_dict(tomllib.load(f).get("run", {}))
+                doc = tomllib.load(f)
         except OSError as e:
             raise ConfigError(f"config {path}: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config {path}: invalid TOML: {e}") from None
+        for name, value in doc.items():
+            if name not in KNOWN_TABLES:
+                what = f"table [{name}]" if isinstance(value, dict) else f"top-level key {name!r}"
+                raise ConfigError(
+                    f"config {path}: unknown {what} (known tables: {', '.join(KNOWN_TABLES)})"
+                )
+            if not isinstance(value, dict):
+                raise ConfigError(f"config {path}: [{name}] must be a table")
+        return cls.from_dict(doc.get("run", {}))
 
     def with_overrides(self, **changes: Any) -> RunConfig:
         """A copy with top-level fields, or dotted nested ones (``"topology.h_r"``), replaced."""

@@ -6,9 +6,10 @@ runs schedules with it and expects an invariant to break within a documented num
 seeds.  Nothing outside those runs turns a switch on: the set is empty unless
 ``enable`` is called, and no daemon or environment variable can enable it.
 
-- ``count_duplicate_twice``: a relay counts an identical resend that arrives while its
-  step is still open as one more delivery, so the step can commit before every member
-  delivered (its mean then leaves a member out, or counts one twice).
+- ``count_duplicate_twice``: a machine (relay or aggregator: the membership code both
+  share) counts an identical resend that arrives while its step is still open as one
+  more delivery, so the step can commit before every member delivered (its mean then
+  leaves a member out).
 - ``merge_one_step_late``: islands apply each merge one step after its pinned step.
 - ``publish_after_tape``: a node tapes an accepted input before it keeps the input's
   bytes, so a crash between the two leaves a taped input that cannot be replayed.

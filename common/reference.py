@@ -95,17 +95,13 @@ def run_reference(
     losses: list[float] = []
     pool = ThreadPoolExecutor(max_workers=workers or min(len(islands), os.cpu_count() or 1))
     committed = cluster.aggregator.node.committed
-    for step in range(1, cfg.steps + 1):
+    for _ in range(cfg.steps):
         t0 = time.perf_counter()
-        losses.extend(pool.map(IslandActor.train, islands))
+        trained = list(pool.map(IslandActor.train, islands))
+        losses.extend(trained)
         t1 = time.perf_counter()
         result.seconds_train += t1 - t0
-        for island in islands:  # pushes, then the merges pinned to this step
-            island.after_train()
-        cluster.run_until_quiet()
-        stuck = [i.name for i in islands if not (i.ready or i.done)]
-        if stuck:
-            raise HypertrainError(f"in-process run: islands {stuck} still wait at step {step}")
+        cluster.step_together(trained)  # pushes, then the merges pinned to this step
         t2 = time.perf_counter()
         result.seconds_sync += t2 - t1
         for merge in committed:

@@ -1,10 +1,12 @@
 """The three roles' numerical work: island, region (relay) and global (aggregator).
 
 These classes hold each role's state and do every computation the algorithm
-of docs/protocol.md (architecture.md, "The algorithm, precisely") prescribes;
-they do no I/O and make no timing decisions.  The in-process reference run
-calls them directly; the daemons call the very same methods from their
-servicers, which is what makes the two bit-identical.
+of docs/design.md §4.1 prescribes; they do no I/O and make no timing decisions.
+The daemons and the in-process run reach them through the same round engine
+(common/rounds/: the relay and aggregator machines hold a RegionCore /
+GlobalCore, IslandRounds drives an island's state), and the simulator calls the
+region and global cores directly: one implementation of every number is what
+makes the runs bit-identical.
 
 Invariants:
 - An island's ``base`` and its relay's ``base`` are updated with the same op

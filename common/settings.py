@@ -24,12 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from hypertrain.common.config import TopologyConfig
+from hypertrain.common.config import KNOWN_TABLES, TopologyConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.trust.keys import TRUSTED_KEYS_FILE
-
-KNOWN_TABLES = ("aggregator", "island", "relay", "run")
-"""The top-level tables a config file may hold."""
 
 _LISTEN_EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:0, 0.0.0.0:7070 or [::1]:7070"
 

@@ -1,4 +1,5 @@
-"""``hypertrain sim``: the S6 parity grid, its summary, its pre-registration, the device check.
+"""``hypertrain sim``: the parity grid of docs/design.md §7, its summary, its pre-registration,
+the device check; and ``chaos``, the fault simulation (chaos_cmd.py).
 
     hypertrain sim prereg --check                    # the registered file matches its hash
     hypertrain sim prereg --write-prereg [PATH]      # register the design (a new hash)

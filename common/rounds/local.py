@@ -630,6 +630,27 @@ class Cluster:
                 )
         return n
 
+    def step_together(self, losses: list[float] | None = None) -> None:
+        """Lockstep: every island does its next step (if ``losses`` is None, trained here;
+        else already trained, their losses given), then pushes, then the network runs until
+        every merge pinned to this step has been applied.  ProtocolFailure if one cannot."""
+        islands = list(self.islands.values())
+        if losses is None:
+            for i in islands:
+                i.train()
+        for i in islands:
+            i.after_train()
+        self.run_until_quiet()
+        stuck = [i.name for i in islands if not (i.ready or i.done)]
+        if stuck:
+            raise ProtocolFailure(f"islands {stuck} still wait at step {islands[0].core.step}")
+
+    def run_lockstep(self) -> torch.Tensor:
+        """The whole run in lockstep, fault-free; returns the final global parameters."""
+        for _ in range(self.cfg.steps):
+            self.step_together()
+        return self.final_theta()
+
     def run_until_quiet(self, limit: int = 1_000_000) -> None:
         for _ in range(limit):
             if not self.net.step():

@@ -62,6 +62,8 @@ OK = "ok"
 INVALID = "invalid_argument"  # malformed or not meant for this daemon: never retry
 PRECONDITION = "failed_precondition"  # not now (step ahead, round pending): retry later
 CONFLICT = "already_exists"  # different bytes for an accepted (step, sender)
+CORRUPT = "data_loss"  # the bytes are not the ones the digest names: resending may fix it
+TOO_LARGE = "resource_exhausted"  # larger than any encoding of the model: never retry
 
 KEEP_MERGES = 4  # committed merges kept for late fetchers (tau < h_r needs 1)
 

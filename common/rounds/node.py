@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hypertrain.common import planted
 from hypertrain.common.aggregate import Commitment, aggregate
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError, HypertrainError
@@ -77,10 +78,13 @@ class _Node:
     role: str
     machine: RelayMachine | AggregatorMachine
 
-    def __init__(self, cfg: RunConfig, store: NodeStore | None) -> None:
+    def __init__(self, cfg: RunConfig, store: NodeStore | None, numel: int) -> None:
         self.cfg = cfg
         self.store = store
         self.finals: set[str] = store.finals() if store is not None else set()
+        self.max_delta_bytes = 4 * numel + (1 << 16)
+        """No encoding of a ``numel``-parameter delta is larger (fp32 plus a header): what
+        a transport refuses before receiving it all."""
 
     def _publish(self, delta: Delta, publisher: Publisher | None) -> None:
         if self.store is None:
@@ -104,8 +108,6 @@ class _Node:
 
     def _accept(self, effects: list[Effect], publisher: Publisher | None) -> None:
         """Make an accepted delta and what it completed durable, in order."""
-        from hypertrain.common import planted
-
         for effect in effects:
             if isinstance(effect, Publish):
                 if planted.on("publish_after_tape"):
@@ -188,7 +190,7 @@ class RelayNode(_Node):
         store: NodeStore | None,
         trusted: TrustedKeys | None = None,
     ) -> None:
-        super().__init__(cfg, store)
+        super().__init__(cfg, store, theta0.numel())
         self.region = region
         self.theta0 = theta0
         self.trusted = trusted
@@ -416,7 +418,7 @@ class AggregatorNode(_Node):
         store: NodeStore | None,
         trusted: TrustedKeys | None = None,
     ) -> None:
-        super().__init__(cfg, store)
+        super().__init__(cfg, store, theta0.numel())
         self.machine: AggregatorMachine = AggregatorMachine(cfg, theta0, trusted)
         self.committed: list[Committed] = []
         """Global merges made durable since the driver last looked (it evaluates them)."""
@@ -478,16 +480,25 @@ class AggregatorNode(_Node):
         if store is None:
             return False
         path = store.folder / "state.pt"
+        if store.tape is None:
+            if path.exists() or store.has_state():
+                raise ConfigError(
+                    f"{store.folder} holds the state of an earlier start but this aggregator "
+                    "keeps no tape (no --signing-key), so it cannot resume: start it with its "
+                    "key, or with a new --state-dir for a new run"
+                )
+            return False
         entries = store.entries()
         start = 0
         if path.exists():
             ck = load_state(path)
             if ck["run_id"] != self.cfg.run_id or ck["config_digest"] != self.cfg.digest:
                 raise ConfigError(f"{path} belongs to another run or config; use a new --state-dir")
-            start = int(ck["tape_seq"])
-            if store.tape is not None and len(entries) < start:
+            start, head = int(ck["tape_seq"]), str(ck["tape_head"])
+            if len(entries) < start or (start and entries[start - 1].hash != head):
                 raise ConfigError(
-                    f"tape {store.folder / 'tape'} is shorter than {path} recorded ({start})"
+                    f"tape {store.folder / 'tape'} does not contain what {path} recorded "
+                    f"({start} entries ending in {head[:16]})"
                 )
             snap = AggregatorSnapshot(int(ck["sync_step"]), ck["theta"], ck["outer"])
             try:
@@ -503,6 +514,7 @@ class AggregatorNode(_Node):
                 # taped, perhaps not checkpointed (the crash came between): write it again
                 merge, entry = found
                 self._checkpoint(merge, (entry.seq + 1, entry.hash))
+                self.committed.append(merge)  # the daemon logs and evaluates it
                 redone += 1
         except ReplayError as e:
             where = f"entry {e.entry.seq}" if e.entry else "the tape"

@@ -127,6 +127,8 @@ class NodeStore:
 
     def publish(self, digest: str, data: Blob) -> None:
         """Keep an accepted input's bytes under its digest (idempotent)."""
+        if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+            raise HypertrainError(f"refusing to publish under {digest!r}: not a sha256")
         path = self.published / digest
         if not path.exists():
             atomic_write(path, data, sync=self.sync)

@@ -21,10 +21,19 @@ servicers, which call the same nodes).
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
+from hypertrain.common.digest import blob_digest
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.rounds.machines import Committed, Decision, Delta
+from hypertrain.common.rounds.machines import (
+    CORRUPT,
+    INVALID,
+    TOO_LARGE,
+    Committed,
+    Decision,
+    Delta,
+)
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 
 
@@ -42,6 +51,26 @@ class Upstream(Protocol):
     def report_applied(self, requester: str, step: int) -> Decision | None: ...
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def transfer_refusal(delta: Delta, max_size: int) -> Decision | None:
+    """What a transport checks before a node sees a delta (the gRPC transport checks the
+    same while the chunks arrive, services/wire/chunks.py): a digest that is a sha256, a
+    size no encoding of the model exceeds, and bytes that are the ones the digest names."""
+    if not _HEX64.fullmatch(delta.digest):
+        return Decision(INVALID, f"digest {delta.digest!r} is not 64 lowercase hex digits")
+    if len(delta.data) > max_size:
+        return Decision(
+            TOO_LARGE,
+            f"delta of {len(delta.data)} bytes is over this receiver's limit of {max_size} bytes",
+        )
+    got = blob_digest(delta.data)
+    if got != delta.digest:
+        return Decision(CORRUPT, f"corrupt transfer: sha256 {got} != header digest {delta.digest}")
+    return None
+
+
 class LocalUpstream:
     """``Upstream`` by plain calls to a node in the same process."""
 
@@ -49,6 +78,10 @@ class LocalUpstream:
         self.node = node
 
     def push(self, delta: Delta) -> Decision:
+        refused = transfer_refusal(delta, self.node.max_delta_bytes)
+        if refused is not None:
+            self.node.reject(refused.code, refused.reason, None)
+            return refused
         decision, _ = self.node.push(delta)
         return decision
 

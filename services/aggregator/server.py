@@ -119,7 +119,7 @@ class AggregatorService:
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("aggregator")
-        self.intake = Intake(self.node, self.numel, self.board, self.metrics)
+        self.intake = Intake(self.node, self.board, self.metrics)
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         self.evaluator = Evaluator(cfg, self.metrics)
         if not self.node.recover():

@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics = Metrics("island")
         if lead:  # one island, one metrics endpoint
             start_metrics(settings, metrics)
-        peer = relay_peer(relay) if lead else None
+        # Connected lazily: an island started before its relay waits for it (and says so).
+        peer = relay_peer(relay, wait_ready=False) if lead else None
         island = Island(
             cfg, settings.island_id, peer, metrics, key, settings.state_path, ranks, stop, device
         )

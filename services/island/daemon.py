@@ -87,6 +87,9 @@ class Island:
                 GrpcUpstream(relay, cfg.run_id, self.numel),
                 f"Relay {relay.address}",
                 self.stop.is_set,
+                lambda message: log_event(
+                    "waiting", role="island", island=island_id, message=message
+                ),
             )
         )
         self.key = key

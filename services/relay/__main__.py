@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import RelaySettings
-from hypertrain.relay.server import FINAL_REPORTED, RelayService
+from hypertrain.relay.server import RelayService
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
@@ -48,9 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg,
             region,
             state_dir,
-            # A relay whose run is over (it reported the final state) may be restarted
-            # to serve islands after the aggregator has gone: it need not reach it.
-            aggregator_peer(aggregator, not (state_dir / FINAL_REPORTED).exists()),
+            # Connected lazily: a relay resumes and serves its islands whether or not the
+            # aggregator is reachable yet (it recovers without the network, and its
+            # forwarder waits while the aggregator is down), and one restarted after
+            # the run may never need it.
+            aggregator_peer(aggregator, wait_ready=False),
             shutdown,
             metrics,
             key,

@@ -81,10 +81,11 @@ class RelayService:
             GrpcUpstream(aggregator, cfg.run_id, self.numel),
             f"Aggregator {aggregator.address}",
             lambda: self.shutdown.requested,
+            lambda message: log_event("waiting", role="relay", region=region, message=message),
         )
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("relay")
-        self.intake = Intake(self.node, self.numel, self.board, self.metrics, region)
+        self.intake = Intake(self.node, self.board, self.metrics, region)
         self.wake = threading.Event()
         self._closing = False
         self._recover()

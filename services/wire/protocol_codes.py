@@ -11,5 +11,7 @@ STATUS = {
     machines.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     machines.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     machines.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    machines.CORRUPT: grpc.StatusCode.DATA_LOSS,
+    machines.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
 }

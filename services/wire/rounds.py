@@ -119,7 +119,6 @@ class Intake:
     def __init__(
         self,
         node: RelayNode | AggregatorNode,
-        numel: int,
         board: MergeBoard,
         metrics: Metrics,
         region: str = "",
@@ -133,8 +132,7 @@ class Intake:
             from hypertrain.wire import spool
 
             spool.remove_stale(store.spool)  # transfers cut off by a crash were never accepted
-        # An encoded delta is never larger than fp32 plus a header: bound what we accept.
-        self.max_size = 4 * numel + (1 << 16)
+        self.max_size = node.max_delta_bytes
         self.board = board
         self.metrics = metrics
         self.labels = (metrics.role, region)

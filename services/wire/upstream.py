@@ -6,7 +6,7 @@
   cannot be reached).  The servicers on the other side call the same nodes the
   in-process transport calls.
 - ``Patient`` wraps any ``Upstream`` with the daemons' policy: wait out "not now",
-  "not yet" and "unavailable", for as long as the run goes on, checking between tries
+  "not yet", "unavailable" and a transfer corrupted on the way (sent again), for as long as the run goes on, checking between tries
   whether the caller was asked to stop; any other refusal is raised as ``WireError``
   naming the peer.  The island daemon and the relay's forwarder use it.
 """
@@ -23,6 +23,7 @@ import torch
 
 from hypertrain.common.aggregate import Commitment
 from hypertrain.common.rounds.machines import (
+    CORRUPT,
     OK,
     PRECONDITION,
     Committed,
@@ -39,6 +40,8 @@ from hypertrain.wire.protocol_codes import STATUS
 T = TypeVar("T")
 _CODES = {status: code for code, status in STATUS.items()}
 _STOPPED_AFTER = "stopped while waiting"
+NOTICE_S = 10.0
+"""After this long waiting for an unreachable peer, a daemon says so in its log."""
 
 
 def _code(e: grpc.RpcError | WireError) -> tuple[grpc.StatusCode, str]:
@@ -136,24 +139,37 @@ class GrpcUpstream:
 class Patient:
     """Blocking calls on an ``Upstream`` with the daemons' waiting policy (module docstring)."""
 
-    def __init__(self, upstream: Upstream, name: str, stop: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        name: str,
+        stop: Callable[[], bool],
+        notice: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        """``notice``: told (once per call) when a call has waited ``NOTICE_S`` for a peer
+        that is unavailable, so that a daemon waiting on a peer says so in its log."""
         self.upstream = upstream
         self.name = name
         self.stop = stop
+        self.notice = notice
 
     def _wait(self, what: str, attempt: Callable[[], T | Decision | None]) -> T | None:
         delay = 0.005
+        since, told = time.monotonic(), False
         while True:
             try:
                 got = attempt()
             except Unavailable as e:
                 got, why = None, str(e)
+                if not told and time.monotonic() - since > NOTICE_S:
+                    self.notice(f"{what}: still waiting for {self.name}: {e}")
+                    told = True
             else:
                 why = "not committed yet" if got is None else ""
                 if isinstance(got, Decision):
                     if got.accepted:
                         return None
-                    if got.code != PRECONDITION:
+                    if got.code not in (PRECONDITION, CORRUPT):  # CORRUPT: a resend may fix it
                         raise WireError(
                             STATUS.get(got.code, grpc.StatusCode.PERMISSION_DENIED),
                             f"{what}: {self.name} said: {got.reason}",

@@ -6,8 +6,10 @@ folder, and checks that the run still ends bit-identical to the in-process
 reference (no input lost, no merge applied twice) and that every tape audits clean.
 
 Points: a regional merge computed but not yet taped; a forward taped but not yet
-sent to the aggregator; the checkpoint after a global round (its theta taped,
-the checkpoint file not yet renamed into place: recovery fetches theta again).
+sent to the aggregator; the checkpoint after a global round not yet renamed into
+place (its global update not taped either: recovery resumes from the checkpoint
+before and sends the forward again); the checkpoint written but its global update
+not yet taped (recovery tapes it, the same bytes it would have written).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def reference_digest() -> str:
 POINTS = {
     "relay_before_merge_entry": 6,
     "relay_after_forward_entry": 3,
+    "relay_after_checkpoint": 3,
     "mid_write": 3,
     "before_rename": 3,
 }
@@ -50,7 +53,12 @@ POINTS = {
 
 @pytest.mark.parametrize(
     "fault",
-    ["relay_before_merge_entry:3", "relay_after_forward_entry:1", "before_rename:3"],
+    [
+        "relay_before_merge_entry:3",
+        "relay_after_forward_entry:1",
+        "before_rename:3",
+        "relay_after_checkpoint:2",
+    ],
 )
 def test_a_killed_relay_resumes_from_its_tape(
     tmp_path: Path, reference_digest: str, fault: str

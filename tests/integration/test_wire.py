@@ -520,10 +520,12 @@ def test_a_waiting_fetch_is_held_then_asked_again_and_honours_stop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The server holds a fetch for a merge not committed yet at most HOLD_S, then
-    answers DEADLINE_EXCEEDED naming the step; Peer.fetch asks again at once and, between
-    tries, sees that it was asked to stop (an island's SIGTERM ends its wait)."""
+    answers DEADLINE_EXCEEDED naming the step; the daemons' waiting policy (Patient) asks
+    again at once and, between tries, sees that it was asked to stop (an island's SIGTERM
+    ends its wait)."""
     from hypertrain.wire import rounds
     from hypertrain.wire.peers import relay_peer
+    from hypertrain.wire.upstream import GrpcUpstream, Patient
 
     monkeypatch.setattr(rounds, "HOLD_S", 0.2)
     servicer = NeverCommitted()
@@ -538,8 +540,10 @@ def test_a_waiting_fetch_is_held_then_asked_again_and_honours_stop(
         assert raw.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "merge of sync step 7 is not committed yet" in raw.value.details()
         asked = servicer.calls
+        stop = lambda: servicer.calls >= asked + 3  # noqa: E731
+        patient = Patient(GrpcUpstream(peer, "local", 4), "Relay", stop)
         with pytest.raises(WireError) as stopped:
-            peer.fetch(pb.MergeRequest(sync_step=7), 4, stop=lambda: servicer.calls >= asked + 3)
+            patient.fetch("eu-0", 7, "regional")
         assert "stopped while waiting" in stopped.value.message
         assert servicer.calls == asked + 3  # held, answered, asked again: no busy loop
     finally:

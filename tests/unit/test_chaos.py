@@ -3,7 +3,7 @@
 Default suite: 60 toy seeds and 2 seeds of the real tiny model.  Slow suite
 (`bash scripts/test.sh -m slow`): the 10,000 toy seeds and 20 tiny ones.
 
-How soon each planted bug is found (tests below; hypertrain/common/planted.py):
+How soon each planted bug is found (tests below; common/planted.py):
 ``count_duplicate_twice`` within the first 10 seeds, ``publish_after_tape`` within the
 first 20, ``merge_one_step_late`` on the first seed.
 """

@@ -1,7 +1,7 @@
-"""The S6 grid runner (hypertrain.sim.study.grid / summary / plots / sim_cmd), end to end on a
-test-only design of eight short jobs registered into tmp: it refuses an altered
-registration, records errors and censored jobs, resumes without redoing finished
-jobs, and writes every output file."""
+"""The grid runner of docs/design.md §7.11 (hypertrain.sim.study.grid / summary / plots /
+sim_cmd), end to end on a test-only design of eight short jobs registered into tmp: it
+refuses an altered registration, records errors and censored jobs, resumes without redoing
+finished jobs, and writes every output file."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def test_plan_covers_every_registered_job() -> None:
     job = job_for(design, tiny, cell, 1, 0.2)
     assert (job.n_replicas, job.h_g, job.lawa_k, job.outer.eta, job.seed) == (8, 30, 5, 0.2, 1)
     assert job.model_config().d_model == tiny.d_model and job.steps == tiny.steps
-    # cpu-tiny registers its own Nesterov sweep; the full scale keeps S2's starting grid,
-    # and cells with another outer keep theirs at every scale.
+    # cpu-tiny registers its own Nesterov sweep; the full scale keeps the starting grid of
+    # docs/design.md §5.4, and cells with another outer keep theirs at every scale.
     assert design.sweep(cell, "cpu-tiny") == (0.05, 0.1, 0.2, 0.4)
     assert design.sweep(cell, "full") == (0.4, 0.6, 0.8, 1.0)
     sparse = design.cell("mech-M8-Hg30-sparseloco")
@@ -193,7 +193,7 @@ def test_cli_prereg_check_and_summarize(prereg: Path, tmp_path: Path) -> None:
 
 
 def test_cli_device_check_on_cpu(prereg: Path, tmp_path: Path) -> None:
-    """The S6 device check wraps engine_device on real (shortened) grid jobs of the scale."""
+    """The device check of docs/design.md §7.11 wraps engine_device on real (shortened) grid jobs of the scale."""
     out = tmp_path / "dev"
     argv = ["sim", "device-check", "--device", "cpu", "--scale", SCALE, "--prereg", str(prereg)]
     assert _cli(*argv, "--steps", "10", "--max-jobs", "2", "--out", str(out)) == 0

@@ -1,4 +1,5 @@
-"""The pre-registration (hypertrain.sim.study.prereg): the S6 grid, the hash, and the file's refusals."""
+"""The pre-registration (hypertrain.sim.study.prereg, docs/design.md §7.1): the grid, the hash,
+and the file's refusals."""
 
 from __future__ import annotations
 

@@ -228,3 +228,108 @@ def test_daemon_refuses_a_bad_config_in_one_line(
     assert lines[0].startswith(f"hypertrain-{role}: error: config {cfg}: {words.format(role=role)}")
     assert out == ""  # refused before anything was logged, signed or bound
     assert not state.exists()
+
+
+# -- the run config: the same strict tables for every reader of a config file ---------------
+
+REPO = Path(__file__).resolve().parents[2]
+BAD_TABLE = "[rnu]\nsteps = 20\n"  # a mistyped [run]: its keys would be silently ignored
+
+
+def test_run_config_refuses_an_unknown_table(tmp_path: Path) -> None:
+    from hypertrain.common.config import RunConfig
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(BAD_TABLE)
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_toml(cfg)
+    assert str(e.value) == (
+        f"config {cfg}: unknown table [rnu] (known tables: aggregator, island, relay, run)"
+    )
+    cfg.write_text("[run]\nsteps = 20\n[run.topology]\nh_r = 5\nh_g = 10\n[runn.inner]\nlr = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown table \[runn\]"):
+        RunConfig.from_toml(cfg)
+    cfg.write_text("steps = 20\n")  # a [run] key written above the table
+    with pytest.raises(ConfigError, match="unknown top-level key 'steps'"):
+        RunConfig.from_toml(cfg)
+    cfg.write_text("run = 3\n")
+    with pytest.raises(ConfigError, match=r"\[run\] must be a table"):
+        RunConfig.from_toml(cfg)
+
+
+def test_run_config_reads_run_and_leaves_the_daemon_tables(tmp_path: Path) -> None:
+    from hypertrain.common.config import RunConfig
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("")  # [run] stays optional: the defaults
+    assert RunConfig.from_toml(cfg) == RunConfig()
+    cfg.write_text('[relay]\nregion = "eu"\n[island]\nindex = 1\n[aggregator]\n')
+    assert RunConfig.from_toml(cfg) == RunConfig()
+    cfg.write_text('[run]\nsteps = 40\n[relay]\nregion = "eu"\n')
+    assert RunConfig.from_toml(cfg) == RunConfig(steps=40)
+    assert load_tables(cfg)["relay"] == {"region": "eu"}  # both readers take the same file
+
+
+CLI_COMMANDS = {
+    "run": (["run", "--local"], "hypertrain run: error: "),
+    "up": (["up", "--quiet"], "hypertrain up: error: "),
+    "plan": (["plan", "--step-time", "1"], "hypertrain plan: error: "),
+}
+
+
+@pytest.mark.parametrize("command", sorted(CLI_COMMANDS))
+def test_cli_refuses_an_unknown_table_in_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    """``hypertrain run --local|up|plan --config bad.toml`` with a mistyped table: exit 2,
+    one stderr line naming the table, nothing started or written."""
+    import hypertrain.common.reference as reference
+    import hypertrain.up as up
+    from hypertrain.cli import main
+
+    def started(*args: object, **kwargs: object) -> None:  # a config wrongly accepted
+        pytest.fail(f"hypertrain {command} started with a config it should refuse")
+
+    monkeypatch.setattr(reference, "run_reference", started)
+    monkeypatch.setattr(up, "start_cluster", started)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BAD_TABLE)
+    argv, prefix = CLI_COMMANDS[command]
+    run_dir = tmp_path / "run"
+    extra = ["--run-dir", str(run_dir)] if command == "up" else []
+    assert main([*argv, "--config", str(bad), *extra]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"{prefix}config {bad}: unknown table [rnu] (known tables: aggregator, island, relay, run)"
+    ]
+    assert out == "" and not run_dir.exists()
+
+
+def test_every_config_the_repo_ships_or_writes_loads(tmp_path: Path) -> None:
+    """deploy/configs/run.toml, its ConfigMap copy and what ``hypertrain up`` writes load
+    with both readers (RunConfig.from_toml and load_tables)."""
+    import yaml
+
+    from hypertrain.common.config import CUSTOM_MODEL, RunConfig
+    from hypertrain.common.model import ModelConfig
+    from hypertrain.up import config_toml
+
+    shipped = REPO / "deploy" / "configs" / "run.toml"
+    (configmap,) = [d for d in yaml.safe_load_all((REPO / "deploy/k8s/configmap.yaml").read_text())]
+    copy = tmp_path / "configmap-run.toml"
+    copy.write_text(configmap["data"]["run.toml"])
+    example = RunConfig.from_toml(shipped)
+    assert example.run_id == "example-3r" and RunConfig.from_toml(copy) == example
+    custom = RunConfig(
+        model=CUSTOM_MODEL, model_shape=ModelConfig(n_layer=1, d_model=32, n_head=2, seq_len=16)
+    )
+    for cfg in (RunConfig(), example, custom, RunConfig(model="toy", steps=40)):
+        written = tmp_path / f"{cfg.digest[:8]}.toml"
+        written.write_text(config_toml(cfg))
+        assert RunConfig.from_toml(written) == cfg
+        assert sorted(load_tables(written)) == ["run"]
+    for path in (shipped, copy):
+        assert sorted(load_tables(path)) == ["run"]

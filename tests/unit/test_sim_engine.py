@@ -104,7 +104,7 @@ def test_batched_equals_per_replica(changes: dict[str, Any]) -> None:
     for (s1, l1), (s2, l2) in zip(per.curve, bat.curve, strict=True):
         assert s1 == s2 and abs(l1 - l2) < 1e-5
     assert per.final_loss < per.initial_loss - 0.5  # it trains
-    # Stronger than the S6 tolerance: on CPU the two paths agree bit for bit.
+    # Stronger than the tolerance of docs/design.md §7.11: on CPU the two paths agree bit for bit.
     assert per.final_params is not None and bat.final_params is not None
     assert torch.equal(per.final_params, bat.final_params)
 

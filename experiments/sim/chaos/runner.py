@@ -95,14 +95,7 @@ def _fault_free(cfg_json: str) -> str:
     planted.enable(None)
     try:
         _, theta0 = initial_parameters(cfg)
-        cluster = Cluster(cfg, theta0, _core_factory(cfg, theta0))
-        islands = list(cluster.islands.values())
-        for _ in range(cfg.steps):
-            for i in islands:
-                i.train()
-                i.after_train()
-            cluster.run_until_quiet()
-        return flat_digest(cluster.final_theta())
+        return flat_digest(Cluster(cfg, theta0, _core_factory(cfg, theta0)).run_lockstep())
     finally:
         planted.enable(was)
 

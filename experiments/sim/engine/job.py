@@ -86,8 +86,9 @@ SIM_RUN_DEFAULTS: dict[str, Any] = dict(
     model="proxy", steps=3000, global_batch=32, regions=1, islands_per_region=1, h_r=30,
     h_g=30, regional_codec="fp32",
 )  # fmt: skip
-"""The simulator's defaults where they differ from RunConfig's (S6's proxy at B = 32, one
-replica, H = 30, no compression); every other run-side default is RunConfig's."""
+"""The simulator's defaults where they differ from RunConfig's (the proxy of
+docs/design.md §8 at B = 32, one replica, H = 30, no compression); every other run-side
+default is RunConfig's."""
 
 _RUN_MAPPED = frozenset({
     "model", "model_shape", "seed", "steps", "batch_per_island", "topology", "inner", "outer",
@@ -134,7 +135,7 @@ class SimJob:
     anneal: Anneal = "full_m"
     """full_m: the WSD decay runs on the full hierarchy.  m1: from the last global sync at
     or before the decay start, all replicas are merged (fixed-order fp32 mean) after every
-    step, i.e. M_eff = 1 (S3); needs fragments = 1 and tau = 0."""
+    step, i.e. M_eff = 1 (docs/design.md §3.6); needs fragments = 1 and tau = 0."""
     lawa_k: int = 0
     """Final held-out loss of the mean of the last k checkpoints (0 = off)."""
     lawa_every: int = 0

@@ -11,7 +11,7 @@ fixed-order mean (``aggregate``); at a global sync each ``RegionCore`` encodes
 its ``D_r`` with the global codec and ``GlobalCore.step`` applies the outer
 optimizer.  Replicas take the merged state at sync_step + tau (with tau > 0:
 merged + the local progress made during the overlap).  For F = 1 this is
-exactly the algorithm of architecture.md and of common/reference.py (a test
+exactly the algorithm of docs/design.md §4.1 and of common/reference.py (a test
 compares final parameters).  The replicas themselves are a ``ReplicaSet``:
 the per-replica path (replicas.py) or the batched one (batched.py),
 chosen by ``SimJob.path``; everything here is shared by both.

@@ -1,4 +1,5 @@
-"""The parity design as types: cells, scales, margins, and the design that holds them (S6).
+"""The parity design as types: cells, scales, margins, and the design that holds them
+(docs/design.md §7).
 
 Pure data with validation; no file I/O and no hashing (prereg.py does those,
 and builds the registered instance).  Every class is a frozen dataclass whose
@@ -40,7 +41,7 @@ class PreregError(ConfigError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Margins:
-    """Equivalence margins (S6)."""
+    """Equivalence margins (docs/design.md §7.5)."""
 
     heldout_rel: float = 0.005
     """Relative held-out cross-entropy gap: the primary margin (0.5%)."""
@@ -65,7 +66,7 @@ class InnerSettings:
     beta1: float = 0.9
     beta2: float = 0.95
     decay_fraction: float = 0.2
-    """WSD decay: the last 20% of steps; the anneal phase of S3."""
+    """WSD decay: the last 20% of steps (docs/design.md §3.4); the anneal phase of §3.6."""
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
 
@@ -118,8 +119,8 @@ class Scale:
     """At most this many worker processes."""
     nesterov_outer_lrs: tuple[float, ...] | None = None
     """The eta_g sweep of every Nesterov cell at this scale; None = the cells' own sweep
-    (S2's starting grid).  A short run has few outer steps, so its best eta can lie below
-    the starting grid; a scale registers the sweep that brackets it."""
+    (the starting grid of docs/design.md §5.4).  A short run has few outer steps, so its best
+    eta can lie below the starting grid; a scale registers the sweep that brackets it."""
 
     def __post_init__(self) -> None:
         where = f"scale {self.name!r}"

@@ -1,4 +1,5 @@
-"""The S6 grid runner: every registered job of a scale, in worker processes, resumable.
+"""The grid runner of docs/design.md §7.11: every registered job of a scale, in worker
+processes, resumable.
 
     from hypertrain.sim.study.grid import run_grid
     run_grid(prereg_path, "smoke", out_dir, processes=2)      # then summary.summarize(...)

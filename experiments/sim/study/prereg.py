@@ -1,4 +1,5 @@
-"""The pre-registered design of the parity experiment (S6), its hash, and its file.
+"""The pre-registered design of the parity experiment (docs/design.md §7), its hash, and its
+file.
 
 Write the registration (once per design; the file is committed)::
 
@@ -90,11 +91,11 @@ H_R = (1, 5, 10)
 MECHANISM_M = (4, 8, 16, 32)
 MECHANISM_H_G = 30
 OUTER_LRS = (0.4, 0.6, 0.8, 1.0)
-"""S2's starting grid for eta_g, with momentum 0.9."""
+"""The starting grid for eta_g of docs/design.md §5.4, with momentum 0.9."""
 OUTER_MOMENTUM = 0.9
 CPU_TINY_OUTER_LRS = (0.05, 0.1, 0.2, 0.4)
 """cpu-tiny's Nesterov sweep.  Its 300 steps give 10 or 30 outer steps, where the
-starting grid overshoots: the first registration (2026-11-29T10:28:30Z, S2's grid)
+starting grid overshoots: the first registration (2026-11-29T10:28:30Z, the §5.4 grid)
 found the loss rising with eta from 0.4 in every arm that ran.  Log-spaced, so a
 best eta anywhere from about 0.07 to 0.3 is bracketed."""
 INNER_LR = 3e-3
@@ -137,7 +138,8 @@ anneal at full M, no LAWA) at the same M and H_g."""
 
 
 def registered_cells() -> tuple[Cell, ...]:
-    """The full S6 grid: controls, the negative control, flat, hierarchies, mechanisms."""
+    """The full grid of docs/design.md §7: controls, the negative control, flat, hierarchies,
+    mechanisms."""
     cells = [
         _cell(f"dp-{inner}{sfx}", "control", 1, 1, None, inner=inner, inner_lr=lr)
         for inner in ("adamw", "muon")
@@ -177,7 +179,7 @@ def _cpu_cells() -> tuple[str, ...]:
 
 
 def registered_scales() -> tuple[Scale, ...]:
-    """full (S6), cpu-tiny (what a 2-core CPU finishes in hours), smoke (tests)."""
+    """full (docs/design.md §7.3), cpu-tiny (what a 2-core CPU finishes in hours), smoke (tests)."""
     tiny: dict[str, Any] = dict(model="tiny", n_layer=2, d_model=64, n_head=4, seq_len=64)
     return (
         Scale(

@@ -1,4 +1,5 @@
-"""Statistics of the parity protocol (S6): paired gaps, the paired-t CI, TOST, H1-H4, power.
+"""Statistics of the parity protocol (docs/design.md §7): paired gaps, the paired-t CI, TOST,
+H1-H4, power.
 
 Every function here is pure: numbers in, a frozen result out, each result with
 a ``to_dict()`` that is JSON-ready (non-finite floats become ``null``).  Inputs
@@ -6,7 +7,7 @@ are per-seed held-out losses, ``Mapping[int, float]`` (seed -> loss); two arms
 are always paired seed by seed on the seeds they share, and the seeds either
 one lacks are recorded, never silently dropped.
 
-Registered rules (S6), implemented literally:
+Registered rules (docs/design.md §7), implemented literally:
 
 - Gap per seed: ``(L_cell - L_ref) / L_ref``; the reference is the
   data-parallel control (or, for H1, the flat cell).
@@ -79,7 +80,8 @@ class _Json:
 
 
 def verdict_text(equivalent: bool, delta: float = DELTA) -> str:
-    """The registered verdict wording (S6), the only two strings a verdict can be."""
+    """The registered verdict wording (docs/design.md §7.4): the only two strings a verdict
+    can be."""
     if equivalent:
         return f"equivalent at delta = {delta:g}"
     return f"equivalence not demonstrated at delta = {delta:g}"
@@ -311,8 +313,8 @@ def compare(
 def best_control(losses: Mapping[str, Losses], controls: Sequence[str]) -> str:
     """The control with the lowest mean loss; ties to the first listed.
 
-    The sensitivity analysis compares each cell with this one (S6: "at the best
-    control learning rate").  The means are over the seeds every control has a
+    The sensitivity analysis compares each cell with this one (docs/design.md §7.3: the
+    control with the lower mean loss).  The means are over the seeds every control has a
     finite loss for, so a lost seed cannot make a control look better; a control
     with no finite losses is never best.
     """
@@ -361,8 +363,8 @@ def select_outer_lr(
     """Lowest mean held-out loss among non-divergent etas, ties to the smaller eta.
 
     The choice is made on the same seeds the verdict is computed on, which
-    biases the reported loss downward (the winner's curse); S6 accepts this
-    and the report must say so.
+    biases the reported loss downward (the winner's curse); docs/design.md §7.6
+    accepts this and the report must say so.
 
     ``runs[eta][seed]`` is the held-out loss, or None when that run diverged.
     An eta is eligible only if every registered seed ran, finitely and without

@@ -1,4 +1,5 @@
-"""The grid's outputs: ``parity_grid.csv`` and ``summary.json`` (S6), from the rows on disk.
+"""The grid's outputs: ``parity_grid.csv`` and ``summary.json`` (docs/design.md §7.11), from
+the rows on disk.
 
     from hypertrain.sim.study.summary import summarize
     summary = summarize(None, "cpu-tiny")   # any time, also while the grid runs
@@ -14,7 +15,8 @@ registered comparisons.  ``summary.json`` holds, keyed for the doc checker:
   note at the top level), per-seed losses, ``vs_control`` (the DP control at the
   matched inner lr: the primary verdict) and ``vs_best_control`` (the better of
   the two control lrs: the sensitivity verdict), each with gaps, the 90% CI,
-  TOST and power; ``verdict`` / ``verdict_sensitivity`` are the exact S6 words.
+  TOST and power; ``verdict`` / ``verdict_sensitivity`` are the exact words of
+  docs/design.md §7.4.
 - ``negative_control``, ``h1[<hierarchy>]`` (vs flat M = R and flat M = R * n_r),
   ``h2["Hg<h>"]`` (best eta vs M), ``h3`` (ranking, promotion rule, promoted),
   ``h4["Hg<h>"]`` (mean gap vs M, with per-M CIs), ``power`` (one line per verdict).
@@ -67,7 +69,8 @@ WINNERS_CURSE = (
     "(lowest mean held-out loss among non-divergent etas, ties to the smaller eta). "
     "Taking the minimum of several noisy means biases the reported loss of a swept cell "
     "downward (the winner's curse): its gap to the unswept DP control is optimistic, "
-    "by up to the spread of the eta means; S6 accepts this bias and requires saying so."
+    "by up to the spread of the eta means; docs/design.md §7.6 accepts this bias and requires "
+    "saying so."
 )
 CSV_COLUMNS = (
     "job_id", "cell", "kind", "seed", "eta", "status", "final_loss", "final_loss_raw",
