@@ -76,6 +76,10 @@ class OuterOptimizer(ABC):
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps}
 
+    def state_view(self) -> dict[str, Any]:
+        """The state as ``state_dict`` gives it, without copies: to read (digest) only."""
+        return self.state_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
 
@@ -102,6 +106,9 @@ class NesterovOuter(OuterOptimizer):
     def state_dict(self) -> dict[str, Any]:
         mom = None if self.momentum is None else self.momentum.clone()
         return {"steps": self.steps, "momentum": mom}
+
+    def state_view(self) -> dict[str, Any]:
+        return {"steps": self.steps, "momentum": self.momentum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])

@@ -246,31 +246,71 @@ class IslandCore(IslandState):
 
 
 class RegionCore:
-    """A relay's numerical state: the global parameters, the regional base, the relay's EF."""
+    """A relay's numerical state: the global parameters, the regional base, the relay's EF.
 
-    def __init__(self, cfg: RunConfig, region: str, theta0: torch.Tensor) -> None:
+    Two ways to take new global parameters: ``set_global`` copies them (the simulator,
+    whose global parameters change in place afterwards); ``adopt_global`` keeps the tensor
+    itself and never writes to it (the relay machine, which serves it as the global merge),
+    and leaves the base equal to it without copying until the first regional merge of
+    the round computes ``theta - mean`` straight into the base (the same bits as copying
+    and subtracting).  ``base`` always reads as the regional base."""
+
+    def __init__(
+        self, cfg: RunConfig, region: str, theta0: torch.Tensor, adopt: bool = False
+    ) -> None:
+        """``adopt``: keep ``theta0`` itself as the global parameters (see ``adopt_global``)."""
         self.cfg = cfg
         self.region = region
         self.members = cfg.topology.islands_of(region)
         self.codec = make_codec(cfg.regional_codec)
         self.global_codec = make_codec(cfg.global_codec)
-        self.theta = theta0.clone()
-        self.base = theta0.clone()
+        self.theta = theta0 if adopt else theta0.clone()
+        self._base = torch.empty_like(theta0)
+        self._base_is_theta = True  # the base equals theta, not yet written into _base
         self.feedback = ErrorFeedback(self.global_codec, theta0.numel(), beta=cfg.ef_beta)
+
+    @property
+    def base(self) -> torch.Tensor:
+        """The regional base b_r (written out of theta when it still equals it)."""
+        if self._base_is_theta:
+            self._base.copy_(self.theta)
+            self._base_is_theta = False
+        return self._base
+
+    def base_view(self) -> torch.Tensor:
+        """The regional base, to read only (``theta`` itself while the base equals it)."""
+        return self.theta if self._base_is_theta else self._base
 
     def merge(self, inputs: Mapping[str, Blob]) -> tuple[torch.Tensor, Commitment]:
         """Fixed-order mean of the islands' deltas; the regional base moves by it."""
-        mean, commitment = aggregate(inputs, self.codec, tuple(self.base.shape))
-        self.base.sub_(mean)
+        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape))
+        if self._base_is_theta:  # base = theta - mean, without copying theta first
+            torch.sub(self.theta, mean, out=self._base)
+            self._base_is_theta = False
+        else:
+            self._base.sub_(mean)
         return mean, commitment
 
     def encode_global_delta(self) -> bytes:
-        """``D_r = theta_g - b_r`` through the global codec with the relay's error feedback."""
-        return self.feedback.encode(self.theta - self.base)
+        """``D_r = theta_g - b_r`` through the global codec with the relay's error feedback.
+
+        The difference is computed into the base's buffer (no model-sized allocation per
+        round): the base is spent at a global sync and holds nothing until ``set_global``
+        / ``adopt_global`` sets it to the new global parameters."""
+        base = self.base
+        return self.feedback.encode(torch.sub(self.theta, base, out=base))
 
     def set_global(self, theta: torch.Tensor) -> None:
+        """The new global parameters, copied (``theta`` may change afterwards)."""
         self.theta.copy_(theta)
-        self.base.copy_(theta)
+        self._base.copy_(theta)
+        self._base_is_theta = False
+
+    def adopt_global(self, theta: torch.Tensor) -> None:
+        """The new global parameters, kept as they are (no copy): nobody may write to
+        ``theta`` afterwards, and this core never writes to its ``theta`` in place."""
+        self.theta = theta
+        self._base_is_theta = True
 
 
 class GlobalCore:

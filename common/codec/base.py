@@ -50,6 +50,9 @@ assert sys.byteorder == "little", "hypertrain codecs assume a little-endian host
 #: its work buffer stay in L2/L3 while each op runs on both cores.
 SLICE = 1 << 18
 
+# torch.frombuffer warns on read-only buffers; tensor_view's callers never write to them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 Mode = Literal["set", "add", "sub"]
 Buffer = bytes | bytearray | memoryview
 
@@ -57,14 +60,13 @@ Buffer = bytes | bytearray | memoryview
 def tensor_view(buf: Buffer, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
     """A 1-D tensor over ``count`` items of ``buf`` starting at byte ``offset`` (no copy).
 
-    Read-only buffers (``bytes``) are viewed too; callers never write to them,
-    so torch's non-writable-buffer warning is silenced here.
+    Read-only buffers (``bytes``) are viewed too; callers never write to them, so
+    torch's non-writable-buffer warning is filtered out (once, at import: entering
+    ``warnings.catch_warnings`` on every call cost more than the view itself).
     """
     if count == 0:
         return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
 def alloc_raw(size: int) -> memoryview:

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +172,13 @@ def parse_codec_spec(text: str | CodecSpec) -> CodecSpec:
     """
     if isinstance(text, CodecSpec):
         return text
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> CodecSpec:
+    """parse_codec_spec of a string (a pure function of it, and specs are frozen: cached;
+    every delta a node checks names its codec)."""
     body = text.strip()
     zstd = False
     # The framing suffix is split off the end (not on every "+") so that a

@@ -297,6 +297,7 @@ class IslandActor(_Client):
         if self.state_path is not None and self.state_path.exists():
             self.core.load_state_dict(load_state(self.state_path))
             self.rounds.resume()
+        self.wake: Callable[[], None] | None = None  # the sleeping training loop, if any
         self.push_step: int | None = None  # the sync step whose push is not acknowledged
         self.waiting: list[PendingMerge[None]] = []
         self.final_wait = False
@@ -341,7 +342,11 @@ class IslandActor(_Client):
         )
 
     def _next(self) -> None:
-        """Fetch the first merge waited for, once this island's own push is acknowledged."""
+        """Fetch the first merge waited for, once this island's own push is acknowledged;
+        with nothing left to wait for, wake the training loop (``wake``) if it sleeps."""
+        if self.ready and self.wake is not None:
+            wake, self.wake = self.wake, None
+            wake()
         if self.push_step is not None:
             return
         if self.waiting:
@@ -453,7 +458,9 @@ class RelayActor(_Client):
                 return False
             if isinstance(got, Decision):
                 raise _refused(self.name, f"fetch of the global merge of step {step}", got)
-            self.node.on_global(GlobalArrived(step, got.payload, got.commitment))
+            self.node.on_global(
+                GlobalArrived(step, got.payload, got.commitment, got.payload_digest)
+            )
             self.forwarding = False
             self.kick()
             return True
@@ -601,13 +608,16 @@ class Cluster:
         not waiting (this incarnation: a crash ends the loop; call again after a restart)."""
 
         def run() -> None:
-            if island.ready:
-                if self.net.trace:
-                    self.net.trace(
-                        f"t={self.net.now:.2f} {island.name} trains step {island.core.step + 1}"
-                    )
-                island.train()
-                island.after_train()
+            if not island.ready:  # waiting for a merge: sleep until it is applied
+                if not island.done:
+                    island.wake = lambda: island.later(step_time, run)
+                return
+            if self.net.trace:
+                self.net.trace(
+                    f"t={self.net.now:.2f} {island.name} trains step {island.core.step + 1}"
+                )
+            island.train()
+            island.after_train()
             if not island.done:
                 island.later(step_time, run)
 

@@ -159,11 +159,16 @@ class Decision:
 @dataclass(frozen=True, slots=True)
 class GlobalArrived:
     """Event at a relay: the aggregator's theta_{g+1} for the global round of ``sync_step``,
-    with the aggregator's commitment to it (what islands are told they receive)."""
+    with the aggregator's commitment to it (what islands are told they receive).
+
+    The relay keeps ``theta`` itself (it is the merge it serves): whoever sends the event
+    must not write to that tensor afterwards."""
 
     sync_step: int
     theta: torch.Tensor
     commitment: Commitment
+    digest: str = ""
+    """``flat_digest(theta)`` when the transport already verified it ("": computed here)."""
 
 
 # -- effects (each with the tape record that says it happened) ------------------------------
@@ -191,6 +196,8 @@ class Committed:
     record: RegionalMergeEntry | GlobalMergeEntry | None
     """The commit record (None: a relay's copy of the aggregator's global merge)."""
     input_bytes: int = 0
+    payload_digest: str = ""
+    """``flat_digest(payload)`` where already known (a global merge's post state), else ""."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +241,12 @@ class _Level:
     signer_of: Callable[[str], str] = str  # sender id -> key name
     deliveries: int = 0  # planted bug count_duplicate_twice only
 
-    def check(self, d: Delta) -> Decision | None:
-        """None if ``d`` may be taken into the open step; otherwise the refusal."""
+    def check(self, d: Delta, replayed: bool = False) -> Decision | None:
+        """None if ``d`` may be taken into the open step; otherwise the refusal.
+
+        ``replayed``: ``d`` comes back from this machine's own tape (its bytes are checked
+        against the taped digest by the aggregate's commitment), so its payload was
+        validated when it was accepted and is not decoded twice; its signature is."""
         cfg, sched = self.cfg, self.schedule
         if d.run_id != cfg.run_id:
             return Decision(
@@ -277,6 +288,8 @@ class _Level:
                 return refusal
         if d.codec != str(self.codec.spec):
             return Decision(INVALID, f"wrong codec {d.codec!r}, this run uses {self.codec.spec}")
+        if replayed:
+            return None
         try:  # full validation (header, checksum, payload) without decoding to fp32
             self.codec.open(d.data, (self.numel,))
         except HypertrainError as e:
@@ -350,7 +363,7 @@ class RelayMachine:
         self.cfg = cfg
         self.region = region
         self.schedule = Schedule.of(cfg)
-        self.core = RegionCore(cfg, region, theta0)
+        self.core = RegionCore(cfg, region, theta0, adopt=True)  # never written in place
         self.level = _Level(
             cfg,
             self.schedule,
@@ -367,13 +380,15 @@ class RelayMachine:
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
         self.done = False
         self._base_digest: str | None = None  # digest of core.base while it is unchanged
+        self._residual_digest: str | None = None  # digest of the residual while unchanged
 
     @property
     def members(self) -> tuple[str, ...]:
         return self.level.members
 
-    def on_delta(self, d: Delta) -> tuple[Decision, list[Effect]]:
-        refusal = self.level.check(d)
+    def on_delta(self, d: Delta, replayed: bool = False) -> tuple[Decision, list[Effect]]:
+        """An island's delta arrived (``replayed``: read back from this relay's tape)."""
+        refusal = self.level.check(d, replayed)
         if refusal is not None:
             return refusal, []
         if self.global_pending is not None:
@@ -388,9 +403,9 @@ class RelayMachine:
     def _commit(self, step: int) -> list[Effect]:
         sched = self.schedule
         blobs = self.level.close()
-        pre = self._base_digest or flat_digest(self.core.base)
+        pre = self._base_digest or flat_digest(self.core.base_view())
         mean, commitment = self.core.merge(blobs)
-        post = self._base_digest = flat_digest(self.core.base)
+        post = self._base_digest = flat_digest(self.core.base_view())
         g = sched.round_of(step)
         record = RegionalMergeEntry(
             round=g,
@@ -419,9 +434,10 @@ class RelayMachine:
             _keep(self.merges, regional)
             return [regional]
         self.global_pending = step
-        pre_res = flat_digest(self.core.feedback.residual)
-        blob = self.core.encode_global_delta()
-        post_res = flat_digest(self.core.feedback.residual)
+        pre_res = self._residual_digest or flat_digest(self.core.feedback.residual)
+        blob = self.core.encode_global_delta()  # spends the base (reset by on_global)
+        self._base_digest = None
+        post_res = self._residual_digest = flat_digest(self.core.feedback.residual)
         codec = str(self.core.global_codec.spec)
         forward = Forward(
             g,
@@ -450,9 +466,11 @@ class RelayMachine:
                 f"relay {self.region}: global update of {event.theta.numel()} values, "
                 f"the model has {self.core.theta.numel()}"
             )
-        self.core.set_global(event.theta)
+        self.core.adopt_global(event.theta)
         self.global_pending = None
-        self._base_digest = flat_digest(self.core.theta)
+        # The transport verified the digest of what arrived (the gRPC download checks the
+        # header's tensor digest; in one process it is the aggregator's own record).
+        self._base_digest = event.digest or flat_digest(self.core.theta)
         merge = self._global_merge(s, event.commitment)
         self.done = self.schedule.is_final(s)
         record = GlobalAppliedEntry(
@@ -471,9 +489,10 @@ class RelayMachine:
             sync_step,
             sched.merge_step(sync_step),
             commitment,
-            self.core.theta.clone(),
+            self.core.theta,  # never written in place (RegionCore.adopt_global)
             "global",
             None,
+            payload_digest=self._base_digest or "",
         )
         _keep(self.merges, merge)
         return merge
@@ -505,9 +524,9 @@ class RelayMachine:
         it, so that islands re-sending what was already accepted get duplicates."""
         if self.level.accepted or self.merges:
             raise HypertrainError(f"relay {self.region}: restore needs a fresh machine")
-        self.core.set_global(snap.theta)
+        self.core.adopt_global(snap.theta.clone())
         self.core.feedback.load_state_dict({"residual": snap.residual, "beta": self.cfg.ef_beta})
-        self._base_digest = None
+        self._base_digest = self._residual_digest = None
         self._global_merge(snap.sync_step, snap.commitment)
         self.level.open_step = self.schedule.next_sync_step("regional", snap.sync_step)
         self.level.remember(prior)
@@ -558,8 +577,9 @@ class AggregatorMachine:
         """The open global round."""
         return self.schedule.round_of(self.level.open_step)
 
-    def on_regional(self, d: Delta) -> tuple[Decision, list[Effect]]:
-        refusal = self.level.check(d)
+    def on_regional(self, d: Delta, replayed: bool = False) -> tuple[Decision, list[Effect]]:
+        """A relay's regional delta arrived (``replayed``: read back from this tape)."""
+        refusal = self.level.check(d, replayed)
         if refusal is not None:
             return refusal, []
         effects: list[Effect] = [Publish(d, d.record())]
@@ -573,10 +593,10 @@ class AggregatorMachine:
         sched, core = self.schedule, self.core
         blobs = self.level.close()
         pre = self._theta_digest or flat_digest(core.theta)
-        pre_outer = self._outer_digest or outer_state_digest(core.outer.state_dict())
+        pre_outer = self._outer_digest or outer_state_digest(core.outer.state_view())
         commitment = core.step(blobs)
         post = self._theta_digest = flat_digest(core.theta)
-        post_outer = self._outer_digest = outer_state_digest(core.outer.state_dict())
+        post_outer = self._outer_digest = outer_state_digest(core.outer.state_view())
         record = GlobalMergeEntry(
             round=sched.round_of(step),
             sync_step=step,
@@ -602,6 +622,7 @@ class AggregatorMachine:
             "global",
             record,
             sum(len(b) for b in blobs.values()),
+            post,
         )
         _keep(self.merges, merge)
         self.done = sched.is_final(step)

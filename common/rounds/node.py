@@ -299,7 +299,7 @@ class RelayNode(_Node):
         if any(d is None for d in digests.values()):
             return None
         blobs = {i: (self.store.published / str(d)).read_bytes() for i, d in digests.items()}
-        mean, commitment = aggregate(blobs, m.core.codec, tuple(m.core.base.shape))
+        mean, commitment = aggregate(blobs, m.core.codec, tuple(m.core.theta.shape))
         s = m.schedule
         return Committed(
             "regional",

@@ -227,7 +227,9 @@ class Auditor:
                     continue
                 tape, rr, _ = relays[region]
                 try:
-                    rr.apply_global(GlobalArrived(step, merge.payload, merge.commitment))
+                    rr.apply_global(
+                        GlobalArrived(step, merge.payload, merge.commitment, merge.payload_digest)
+                    )
                 except ReplayError as err:
                     raise self._fail(tape, err) from None
 

@@ -78,7 +78,9 @@ class RelayService:
         self.peer = aggregator
         self.shutdown = shutdown
         self.aggregator = Patient(
-            GrpcUpstream(aggregator, cfg.run_id, self.numel),
+            # A fresh tensor per download: the relay keeps each global state (it is the
+            # merge it serves its islands), so no buffer is reused.
+            GrpcUpstream(aggregator, cfg.run_id, self.numel, reuse_buffer=False),
             f"Aggregator {aggregator.address}",
             lambda: self.shutdown.requested,
             lambda message: log_event("waiting", role="relay", region=region, message=message),
@@ -127,7 +129,11 @@ class RelayService:
                 role=f"relay/{self.region}",
                 round=m.open_round,
                 last_step=m.level.open_step - m.schedule.h_r,
-                state_digest=tensor_digest(m.core.base),
+                # the regional base; while a global round is pending (the base is spent
+                # on the forward) the last global parameters
+                state_digest=tensor_digest(
+                    m.core.theta if m.global_pending is not None else m.core.base_view()
+                ),
                 done=m.done,
                 config_digest=self.cfg.digest,
             )
@@ -159,7 +165,9 @@ class RelayService:
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(len(fwd.data))
         got = self.aggregator.fetch(self.region, fwd.sync_step, "global")
         with self.board.cond:
-            merge = self.node.on_global(GlobalArrived(fwd.sync_step, got.payload, got.commitment))
+            merge = self.node.on_global(
+                GlobalArrived(fwd.sync_step, got.payload, got.commitment, got.payload_digest)
+            )
             self.board.cond.notify_all()
         log_event(
             "global",

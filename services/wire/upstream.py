@@ -128,6 +128,7 @@ class GrpcUpstream:
             payload,
             header.kind,  # type: ignore[arg-type]
             None,
+            payload_digest=header.digest,  # checked against the payload by receive_merge
         )
 
     def report_applied(self, requester: str, step: int) -> Decision | None:
