@@ -433,7 +433,8 @@ class RelayActor(_Client):
         """Forward the region's delta if one waits for its global update."""
         fwd = self.node.outbox
         if fwd is None or self.forwarding:
-            if self.node.done and not self.final_reported and not self.forwarding:
+            reporting = "report" in self.calls and self.calls["report"].busy
+            if self.node.done and not (self.final_reported or self.forwarding or reporting):
                 self._report_final()
             return
         self.forwarding = True

@@ -17,8 +17,9 @@ from hypertrain.wire.chunks import CHUNK_BYTES
 from hypertrain.wire.client import connect, push_delta, relay_stub
 from tests.integration.conftest import Cluster
 
-#: What a relay may hold besides one copy of the payload (see the assertion).
-SLACK_BYTES = 64 << 20
+#: What a relay may hold besides one copy of the payload (see the assertion).  Under half
+#: the payload, so a second copy of it (or a decoded fp32 one) still fails the test.
+SLACK_BYTES = 96 << 20
 
 CFG = RunConfig.from_dict(
     {
@@ -97,7 +98,9 @@ def test_large_delta_streams_intact_with_bounded_relay_memory(tmp_path: Path) ->
     # One copy of the payload (receive buffer or page cache of the spool file) plus a
     # fixed slack (chunks in flight, gRPC's buffers, the heap the allocator keeps:
     # options.TRIM_THRESHOLD_BYTES); never one copy per chunk in flight, never a decoded
-    # fp32 copy (4x the size).  Measured: 162-171 MiB for this 120 MiB delta.
+    # fp32 copy (4x the size).  Measured: 148-194 MiB for this 120 MiB delta, over six runs
+    # of the code before and after the round engine: the old 64 MiB slack failed now and
+    # then with either (how many chunks gRPC holds in flight varies from run to run).
     assert grown < len(blob) + SLACK_BYTES, (
         f"relay RSS grew {grown / 2**20:.0f} MiB for a {len(blob) / 2**20:.0f} MiB delta"
     )
