@@ -188,21 +188,7 @@ class RunConfig:
         ConfigError if the file cannot be read, is not TOML, or holds anything at the top
         level but the tables of ``KNOWN_TABLES`` (the daemons' tables are read by
         common/settings.py, with the same rule)."""
-        try:
-            with open(path, "rb") as f:
-                doc = tomllib.load(f)
-        except OSError as e:
-            raise ConfigError(f"config {path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config {path}: invalid TOML: {e}") from None
-        for name, value in doc.items():
-            if name not in KNOWN_TABLES:
-                what = f"table [{name}]" if isinstance(value, dict) else f"top-level key {name!r}"
-                raise ConfigError(
-                    f"config {path}: unknown {what} (known tables: {', '.join(KNOWN_TABLES)})"
-                )
-            if not isinstance(value, dict):
-                raise ConfigError(f"config {path}: [{name}] must be a table")
+        doc = load_tables(path)
         return cls.from_dict(doc.get("run", {}))
 
     def with_overrides(self, **changes: Any) -> RunConfig:
@@ -236,3 +222,40 @@ class RunConfig:
     @property
     def global_batch(self) -> int:
         return self.topology.n_islands * self.batch_per_island
+
+
+def load_tables(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The top-level tables of the TOML file at ``path``; ConfigError if it cannot be
+    read, is not TOML, or holds anything but the tables of KNOWN_TABLES."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {path}: invalid TOML: {e}") from None
+    known = ", ".join(KNOWN_TABLES)
+    for name, value in doc.items():
+        if name not in KNOWN_TABLES:
+            what = f"table [{name}]" if isinstance(value, dict) else f"top-level key {name!r}"
+            raise ConfigError(f"config {path}: unknown {what} (known tables: {known})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"config {path}: [{name}] must be a table, got {kind_of(value)}")
+    return doc
+
+
+def kind_of(value: object) -> str:
+    """How a TOML value's type reads in a message ("a string", "an integer", ...)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str | Path):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return f"a {type(value).__name__}"

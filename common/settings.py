@@ -18,57 +18,22 @@ reads the environment.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from hypertrain.common.config import KNOWN_TABLES, TopologyConfig
+from hypertrain.common.config import KNOWN_TABLES, TopologyConfig, load_tables
+from hypertrain.common.config import kind_of as _kind
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.trust.keys import TRUSTED_KEYS_FILE
 
 _LISTEN_EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:0, 0.0.0.0:7070 or [::1]:7070"
-
-
-def load_tables(path: str | Path) -> dict[str, dict[str, Any]]:
-    """The top-level tables of the TOML file at ``path``; ConfigError if it cannot be
-    read, is not TOML, or holds anything but the tables of KNOWN_TABLES."""
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"config {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config {path}: invalid TOML: {e}") from None
-    known = ", ".join(KNOWN_TABLES)
-    for name, value in doc.items():
-        if name not in KNOWN_TABLES:
-            what = f"table [{name}]" if isinstance(value, dict) else f"top-level key {name!r}"
-            raise ConfigError(f"config {path}: unknown {what} (known tables: {known})")
-        if not isinstance(value, dict):
-            raise ConfigError(f"config {path}: [{name}] must be a table, got {_kind(value)}")
-    return doc
-
-
-def _kind(value: object) -> str:
-    """How a TOML value's type reads in a message ("a string", "an integer", ...)."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, str | Path):
-        return "a string"
-    if isinstance(value, list | tuple):
-        return "an array"
-    if isinstance(value, dict):
-        return "a table"
-    return f"a {type(value).__name__}"
-
-
 _WANTED = {str: "a string", int: "an integer", Path: "a path (a string)"}
+
+# The one reader of config files and its tables live in common/config.py; re-exported here
+# for the daemons, which read their settings through this module.
+__all__ = ["KNOWN_TABLES", "load_tables"]
 
 
 def _fits(value: object, typ: type) -> bool:
