@@ -23,7 +23,6 @@ refuses to let one be skipped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
@@ -193,6 +192,3 @@ class PendingMerges(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._queue)
-
-    def __iter__(self) -> Iterator[PendingMerge[T]]:
-        return iter(list(self._queue))

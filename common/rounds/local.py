@@ -99,9 +99,6 @@ class Network:
         for t in self.policy.deliveries(src, dst, self.now):
             self.at(t, fn)
 
-    def pending(self) -> bool:
-        return bool(self._heap)
-
     def step(self) -> bool:
         """Run the next event; False when none is left."""
         if not self._heap:

@@ -55,8 +55,7 @@ from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, Repla
 from hypertrain.common.rounds.store import NodeStore, load_state
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import flat_digest
-from hypertrain.common.trust.schema import GlobalAppliedEntry, RejectionEntry, parse
-from hypertrain.common.trust.tape import Entry
+from hypertrain.common.trust.schema import GlobalAppliedEntry, RejectionEntry, records
 
 FORBIDDEN = "permission_denied"
 """Decision code of a fetch by someone who is not a member here."""
@@ -66,10 +65,6 @@ CHECKPOINT_FORMAT = 2
 
 Publisher = Callable[[Delta], None]
 """Keeps an accepted delta's bytes under its digest (the driver may move a spooled file)."""
-
-
-def _records(entries: list[Entry]) -> list[Any]:
-    return [r for r in (parse(e) for e in entries) if r is not None]
 
 
 class _Node:
@@ -192,8 +187,6 @@ class RelayNode(_Node):
     ) -> None:
         super().__init__(cfg, store, theta0.numel())
         self.region = region
-        self.theta0 = theta0
-        self.trusted = trusted
         self.machine: RelayMachine = RelayMachine(cfg, region, theta0, trusted)
         self.outbox: Forward | None = None
         """The forward whose global update has not arrived yet (the driver sends it, then
@@ -332,13 +325,13 @@ class RelayNode(_Node):
         if path is not None:
             snap, start, head = self._read_checkpoint(path)
             if start and len(entries) == start - 1:  # died between checkpoint and entry
-                self.machine.restore(snap, _records(entries))
+                self.machine.restore(snap, records(entries))
                 merge = self.machine.merge_for(snap.sync_step)
                 assert merge is not None
                 self._record(Applied(merge, _applied_record(self.machine, snap)))
                 entries = store.entries()
             else:
-                self.machine.restore(snap, _records(entries[:start]))
+                self.machine.restore(snap, records(entries[:start]))
             if len(entries) < start or (start and entries[start - 1].hash != head):
                 raise ConfigError(
                     f"tape {store.folder / 'tape'} does not contain what {path} recorded "
@@ -502,7 +495,7 @@ class AggregatorNode(_Node):
                 )
             snap = AggregatorSnapshot(int(ck["sync_step"]), ck["theta"], ck["outer"])
             try:
-                self.machine.restore(snap, _records(entries[:start]))
+                self.machine.restore(snap, records(entries[:start]))
             except HypertrainError as e:
                 raise ConfigError(f"cannot resume {store.folder}: {e}") from None
         elif not entries:

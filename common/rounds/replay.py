@@ -186,17 +186,12 @@ class _Replay:
         """A recomputed input digest differs from the taped one: name the changed input."""
         for member, digest in zip(c.commitment.members, c.commitment.input_digests, strict=True):
             src = self.inputs.get((c.sync_step, member))
-            if src is not None and parse(src).digest != digest:  # type: ignore[union-attr]
-                rec = parse(src)
-                assert isinstance(rec, InputEntry)
+            rec = parse(src) if src is not None else None
+            if isinstance(rec, InputEntry) and rec.digest != digest:
                 raise ReplayError(
                     src,
                     f"changed input: {self.blobs.where(rec)} no longer has sha256 {rec.digest}",
                 )
-
-    @property
-    def done(self) -> bool:
-        return self.pos >= len(self.entries)
 
 
 class RelayReplay(_Replay):

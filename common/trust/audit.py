@@ -64,7 +64,7 @@ from hypertrain.common.trust.schema import (
     ForwardEntry,
     GlobalAppliedEntry,
     GlobalMergeEntry,
-    parse,
+    records,
 )
 from hypertrain.common.trust.tape import Entry, verify_tape
 
@@ -264,14 +264,9 @@ class Auditor:
         ck = torch.load(path, weights_only=True)
         theta = ck["theta"]
         start = int(ck["tape_seq"])
-        entries = verified[AGGREGATOR_KEY]
+        prior = records(verified[AGGREGATOR_KEY][:start])
         merge = next(
-            (
-                r
-                for r in (parse(e) for e in entries[:start])
-                if isinstance(r, GlobalMergeEntry) and r.round == round_
-            ),
-            None,
+            (r for r in prior if isinstance(r, GlobalMergeEntry) and r.round == round_), None
         )
         if merge is None or merge.post_state != flat_digest(theta):
             raise AuditError(
@@ -280,7 +275,7 @@ class Auditor:
         if outer_state_digest(ck["outer"]) != merge.post_outer:
             raise AuditError(f"{path}: outer optimizer state does not match the tape")
         snap = AggregatorSnapshot(merge.sync_step, theta, ck["outer"])
-        agg.restore(snap, [r for r in (parse(e) for e in entries[:start]) if r is not None])
+        agg.restore(snap, prior)
         starts = {AGGREGATOR_KEY: start}
         for region, folder in self.layout.relays.items():
             rpath = folder / "checkpoints" / name
@@ -293,13 +288,13 @@ class Auditor:
                 )
             rentries = verified[relay_key(region)]
             seq = int(rck["tape_seq"])
-            records = [r for r in (parse(e) for e in rentries[:seq]) if r is not None]
+            taped = records(rentries[:seq])
             forward = next(
-                (r for r in records if isinstance(r, ForwardEntry) and r.round == round_), None
+                (r for r in taped if isinstance(r, ForwardEntry) and r.round == round_), None
             )
             applied = [
                 r
-                for r in records
+                for r in taped
                 if isinstance(r, GlobalAppliedEntry) and r.sync_step == merge.sync_step
             ]
             if (
@@ -316,7 +311,7 @@ class Auditor:
                 rck["residual"],
                 Commitment.from_dict(json.loads(rck["commitment"])),
             )
-            relays[region].restore(rsnap, records)
+            relays[region].restore(rsnap, taped)
             starts[relay_key(region)] = seq
         return starts
 

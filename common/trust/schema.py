@@ -32,6 +32,7 @@ differing field):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
 
@@ -238,6 +239,11 @@ def parse(entry: Entry) -> Record | None:
     except SchemaError as e:
         raise SchemaError(f"entry {entry.seq}: {e}", reason="schema", seq=entry.seq) from None
     return record
+
+
+def records(entries: Iterable[Entry]) -> list[Record]:
+    """The typed records of ``entries`` in order (tape checkpoints left out)."""
+    return [r for r in (parse(e) for e in entries) if r is not None]
 
 
 def tape_safe(obj: Any) -> Any:
