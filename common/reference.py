@@ -33,7 +33,7 @@ from hypertrain.common.data import (
 )
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.model import build_model, evaluate, preset
+from hypertrain.common.model import build_model, evaluate
 from hypertrain.common.roles import IslandCore, initial_parameters
 from hypertrain.common.rounds.local import Cluster, IslandActor
 from hypertrain.common.schedule import Schedule
@@ -72,7 +72,7 @@ def run_reference(
     """Train ``cfg`` in-process; ``on_event`` receives one dict per global round."""
     torch.set_num_threads(cfg.threads)
     emit = on_event or (lambda e: None)
-    mcfg = preset(cfg.model)
+    mcfg = cfg.model_config()
     dataset = open_dataset(cfg)
     stream = SampleStream(dataset, mcfg.seq_len, cfg.global_batch, cfg.seed)
     # The holdout region is always sized for the registered 512 windows so that the

@@ -19,7 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -30,7 +30,7 @@ from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.flat import ParamLayout
-from hypertrain.common.model import GPT, build_model, preset
+from hypertrain.common.model import GPT, build_model
 from hypertrain.common.optim import InnerOptimizer, wsd_factor
 from hypertrain.common.outer import make_outer
 from hypertrain.common.schedule import Schedule, overlap_merge
@@ -42,7 +42,7 @@ def initial_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
         from hypertrain.common.toy import toy_layout, toy_parameters
 
         return toy_layout(), toy_parameters(cfg)
-    model = build_model(cfg.model, seed=cfg.seed)
+    model = build_model(cfg.model_config(), seed=cfg.seed)
     layout = ParamLayout.of(model)
     return layout, layout.flatten(model)
 
@@ -112,14 +112,14 @@ class IslandState:
 
         ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
         only takes the snapshot and returns no bytes."""
-        theta = self.params()
+        theta = self.params()  # a fresh copy: the delta is computed in its memory
         if self.schedule.tau:
             self.snapshots[self.step] = theta.clone()
         if not encode:
             return b""
-        delta = self.base - theta
+        delta = torch.sub(self.base, theta, out=theta)
         self.last_delta_norm = float(torch.linalg.vector_norm(delta))
-        return self.feedback.encode(delta)
+        return self.feedback.encode(delta, consume=True)
 
     def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
         """Apply the merge of ``sync_step``; must be called at its pinned step
@@ -153,24 +153,43 @@ class IslandState:
         self.snapshots.clear()
         self.load_params(self.base)
 
-    def state_dict(self) -> dict[str, Any]:
+    def params_equal_base(self) -> bool:
+        """Are the current parameters bit-identical to the base (as right after a merge
+        without overlap)?  A subclass may answer without copying the parameters."""
+        return bool(torch.equal(self.params(), self.base))
+
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """Everything needed to rejoin exactly: parameters, base, training state, error
-        feedback, step and overlap snapshots."""
+        feedback, step and overlap snapshots.
+
+        ``copy=False``: the live tensors, no copies (the caller writes them out before the
+        island changes them), and ``params`` None when they equal the base."""
+        if copy:
+            return {
+                "island": self.island_id,
+                "step": self.step,
+                "params": self.params(),
+                "base": self.base.clone(),
+                **self._train_state(),
+                "feedback": self.feedback.state_dict(),
+                "snapshots": {k: v.clone() for k, v in self.snapshots.items()},
+            }
         return {
             "island": self.island_id,
             "step": self.step,
-            "params": self.params(),
-            "base": self.base.clone(),
+            "params": None if self.params_equal_base() else self.params(),
+            "base": self.base,
             **self._train_state(),
-            "feedback": self.feedback.state_dict(),
-            "snapshots": {k: v.clone() for k, v in self.snapshots.items()},
+            "feedback": self.feedback.state_dict(copy=False),
+            "snapshots": dict(self.snapshots),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["island"] != self.island_id:
             raise HypertrainError(f"island state of {state['island']!r}, not {self.island_id!r}")
         self.step = int(state["step"])
-        self.load_params(state["params"])
+        params = state["params"]
+        self.load_params(state["base"] if params is None else params)
         self.base.copy_(state["base"])
         self._load_train_state(state)
         self.feedback.load_state_dict(state["feedback"])
@@ -206,10 +225,14 @@ class IslandCore(IslandState):
                 f"by its {k} ranks"
             )
         self.device = torch.device(device)
-        self.model: GPT = build_model(preset(cfg.model), seed=cfg.seed).to(self.device)
+        self.model: GPT = build_model(cfg.model_config(), seed=cfg.seed).to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.layout.load(self.model, theta0)
         self.optimizer = InnerOptimizer(self.model, cfg.inner)
+        self.before_update: Callable[[], None] = lambda: None
+        """Called before each optimizer step, the first change to the parameters and the
+        optimizer's state in a step: the island daemon waits there for the rejoin state
+        it is writing from them in the background."""
 
     def train_step(self) -> float:
         """One inner step on this island's slice of the global batch at ``self.step``."""
@@ -228,12 +251,18 @@ class IslandCore(IslandState):
         value = float(loss.detach())
         if self.ranks is not None:
             value = self.ranks.average_gradients(self.model, value)
+        self.before_update()
         self.optimizer.step()
+        self.optimizer.zero_grad()  # the gradients' memory is free between steps (syncs use it)
         self.step += 1
         return value
 
     def params(self) -> torch.Tensor:
         return self.layout.flatten(self.model)
+
+    def params_equal_base(self) -> bool:
+        base = self.layout.unflatten(self.base)
+        return all(torch.equal(p.detach(), base[n]) for n, p in self.model.named_parameters())
 
     def load_params(self, flat: torch.Tensor) -> None:
         self.layout.load(self.model, flat)
@@ -298,7 +327,12 @@ class RegionCore:
         round): the base is spent at a global sync and holds nothing until ``set_global``
         / ``adopt_global`` sets it to the new global parameters."""
         base = self.base
-        return self.feedback.encode(torch.sub(self.theta, base, out=base))
+        blob = self.feedback.encode(torch.sub(self.theta, base, out=base), consume=True)
+        if not self.feedback.is_zero:  # the base's memory now holds the residual
+            released = self.feedback.released
+            self._base = torch.empty_like(self.theta) if released is None else released
+            self.feedback.released = None
+        return blob
 
     def set_global(self, theta: torch.Tensor) -> None:
         """The new global parameters, copied (``theta`` may change afterwards)."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hypertrain.common.codec.base import Codec, alloc_raw, flat_input
+from hypertrain.common.codec.base import SLICE, Codec, alloc_raw, flat_input
 from hypertrain.common.codec.layout import raw_length
 from hypertrain.common.codec.registry import make_codec
 from hypertrain.common.codec.spec import CodecSpec
@@ -32,7 +32,11 @@ from hypertrain.common.errors import CodecError, ConfigError
 
 
 class ErrorFeedback:
-    """Error-feedback state of one sender for one tensor (see the module docstring)."""
+    """Error-feedback state of one sender for one tensor (see the module docstring).
+
+    A residual of all +0.0 is held as no tensor at all: a lossless codec never leaves
+    anything else (``e - decode(encode(e))`` is +0.0 for every finite ``e``), so its
+    sender keeps no model-sized buffer for it."""
 
     def __init__(
         self, codec: Codec | CodecSpec | str, numel_or_shape: int | Sequence[int], beta: float = 1.0
@@ -43,7 +47,10 @@ class ErrorFeedback:
             raise ConfigError(f"error feedback shape {shape} has a negative dimension")
         self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
         self.beta = self._check_beta(beta)
-        self._residual = torch.zeros(self.shape, dtype=torch.float32)
+        self._residual: torch.Tensor | None = None  # None: all +0.0
+        self.released: torch.Tensor | None = None
+        """After ``encode(..., consume=True)``: the previous residual's buffer, which the
+        caller may reuse (None if there was none)."""
 
     @staticmethod
     def _check_beta(beta: float) -> float:
@@ -54,40 +61,76 @@ class ErrorFeedback:
 
     @property
     def residual(self) -> torch.Tensor:
-        """The current residual ``e`` (the live tensor: read it, do not modify it)."""
+        """The current residual ``e`` (the live tensor: read it, do not modify it; a fresh
+        zero tensor while the residual is all zeros)."""
+        if self._residual is None:
+            return torch.zeros(self.shape, dtype=torch.float32)
         return self._residual
 
-    def encode(self, delta: torch.Tensor) -> bytes:
-        """Fold ``delta`` into the residual, encode it, keep what was not sent."""
+    @property
+    def is_zero(self) -> bool:
+        """Is the residual all +0.0 (held as no tensor)?"""
+        return self._residual is None
+
+    def encode(self, delta: torch.Tensor, consume: bool = False) -> bytes:
+        """Fold ``delta`` into the residual, encode it, keep what was not sent.
+
+        ``consume``: ``delta``'s memory may be used as the work buffer (the new residual
+        is then computed in it, and the old residual's buffer is left in ``released``):
+        no model-sized allocation.  The bits are the same either way."""
         flat = flat_input(delta)
-        if flat.numel() != self._residual.numel():
+        if flat.numel() != math.prod(self.shape):
             raise CodecError(
-                f"delta has {flat.numel()} values, error feedback holds {self._residual.numel()}"
+                f"delta has {flat.numel()} values, error feedback holds {math.prod(self.shape)}"
             )
-        # A new tensor, swapped in only after encoding succeeded (atomic update).
-        acc = torch.mul(self._residual, self.beta).view(-1)
-        acc.add_(flat)
+        own = consume and flat.data_ptr() == delta.data_ptr()  # flat_input may have copied
+        # acc = fl(fl(beta * e) + delta), in a new tensor or in delta's memory (addition is
+        # commutative, signed zeros included, so ``delta + x`` gives the bits of ``x + delta``).
+        # The residual is swapped only after encoding succeeded (atomic update).
+        e = self._residual
+        if e is None:  # beta * (+0.0) = +0.0
+            acc = flat.add_(0.0) if own else torch.add(flat, 0.0)
+        elif self.beta == 1.0:  # 1.0 * e = e exactly
+            acc = flat.add_(e.view(-1)) if own else torch.add(e.view(-1), flat)
+        elif own:
+            acc = flat
+            ev = e.view(-1)
+            for start in range(0, acc.numel(), SLICE):  # a cache-sized temporary per slice
+                acc[start : start + SLICE].add_(torch.mul(ev[start : start + SLICE], self.beta))
+        else:
+            acc = torch.mul(e, self.beta).view(-1)
+            acc.add_(flat)
         raw = alloc_raw(raw_length(self.codec.spec, acc.numel()))
         self.codec._encode_raw(acc, raw)
         blob = self.codec.frame(raw, self.shape)
-        self.codec._apply(self.codec._prepare(raw, acc.numel()), acc, "sub")
-        self._residual = acc.view(self.shape)
+        self.released = e if own else None
+        if self.codec.lossless:  # acc - decode(c) is +0.0 everywhere
+            self._residual = None
+        else:
+            self.codec._apply(self.codec._prepare(raw, acc.numel()), acc, "sub")
+            self._residual = acc.view(self.shape)
         return blob
 
-    def state_dict(self) -> dict[str, torch.Tensor | float]:
-        """A copy of the state: ``{"residual": tensor, "beta": float}``."""
-        return {"residual": self._residual.clone(), "beta": self.beta}
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor | float | None]:
+        """The state: ``{"residual": tensor or None (all zeros), "beta": float}``; a copy
+        unless ``copy=False`` (the live tensor, to be written out before the next encode)."""
+        e = self._residual
+        return {"residual": None if e is None else (e.clone() if copy else e), "beta": self.beta}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor | float]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor | float | None]) -> None:
         """Restore a state saved by :meth:`state_dict` (``ConfigError`` if it does not fit)."""
         residual, beta = state.get("residual"), state.get("beta")
-        if not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32:
-            raise ConfigError("error feedback state needs a float32 'residual' tensor")
-        if tuple(residual.shape) != self.shape:
+        if residual is not None and (
+            not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32
+        ):
+            raise ConfigError("error feedback state needs a float32 'residual' tensor or None")
+        if residual is not None and tuple(residual.shape) != self.shape:
             raise ConfigError(
                 f"error feedback residual has shape {tuple(residual.shape)}, expected {self.shape}"
             )
         if not isinstance(beta, float | int) or isinstance(beta, bool):
             raise ConfigError("error feedback state needs a float 'beta'")
         self.beta = self._check_beta(beta)
-        self._residual = residual.detach().to("cpu", copy=True).contiguous()
+        self._residual = (
+            None if residual is None else residual.detach().to("cpu", copy=True).contiguous()
+        )

@@ -25,6 +25,7 @@ A decision either completes (state and effects) or leaves the machine exactly as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 
 from hypertrain.common import planted
 from hypertrain.common.aggregate import Blob, Commitment
-from hypertrain.common.codec import Codec
+from hypertrain.common.codec import Codec, ErrorFeedback
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.errors import HypertrainError, UnknownKeyError
@@ -66,6 +67,11 @@ CORRUPT = "data_loss"  # the bytes are not the ones the digest names: resending 
 TOO_LARGE = "resource_exhausted"  # larger than any encoding of the model: never retry
 
 KEEP_MERGES = 4  # committed merges kept for late fetchers (tau < h_r needs 1)
+KEEP_GLOBAL = 1
+"""Global merges the aggregator keeps (each a copy of the model): only the last round's
+can be asked for.  A relay forwards round g+1 only after its checkpoint of round g is
+written, and round g+1 completes only with every relay's forward; so a relay, restarted
+or not, never needs a round older than the last completed one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,10 +341,30 @@ class _Level:
                 self.accepted[(r.sync_step, r.sender)] = r.digest
 
 
-def _keep(merges: dict[int, Committed], merge: Committed) -> None:
+def _keep(merges: dict[int, Committed], merge: Committed, keep: int = KEEP_MERGES) -> None:
     merges[merge.sync_step] = merge
-    for old in sorted(merges)[:-KEEP_MERGES]:
+    for old in sorted(merges)[:-keep]:
         del merges[old]
+
+
+_ZERO_DIGESTS: dict[int, str] = {}
+
+
+def residual_digest(feedback: ErrorFeedback) -> str:
+    """``flat_digest`` of a sender's error-feedback residual."""
+    return stored_residual_digest(
+        None if feedback.is_zero else feedback.residual, math.prod(feedback.shape)
+    )
+
+
+def stored_residual_digest(residual: torch.Tensor | None, numel: int) -> str:
+    """``flat_digest`` of a residual as checkpoints hold it (None: ``numel`` zeros, whose
+    digest is computed once per size)."""
+    if residual is not None:
+        return flat_digest(residual)
+    if numel not in _ZERO_DIGESTS:
+        _ZERO_DIGESTS[numel] = flat_digest(torch.zeros(numel, dtype=torch.float32))
+    return _ZERO_DIGESTS[numel]
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,8 +374,8 @@ class RelaySnapshot:
     sync_step: int
     theta: torch.Tensor
     """theta_{g+1} (also the regional base)."""
-    residual: torch.Tensor
-    """The relay's global-codec error feedback."""
+    residual: torch.Tensor | None
+    """The relay's global-codec error feedback (None: all zeros)."""
     commitment: Commitment
     """The aggregator's commitment to ``theta`` (served to islands with it)."""
 
@@ -434,10 +460,10 @@ class RelayMachine:
             _keep(self.merges, regional)
             return [regional]
         self.global_pending = step
-        pre_res = self._residual_digest or flat_digest(self.core.feedback.residual)
+        pre_res = self._residual_digest or residual_digest(self.core.feedback)
         blob = self.core.encode_global_delta()  # spends the base (reset by on_global)
         self._base_digest = None
-        post_res = self._residual_digest = flat_digest(self.core.feedback.residual)
+        post_res = self._residual_digest = residual_digest(self.core.feedback)
         codec = str(self.core.global_codec.spec)
         forward = Forward(
             g,
@@ -512,10 +538,12 @@ class RelayMachine:
         last = max((s for s, m in self.merges.items() if m.kind == "global"), default=None)
         if self.global_pending is not None or self.level.inputs or last is None:
             raise HypertrainError(f"relay {self.region}: a snapshot only between global rounds")
+        # Neither is written in place: theta is adopted (RegionCore.adopt_global) and the
+        # residual is replaced by each encode.
         return RelaySnapshot(
             last,
-            self.core.theta.clone(),
-            self.core.feedback.residual.clone(),
+            self.core.theta,
+            self.core.feedback.state_dict(copy=False)["residual"],  # type: ignore[arg-type]
             self.merges[last].commitment,
         )
 
@@ -624,7 +652,7 @@ class AggregatorMachine:
             sum(len(b) for b in blobs.values()),
             post,
         )
-        _keep(self.merges, merge)
+        _keep(self.merges, merge, KEEP_GLOBAL)
         self.done = sched.is_final(step)
         return merge
 
@@ -632,10 +660,14 @@ class AggregatorMachine:
         return self.merges.get(sync_step)
 
     # -- durable state ------------------------------------------------------------------
-    def snapshot(self) -> AggregatorSnapshot:
+    def snapshot(self, copy: bool = True) -> AggregatorSnapshot:
+        """The state after the last global round; ``copy=False``: the live tensors (the
+        caller must be done with them before the next round changes them)."""
         last = max(self.merges, default=None)
         if last is None or self.level.open_step != self.schedule.next_sync_step("global", last):
             raise HypertrainError("aggregator: a snapshot only right after a global round")
+        if not copy:
+            return AggregatorSnapshot(last, self.core.theta, self.core.outer.state_view())
         return AggregatorSnapshot(last, self.core.theta.clone(), self.core.outer.state_dict())
 
     def restore(self, snap: AggregatorSnapshot, prior: Iterable[Record]) -> None:
@@ -678,6 +710,7 @@ class AggregatorMachine:
                 "global",
                 last,
             ),
+            KEEP_GLOBAL,
         )
         self.level.open_step = self.schedule.next_sync_step("global", snap.sync_step)
         self.level.remember(prior)

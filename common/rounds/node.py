@@ -422,6 +422,8 @@ class AggregatorNode(_Node):
     ) -> tuple[Decision, list[Effect]]:
         """A relay's regional delta arrived: decide; an outer step is taped and checkpointed
         before the push is answered."""
+        if self.store is not None:  # the outer step may change what a checkpoint refers to
+            self.store.settle()
         decision, effects = self.machine.on_regional(delta)
         self._decided(decision, delta, effects, publisher)
         return decision, effects
@@ -435,12 +437,15 @@ class AggregatorNode(_Node):
         self._checkpoint(effect)
         self.committed.append(effect)
 
-    def _checkpoint(self, c: Committed, position: tuple[int, str] | None = None) -> None:
+    def _checkpoint(
+        self, c: Committed, position: tuple[int, str] | None = None, deferrable: bool = True
+    ) -> None:
         """The state after ``c`` (just committed, or just redone); ``position``: the tape
-        position it follows (default: the tape's end)."""
+        position it follows (default: the tape's end); ``deferrable``: the machine does not
+        change before the next push (which settles the store first)."""
         if self.store is None:
             return
-        snap = self.machine.snapshot()
+        snap = self.machine.snapshot(copy=False)  # unchanged until the next push settles
         seq, head = position or self.store.tape_position
         state = {
             "run_id": self.cfg.run_id,
@@ -452,7 +457,9 @@ class AggregatorNode(_Node):
             "tape_seq": seq,
             "tape_head": head,
         }
-        self.store.write_checkpoint(c.round, state, copy_as="state.pt")
+        # After the round's tape entry, which with the published inputs determines it: a
+        # restart that finds the entry without its checkpoint replays the round.
+        self.store.write_checkpoint(c.round, state, copy_as="state.pt", deferrable=deferrable)
 
     def applied(self, requester: str, step: int) -> Decision | None:
         """A relay reports the global merge of ``step`` applied and durable at its end.
@@ -506,7 +513,7 @@ class AggregatorNode(_Node):
             while (found := replay.next_merge()) is not None:
                 # taped, perhaps not checkpointed (the crash came between): write it again
                 merge, entry = found
-                self._checkpoint(merge, (entry.seq + 1, entry.hash))
+                self._checkpoint(merge, (entry.seq + 1, entry.hash), deferrable=False)
                 self.committed.append(merge)  # the daemon logs and evaluates it
                 redone += 1
         except ReplayError as e:

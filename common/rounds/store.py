@@ -6,7 +6,7 @@ One folder per relay or aggregator (a daemon's ``--state-dir``)::
     published/<sha256>        every accepted input's encoded bytes
     spool/                    transfers still arriving (the gRPC driver's; never state)
     checkpoints/round-N.pt    the machine's state after global round N (torch.save)
-    state.pt                  aggregator: a copy of the latest checkpoint
+    state.pt                  aggregator: a hard link to the latest checkpoint
     final/<member>            members known to hold the run's final merge
 
 Small files are written atomically (temp file in the same folder, fsync, rename, fsync of
@@ -14,6 +14,13 @@ the folder); ``sync=False`` skips the fsyncs (simulations on a memory file syste
 ``crash(point)`` is called at named points between durable steps: the daemons pass a
 hook that kills the process there in crash tests, the fault simulation one that raises,
 so that every ordering of writes is exercised.
+
+Checkpoints are streamed into their file by ``torch.save`` (no copy of the state in
+memory).  A store opened with ``defer=True`` (the aggregator daemon) writes the
+checkpoints its node marks deferrable on a background thread, after the round's tape
+entry: the node calls ``settle()`` before it changes any tensor a pending checkpoint
+refers to, and a restart that finds the entry but not its checkpoint replays the round
+from the tape and the published inputs (the node's ``recover``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -42,16 +51,14 @@ def no_crash(point: str) -> None:
     """The hook outside crash tests: nothing happens."""
 
 
-def atomic_write(path: Path, data: Blob, crash: Crash = no_crash, sync: bool = True) -> None:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the folder."""
+def _atomic(path: Path, write: Callable[[BinaryIO], None], crash: Crash, sync: bool) -> None:
+    """Create ``path`` atomically: ``write`` into a temp file beside it, fsync, rename,
+    fsync of the folder (``crash`` is called mid-write and before the rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    view = memoryview(data)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(view[: len(view) // 2])
-            crash("mid_write")
-            f.write(view[len(view) // 2 :])
+            write(f)
             f.flush()
             if sync:
                 os.fsync(f.fileno())
@@ -59,6 +66,43 @@ def atomic_write(path: Path, data: Blob, crash: Crash = no_crash, sync: bool = T
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    if sync:
+        fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, data: Blob, crash: Crash = no_crash, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the folder."""
+    view = memoryview(data)
+
+    def write(f: BinaryIO) -> None:
+        f.write(view[: len(view) // 2])
+        crash("mid_write")
+        f.write(view[len(view) // 2 :])
+
+    _atomic(path, write, crash, sync)
+
+
+def atomic_save(path: Path, state: Any, crash: Crash = no_crash, sync: bool = True) -> None:
+    """``torch.save(state)`` to ``path`` atomically, streamed into the file (tensors are
+    written from their own memory, never copied into a buffer first)."""
+
+    def write(f: BinaryIO) -> None:
+        torch.save(state, f)
+        crash("mid_write")
+
+    _atomic(path, write, crash, sync)
+
+
+def atomic_link(source: Path, path: Path, sync: bool = True) -> None:
+    """Make ``path`` a hard link to ``source`` atomically (link under a temp name, rename)."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.link"
+    tmp.unlink(missing_ok=True)
+    os.link(source, tmp)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
     if sync:
         fsync_dir(path.parent)
@@ -87,10 +131,12 @@ class NodeStore:
         sync: bool = True,
         crash: Crash = no_crash,
         checkpoint_every: int | None = None,
+        defer: bool = False,
     ) -> None:
         """``key``: the node's signing key; without one nothing is taped (and a restart
         cannot resume).  ``checkpoint_every``: tape entries between signed tape checkpoints
-        (None: the tape's default)."""
+        (None: the tape's default).  ``defer``: write deferrable checkpoints on a background
+        thread (see the module docstring)."""
         self.folder = folder
         self.sync = sync
         self.crash = crash
@@ -107,6 +153,10 @@ class NodeStore:
         self.key_id = key.key_id if key else ""
         self.blobs = PublishedFolder(self.published)
         self.closed = False
+        self._writer = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if defer else None
+        )
+        self._pending: list[Future[None]] = []
 
     @property
     def taped(self) -> bool:
@@ -140,13 +190,33 @@ class NodeStore:
             return 0, ""
         return self.tape.next_seq, self.tape.head
 
-    def write_checkpoint(self, round_: int, state: dict[str, Any], copy_as: str = "") -> None:
-        """``checkpoints/round-N.pt`` (and ``copy_as`` in the folder, e.g. state.pt)."""
-        data = save_state(state)
-        atomic_write(self.checkpoints / f"round-{round_:06d}.pt", data, self.crash, self.sync)
+    def write_checkpoint(
+        self, round_: int, state: dict[str, Any], copy_as: str = "", deferrable: bool = False
+    ) -> None:
+        """``checkpoints/round-N.pt`` (and ``copy_as`` in the folder, e.g. state.pt, a hard
+        link to it).  ``deferrable``: the caller tolerates the write finishing later (on a
+        store opened with ``defer``): the tensors in ``state`` must then stay unchanged
+        until ``settle()``."""
+        if deferrable and self._writer is not None:
+            self._pending.append(self._writer.submit(self._write, round_, state, copy_as))
+        else:
+            self._write(round_, state, copy_as)
+
+    def _write(self, round_: int, state: dict[str, Any], copy_as: str) -> None:
+        path = self.checkpoints / f"round-{round_:06d}.pt"
+        atomic_save(path, state, self.crash, self.sync)
         if copy_as:
             self.crash("between_checkpoints")
-            atomic_write(self.folder / copy_as, data, self.crash, self.sync)
+            atomic_link(path, self.folder / copy_as, self.sync)
+
+    def settle(self) -> None:
+        """Wait for the deferred checkpoint writes; a failed one is raised here."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            try:
+                future.result()
+            except OSError as e:
+                raise HypertrainError(f"writing a checkpoint in {self.checkpoints}: {e}") from e
 
     def latest_checkpoint(self) -> Path | None:
         found = sorted(self.checkpoints.glob("round-*.pt"))
@@ -167,6 +237,11 @@ class NodeStore:
 
     def close(self) -> None:
         """A final signed tape checkpoint (the tape's end is attested), then no more entries."""
+        try:
+            self.settle()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
         tape, self.tape = self.tape, None
         self.closed = True
         if tape is not None:

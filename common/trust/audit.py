@@ -45,6 +45,7 @@ from hypertrain.common.rounds.machines import (
     GlobalArrived,
     RelayMachine,
     RelaySnapshot,
+    stored_residual_digest,
 )
 from hypertrain.common.rounds.node import CHECKPOINT_FORMAT
 from hypertrain.common.rounds.replay import (
@@ -303,7 +304,9 @@ class Auditor:
                 or int(rck["sync_step"]) != merge.sync_step
             ):
                 raise AuditError(f"{rpath}: relay checkpoint does not match round {round_}")
-            if forward is None or forward.post_residual != flat_digest(rck["residual"]):
+            if forward is None or forward.post_residual != stored_residual_digest(
+                rck["residual"], theta.numel()
+            ):
                 raise AuditError(f"{rpath}: error-feedback state does not match the tape")
             rsnap = RelaySnapshot(
                 merge.sync_step,

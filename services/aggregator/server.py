@@ -33,7 +33,8 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import HOLDOUT_WINDOWS, holdout_windows
 from hypertrain.common.digest import state_digest
-from hypertrain.common.model import build_model, evaluate, preset
+from hypertrain.common.flat import ParamLayout
+from hypertrain.common.model import build_model, evaluate
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.node import AggregatorNode
@@ -52,14 +53,14 @@ _DONE_REASON = "run complete: every relay has applied the final state"
 class Evaluator:
     """Held-out loss of each new global state, on its own thread and model."""
 
-    def __init__(self, cfg: RunConfig, metrics: Metrics) -> None:
+    def __init__(self, cfg: RunConfig, metrics: Metrics, layout: ParamLayout) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        mcfg = preset(cfg.model)
+        mcfg = cfg.model_config()
         holdout = holdout_windows(open_dataset(cfg), mcfg.seq_len, n=HOLDOUT_WINDOWS, seed=cfg.seed)
         self.windows = holdout.windows[: cfg.holdout_windows]
         self.model = build_model(mcfg, seed=cfg.seed)
-        self.layout, _ = initial_parameters(cfg)
+        self.layout = layout
         self.jobs: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="eval", daemon=True)
@@ -114,16 +115,20 @@ class AggregatorService:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
         self.node = AggregatorNode(
-            cfg, theta0, NodeStore(state_dir, cfg.run_id, key, crash=fault_point), trusted
+            cfg,
+            theta0,
+            # checkpoints written while the islands train on (the tape entry decides a round)
+            NodeStore(state_dir, cfg.run_id, key, crash=fault_point, defer=True),
+            trusted,
         )
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("aggregator")
         self.intake = Intake(self.node, self.board, self.metrics)
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
-        self.evaluator = Evaluator(cfg, self.metrics)
+        self.evaluator = Evaluator(cfg, self.metrics, self.layout)
         if not self.node.recover():
-            self.evaluator.submit(-1, 0, theta0.clone())
+            self.evaluator.submit(-1, 0, theta0)  # the machine's core holds its own copy
         else:
             self._rounds_done()
             log_event(

@@ -20,7 +20,6 @@ broadcasts each merge to the others; every rank applies it at the same step.
 
 from __future__ import annotations
 
-import io
 import signal
 import threading
 import time
@@ -34,12 +33,11 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, initial_parameters
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import Delta
-from hypertrain.common.rounds.store import atomic_write
+from hypertrain.common.rounds.store import atomic_save
 from hypertrain.common.trust.keys import SigningKey
 from hypertrain.island.ranks import TorchRanks
 from hypertrain.wire.daemon import log_event
@@ -72,7 +70,7 @@ class Island:
         self.lead = ranks is None or ranks.rank == 0
         if (relay is None) == self.lead:
             raise ValueError("rank 0 (and only rank 0) of an island talks to the relay")
-        mcfg = preset(cfg.model)
+        mcfg = cfg.model_config()
         stream = SampleStream(open_dataset(cfg), mcfg.seq_len, cfg.global_batch, cfg.seed)
         _, theta0 = initial_parameters(cfg)
         self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device)
@@ -84,7 +82,9 @@ class Island:
             None
             if relay is None
             else Patient(
-                GrpcUpstream(relay, cfg.run_id, self.numel),
+                # A fresh buffer per merge, freed once applied: between syncs the island
+                # holds no model-sized receive buffer.
+                GrpcUpstream(relay, cfg.run_id, self.numel, reuse_buffer=False),
                 f"Relay {relay.address}",
                 self.stop.is_set,
                 lambda message: log_event(
@@ -95,6 +95,10 @@ class Island:
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir else None
         self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="save")
+        self.saving: Future[None] = _done()
+        self.save_wait_s = 0.0
+        self.core.before_update = self._saved
         self.blocked_s = 0.0
         self.bytes_sent = 0
         self.syncs = 0
@@ -113,8 +117,6 @@ class Island:
         if self.relay is None:  # a rank other than 0: rank 0 fetches and broadcasts it
             assert self.ranks is not None
             return self.ranks.broadcast(self.received)
-        # One receive buffer for the whole run (GrpcUpstream): each merge is applied
-        # (copied into the model and base) before the next fetch.
         payload = self.relay.fetch(self.island_id, step, kind).payload
         if self.ranks is not None:
             self.ranks.broadcast(payload)
@@ -137,6 +139,7 @@ class Island:
             if self._stopping():
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
+            t_trained = time.perf_counter()
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)
             t0 = time.perf_counter()
@@ -159,6 +162,7 @@ class Island:
                 t2 = time.perf_counter()
                 self.blocked_s += t2 - t0
                 rounds.apply(merge, payload)
+                del payload  # applied (copied into the model and the base): free it
                 self._merged(merge.sync_step, t2 - t0, time.perf_counter() - t1)
                 if merge.kind == "global":
                     self._save()
@@ -173,6 +177,8 @@ class Island:
                     blocked_s=round(self.blocked_s, 4),
                     push_wait_s=round(t1 - t0, 4),
                     fetch_s=round(t2 - t1, 4),
+                    # from the end of this step's training to the next step's start
+                    sync_s=round(time.perf_counter() - t_trained, 4),
                 )
                 losses.clear()
         final = rounds.final_due()
@@ -181,6 +187,7 @@ class Island:
         push.result()
         theta = self._fetch(final, "global")
         self.blocked_s += time.perf_counter() - t0
+        self._saved()
         rounds.finish(theta)
         digest = state_digest(self.core.layout.unflatten(self.core.params()))
         if self.ranks is not None:
@@ -196,6 +203,7 @@ class Island:
             blocked_s=round(self.blocked_s, 4),
             wall_s=round(wall, 3),
             blocked_share=round(self.blocked_s / wall, 5),
+            save_wait_s=round(self.save_wait_s, 4),
             ranks=1 if self.ranks is None else self.ranks.size,
         )
         return digest
@@ -207,15 +215,25 @@ class Island:
     def _save(self) -> None:
         """After a global merge: the state this island rejoins from after a crash.
 
-        Rank 0 writes it; every rank of a restarted island loads it (their states
-        are equal)."""
+        Written on a background thread while the next step computes its gradients, from
+        the live tensors (no copies); the step's optimizer update waits for it
+        (``_saved``), so what is written is the state right after the merge.  The file is
+        replaced atomically: a crash mid-write leaves the previous state, from which the
+        island retrains deterministically.  Rank 0 writes it; every rank of a restarted
+        island loads it (their states are equal)."""
         if self.state_path is not None and self.lead:
-            buf = io.BytesIO()
-            torch.save(
-                {"run_id": self.cfg.run_id, "config": self.cfg.digest, **self.core.state_dict()},
-                buf,
-            )
-            atomic_write(self.state_path, buf.getvalue())
+            state = {"run_id": self.cfg.run_id, "config": self.cfg.digest}
+            state |= self.core.state_dict(copy=False)
+            self.saving = self.saver.submit(atomic_save, self.state_path, state)
+
+    def _saved(self) -> None:
+        """Wait for the rejoin state being written (a failed write is raised here)."""
+        if self.saving.done():
+            self.saving.result()
+            return
+        t0 = time.perf_counter()
+        self.saving.result()
+        self.save_wait_s += time.perf_counter() - t0
 
     def _resume(self) -> int:
         """Load the rejoin state if there is one; returns the step to continue after.
@@ -259,6 +277,7 @@ class Island:
     def close(self) -> None:
         self.stop.set()
         self.pusher.shutdown(wait=True, cancel_futures=True)
+        self.saver.shutdown(wait=True)  # a rejoin state being written is finished
         if self.peer is not None:
             self.peer.close()
 

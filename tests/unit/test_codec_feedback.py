@@ -121,3 +121,34 @@ def test_bad_configuration_and_state_are_rejected() -> None:
         ef.load_state_dict({"residual": torch.zeros(10, dtype=torch.float64), "beta": 1.0})
     with pytest.raises(ConfigError):
         ef.load_state_dict({"residual": torch.zeros(10)})
+
+
+@pytest.mark.parametrize("spec", ["fp32", "int8", "sparseloco+zstd"])
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_consuming_encode_gives_the_same_bytes_and_residual(spec: str, beta: float) -> None:
+    """``consume=True`` works in the delta's memory (no model-sized allocation) and must
+    not change a bit: same blobs, same residual, round after round."""
+    n = 70_001
+    copy_ef, own_ef = ErrorFeedback(spec, n, beta=beta), ErrorFeedback(spec, n, beta=beta)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        delta = torch.randn(n, generator=g) * 0.01
+        delta[:7] = -0.0  # signed zeros take the same path
+        work = delta.clone()
+        assert own_ef.encode(work, consume=True) == copy_ef.encode(delta)
+        assert torch.equal(own_ef.residual, copy_ef.residual)
+        assert own_ef.residual.view(-1).data_ptr() == work.data_ptr() or own_ef.is_zero
+    assert own_ef.is_zero == (spec == "fp32")  # a lossless codec holds no residual buffer
+
+
+def test_a_lossless_residual_is_zero_and_round_trips_as_none() -> None:
+    ef = ErrorFeedback("fp32", 100)
+    ef.encode(torch.randn(100))
+    state = ef.state_dict()
+    assert state["residual"] is None and ef.is_zero
+    assert torch.equal(ef.residual, torch.zeros(100))  # what the old format stored
+    other = ErrorFeedback("fp32", 100)
+    other.load_state_dict({"residual": torch.zeros(100), "beta": 1.0})  # an older file
+    assert not other.is_zero and torch.equal(other.residual, ef.residual)
+    other.load_state_dict(state)
+    assert other.is_zero

@@ -37,7 +37,6 @@ from hypertrain.common import planted
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.model import preset
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, IslandState, initial_parameters
 from hypertrain.common.rounds.local import (
@@ -73,7 +72,7 @@ class Outcome:
 def _core_factory(cfg: RunConfig, theta0: torch.Tensor) -> Callable[[str], IslandState]:
     if cfg.model == TOY_MODEL:
         return lambda i: ToyIsland(cfg, i, theta0)
-    stream = SampleStream(open_dataset(cfg), preset(cfg.model).seq_len, cfg.global_batch, cfg.seed)
+    stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, cfg.seed)
     return lambda i: IslandCore(cfg, i, stream, theta0)
 
 

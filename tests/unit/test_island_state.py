@@ -1,0 +1,59 @@
+"""An island's rejoin state: written from the live tensors, without a copy of the model."""
+
+from __future__ import annotations
+
+import torch
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.data import SampleStream
+from hypertrain.common.reference import open_dataset
+from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.toy import ToyIsland, toy_parameters
+
+
+def _toy(cfg: RunConfig) -> ToyIsland:
+    return ToyIsland(cfg, "eu-0", toy_parameters(cfg))
+
+
+def test_live_state_after_a_global_merge_round_trips_without_params() -> None:
+    cfg = RunConfig(model="toy").with_overrides(
+        **{"steps": 4, "topology.h_r": 2, "topology.h_g": 2}
+    )
+    island = _toy(cfg)
+    for _ in range(2):
+        island.train_step()
+    island.sync()
+    island.apply_merge("global", island.params() * 0.5, 2)
+    live = island.state_dict(copy=False)
+    assert live["params"] is None  # equal to the base: not written twice
+    assert live["base"] is island.base  # the live tensor, no copy
+    copied = island.state_dict()
+    other = _toy(cfg)
+    other.load_state_dict(live)
+    assert torch.equal(other.params(), copied["params"])
+    assert torch.equal(other.base, copied["base"])
+    assert torch.equal(other.feedback.residual, island.feedback.residual)
+
+
+def test_live_state_keeps_params_that_differ_from_the_base() -> None:
+    cfg = RunConfig(model="toy").with_overrides(
+        **{"steps": 4, "topology.h_r": 2, "topology.h_g": 2}
+    )
+    island = _toy(cfg)
+    island.train_step()
+    live = island.state_dict(copy=False)
+    assert live["params"] is not None and torch.equal(live["params"], island.params())
+
+
+def test_model_island_compares_params_and_base_without_flattening() -> None:
+    cfg = RunConfig().with_overrides(**{"steps": 2, "topology.h_r": 2, "topology.h_g": 2})
+    _, theta0 = initial_parameters(cfg)
+    stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+    core = IslandCore(cfg, "eu-0", stream, theta0)
+    assert core.params_equal_base()
+    called: list[int] = []
+    core.before_update = lambda: called.append(core.step)
+    core.train_step()
+    assert called == [0]  # the hook runs before the first change to the parameters
+    assert not core.params_equal_base()
+    assert all(p.grad is None for p in core.model.parameters())  # freed after the step

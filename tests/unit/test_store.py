@@ -1,0 +1,76 @@
+"""The node store's checkpoints: streamed, linked, and deferred until settled."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hypertrain.common.errors import HypertrainError
+from hypertrain.common.rounds.store import NodeStore, atomic_save, load_state
+
+
+def test_atomic_save_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    state = {"theta": torch.arange(10, dtype=torch.float32), "none": None, "n": 3}
+    atomic_save(tmp_path / "a.pt", state)
+    got = load_state(tmp_path / "a.pt")
+    assert torch.equal(got["theta"], state["theta"]) and got["none"] is None and got["n"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]
+
+
+def test_a_crash_mid_write_keeps_the_previous_file(tmp_path: Path) -> None:
+    atomic_save(tmp_path / "a.pt", {"v": 1})
+
+    def crash(point: str) -> None:
+        if point == "mid_write":
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        atomic_save(tmp_path / "a.pt", {"v": 2}, crash)
+    assert load_state(tmp_path / "a.pt") == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]
+
+
+def test_state_pt_is_a_link_to_the_round_checkpoint(tmp_path: Path) -> None:
+    store = NodeStore(tmp_path, "run", None)
+    store.write_checkpoint(0, {"round": 0}, copy_as="state.pt")
+    store.write_checkpoint(1, {"round": 1}, copy_as="state.pt")
+    assert (tmp_path / "state.pt").samefile(tmp_path / "checkpoints" / "round-000001.pt")
+    assert load_state(tmp_path / "state.pt") == {"round": 1}
+    assert load_state(tmp_path / "checkpoints" / "round-000000.pt") == {"round": 0}
+
+
+def test_deferred_checkpoints_are_written_in_order_and_settled(tmp_path: Path) -> None:
+    gate = threading.Event()
+    seen: list[str] = []
+
+    def crash(point: str) -> None:  # holds the writer until the test lets it go
+        seen.append(point)
+        gate.wait(10)
+
+    store = NodeStore(tmp_path, "run", None, defer=True, crash=crash)
+    store.write_checkpoint(0, {"round": 0}, copy_as="state.pt", deferrable=True)
+    store.write_checkpoint(1, {"round": 1}, copy_as="state.pt", deferrable=True)
+    assert not (tmp_path / "state.pt").exists()  # still being written
+    gate.set()
+    store.settle()
+    assert load_state(tmp_path / "state.pt") == {"round": 1}
+    assert seen.count("mid_write") == 2
+    store.write_checkpoint(2, {"round": 2})  # not deferrable: written at once
+    assert load_state(tmp_path / "checkpoints" / "round-000002.pt") == {"round": 2}
+    store.close()
+
+
+def test_a_failed_deferred_write_is_raised_by_settle(tmp_path: Path) -> None:
+    def crash(point: str) -> None:
+        if point == "mid_write":
+            raise OSError(28, "No space left on device")
+
+    store = NodeStore(tmp_path, "run", None, defer=True, crash=crash)
+    store.write_checkpoint(0, {"round": 0}, deferrable=True)
+    with pytest.raises(HypertrainError, match="No space left"):
+        store.settle()
+    store.settle()  # reported once
+    assert not (tmp_path / "checkpoints" / "round-000000.pt").exists()
