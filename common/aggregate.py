@@ -79,9 +79,16 @@ def fixed_order_sum(inputs: Mapping[str, Blob], codec: Codec, out: torch.Tensor)
 
 
 def aggregate(
-    inputs: Mapping[str, Blob], codec: Codec, shape: tuple[int, ...]
+    inputs: Mapping[str, Blob],
+    codec: Codec,
+    shape: tuple[int, ...],
+    digests: Mapping[str, str] | None = None,
 ) -> tuple[torch.Tensor, Commitment]:
-    """Fixed-order fp32 mean of the decoded ``inputs`` and its commitment."""
+    """Fixed-order fp32 mean of the decoded ``inputs`` and its commitment.
+
+    ``digests``: each input's sha256 where the caller already verified it (a transport
+    checks every transfer's digest as it arrives), so that the bytes are not hashed again;
+    computed here for inputs it does not name."""
     if not inputs:
         raise HypertrainError("aggregate: no inputs")
     members = tuple(sorted(inputs))
@@ -91,7 +98,10 @@ def aggregate(
     commitment = Commitment(
         codec=codec.spec.to_dict(),
         members=members,
-        input_digests=tuple(blob_digest(inputs[m]) for m in members),
+        input_digests=tuple(
+            digests[m] if digests is not None and m in digests else blob_digest(inputs[m])
+            for m in members
+        ),
         output_digest=tensor_digest(acc),
     )
     return acc, commitment

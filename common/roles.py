@@ -310,9 +310,12 @@ class RegionCore:
         """The regional base, to read only (``theta`` itself while the base equals it)."""
         return self.theta if self._base_is_theta else self._base
 
-    def merge(self, inputs: Mapping[str, Blob]) -> tuple[torch.Tensor, Commitment]:
-        """Fixed-order mean of the islands' deltas; the regional base moves by it."""
-        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape))
+    def merge(
+        self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
+    ) -> tuple[torch.Tensor, Commitment]:
+        """Fixed-order mean of the islands' deltas; the regional base moves by it.
+        ``digests``: the inputs' sha256, where already known (``aggregate``)."""
+        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape), digests)
         if self._base_is_theta:  # base = theta - mean, without copying theta first
             torch.sub(self.theta, mean, out=self._base)
             self._base_is_theta = False
@@ -356,11 +359,14 @@ class GlobalCore:
         self.theta = theta0.clone()
         self.outer = make_outer(cfg.outer)
 
-    def step(self, inputs: Mapping[str, Blob]) -> Commitment:
-        """Fixed-order mean over regions, then one outer step on ``theta`` in place."""
+    def step(
+        self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
+    ) -> Commitment:
+        """Fixed-order mean over regions, then one outer step on ``theta`` in place.
+        ``digests``: the inputs' sha256, where already known (``aggregate``)."""
         regions = set(self.cfg.topology.regions)
         if set(inputs) != regions:
             raise HypertrainError(f"global step: inputs from {sorted(inputs)} != {sorted(regions)}")
-        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape))
+        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape), digests)
         self.outer.step(self.theta, mean)
         return commitment

@@ -87,6 +87,9 @@ class Delta:
     data: Blob
     signature: bytes = b""
     """Ed25519 over ``ledger.transfer_message`` of the fields above, by the sender's key."""
+    digest_checked: bool = True
+    """``digest`` is the sha256 of ``data`` (the transport checked it, or it was computed);
+    False for bytes read back from a published folder, which nothing checked yet."""
 
     @classmethod
     def of(
@@ -109,6 +112,7 @@ class Delta:
             rec.codec,
             data,
             bytes.fromhex(rec.signature),
+            digest_checked=False,  # recomputed where it matters (the merge's commitment)
         )
 
     def signed(self, signature: bytes) -> Delta:
@@ -121,6 +125,7 @@ class Delta:
             self.codec,
             self.data,
             signature,
+            self.digest_checked,
         )
 
     def transfer_message(self) -> bytes:
@@ -326,12 +331,14 @@ class _Level:
             return self.deliveries >= len(self.members)
         return len(self.inputs) == len(self.members)
 
-    def close(self) -> dict[str, Blob]:
+    def close(self) -> tuple[dict[str, Blob], dict[str, str]]:
+        """Close the open step: its inputs' bytes and their (transport-verified) digests."""
         blobs = {m: d.data for m, d in self.inputs.items()}
+        digests = {m: d.digest for m, d in self.inputs.items() if d.digest_checked}
         self.inputs = {}
         self.deliveries = 0
         self.open_step = self.schedule.next_sync_step(self.level, self.open_step)
-        return blobs
+        return blobs, digests
 
     def remember(self, records: Iterable[Record]) -> None:
         """Every (step, sender) -> digest accepted in ``records`` (taped inputs), so a member
@@ -428,9 +435,9 @@ class RelayMachine:
 
     def _commit(self, step: int) -> list[Effect]:
         sched = self.schedule
-        blobs = self.level.close()
+        blobs, digests = self.level.close()
         pre = self._base_digest or flat_digest(self.core.base_view())
-        mean, commitment = self.core.merge(blobs)
+        mean, commitment = self.core.merge(blobs, digests)
         post = self._base_digest = flat_digest(self.core.base_view())
         g = sched.round_of(step)
         record = RegionalMergeEntry(
@@ -619,10 +626,10 @@ class AggregatorMachine:
 
     def _commit(self, step: int) -> Committed:
         sched, core = self.schedule, self.core
-        blobs = self.level.close()
+        blobs, digests = self.level.close()
         pre = self._theta_digest or flat_digest(core.theta)
         pre_outer = self._outer_digest or outer_state_digest(core.outer.state_view())
-        commitment = core.step(blobs)
+        commitment = core.step(blobs, digests)
         post = self._theta_digest = flat_digest(core.theta)
         post_outer = self._outer_digest = outer_state_digest(core.outer.state_view())
         record = GlobalMergeEntry(

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import make_codec
-from hypertrain.common.digest import tensor_digest
+from hypertrain.common.digest import blob_digest, tensor_digest
 from hypertrain.common.errors import HypertrainError
 
 
@@ -62,3 +62,18 @@ def test_wrong_codec_input_is_rejected() -> None:
         aggregate(blobs, make_codec("fp32"), (100,))
     with pytest.raises(HypertrainError):
         aggregate({}, make_codec("fp32"), (100,))
+
+
+def test_known_digests_give_the_same_commitment_without_hashing_again() -> None:
+    codec = make_codec("int8")
+    g = torch.Generator().manual_seed(5)
+    blobs = {f"eu-{i}": codec.encode(torch.randn(1000, generator=g)) for i in range(3)}
+    digests = {m: blob_digest(b) for m, b in blobs.items()}
+    mean, commitment = aggregate(blobs, codec, (1000,))
+    mean2, commitment2 = aggregate(blobs, codec, (1000,), digests)
+    assert torch.equal(mean, mean2) and commitment2 == commitment
+    # a name it is not told about is hashed; a digest it is told is believed (the caller's
+    # transport checked it): the commitment then names what the caller vouched for
+    partial = {"eu-0": digests["eu-0"], "eu-2": "0" * 64}
+    _, commitment3 = aggregate(blobs, codec, (1000,), partial)
+    assert commitment3.input_digests == (digests["eu-0"], digests["eu-1"], "0" * 64)
