@@ -66,13 +66,6 @@ CONFLICT = "already_exists"  # different bytes for an accepted (step, sender)
 CORRUPT = "data_loss"  # the bytes are not the ones the digest names: resending may fix it
 TOO_LARGE = "resource_exhausted"  # larger than any encoding of the model: never retry
 
-KEEP_MERGES = 4  # committed merges kept for late fetchers (tau < h_r needs 1)
-KEEP_GLOBAL = 1
-"""Global merges the aggregator keeps (each a copy of the model): only the last round's
-can be asked for.  A relay forwards round g+1 only after its checkpoint of round g is
-written, and round g+1 completes only with every relay's forward; so a relay, restarted
-or not, never needs a round older than the last completed one."""
-
 
 @dataclass(frozen=True, slots=True)
 class Delta:
@@ -348,9 +341,19 @@ class _Level:
                 self.accepted[(r.sync_step, r.sender)] = r.digest
 
 
-def _keep(merges: dict[int, Committed], merge: Committed, keep: int = KEEP_MERGES) -> None:
+def _keep_newest(merges: dict[int, Committed], merge: Committed) -> None:
+    """Keep only the newest merge of each kind: each is a copy of the model (a relay's
+    global merge is its own ``theta``), and no member can need an older one.
+
+    Relay: a live island fetches the merge of s (at s + tau < s + h_r) before it pushes
+    s + h_r, which the next merge of its region needs; an island restarted from its
+    rejoin state asks for older regional merges again, and the node recomputes them from
+    the published inputs (``RelayNode._recomputed``).  Aggregator: a relay forwards round
+    g+1 only after its checkpoint of round g is written, and round g+1 completes only with
+    every relay's forward; so a relay, restarted or not, never needs a round older than
+    the last completed one."""
     merges[merge.sync_step] = merge
-    for old in sorted(merges)[:-keep]:
+    for old in [s for s, m in merges.items() if m.kind == merge.kind and s < merge.sync_step]:
         del merges[old]
 
 
@@ -464,7 +467,7 @@ class RelayMachine:
             sum(len(b) for b in blobs.values()),
         )
         if sched.sync_kind(step) != "global":
-            _keep(self.merges, regional)
+            _keep_newest(self.merges, regional)
             return [regional]
         self.global_pending = step
         pre_res = self._residual_digest or residual_digest(self.core.feedback)
@@ -527,7 +530,7 @@ class RelayMachine:
             None,
             payload_digest=self._base_digest or "",
         )
-        _keep(self.merges, merge)
+        _keep_newest(self.merges, merge)
         return merge
 
     def merge_for(self, sync_step: int) -> Committed | None:
@@ -659,7 +662,7 @@ class AggregatorMachine:
             sum(len(b) for b in blobs.values()),
             post,
         )
-        _keep(self.merges, merge, KEEP_GLOBAL)
+        _keep_newest(self.merges, merge)
         self.done = sched.is_final(step)
         return merge
 
@@ -705,7 +708,7 @@ class AggregatorMachine:
             tuple(d for _, d in last.members),
             last.mean,
         )
-        _keep(
+        _keep_newest(
             self.merges,
             Committed(
                 "global",
@@ -717,7 +720,6 @@ class AggregatorMachine:
                 "global",
                 last,
             ),
-            KEEP_GLOBAL,
         )
         self.level.open_step = self.schedule.next_sync_step("global", snap.sync_step)
         self.level.remember(prior)
