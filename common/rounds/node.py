@@ -26,6 +26,7 @@ taped; a relay's forward whose global update has not come back).  No network is 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -123,9 +124,13 @@ class _Node:
     def _carry_out(self, effect: Effect) -> None:
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """Finish what was made fetchable before it was durable (nothing here)."""
+
     def reject(self, code: str, reason: str, delta: Delta | None) -> None:
         """Tape a refused push (evidence; changes nothing).  After ``close`` it is only
         refused (the daemon logs it), not taped."""
+        self.settle()
         if self.store is None or self.store.closed:
             return
         rec = RejectionEntry(
@@ -168,6 +173,7 @@ class _Node:
         return self.machine.done
 
     def close(self) -> None:
+        self.settle()
         if self.store is not None:
             self.store.close()
 
@@ -192,12 +198,16 @@ class RelayNode(_Node):
         """The forward whose global update has not arrived yet (the driver sends it, then
         fetches the update and calls ``on_global``)."""
         self.recovered: dict[str, Any] = {}
+        self._unsettled: Applied | None = None  # applied and fetchable, not yet taped
+        self._checkpointed = False  # ... and its checkpoint already written
+        self._settling = threading.Lock()
 
     # -- events ----------------------------------------------------------------------------
     def push(
         self, delta: Delta, publisher: Publisher | None = None
     ) -> tuple[Decision, list[Effect]]:
         """An island's delta arrived: decide, and make an acceptance durable before answering."""
+        self.settle()  # the last global update's entry comes before anything after it
         decision, effects = self.machine.on_delta(delta)
         self._decided(decision, delta, effects, publisher)
         return decision, effects
@@ -224,9 +234,16 @@ class RelayNode(_Node):
         )
         return delta if key is None else delta.signed(key.sign(delta.transfer_message()))
 
-    def on_global(self, event: GlobalArrived) -> Committed:
+    def on_global(self, event: GlobalArrived, defer: bool = False) -> Committed:
         """The aggregator's new parameters for the forwarded round arrived: apply them,
-        checkpoint, tape."""
+        checkpoint, tape.
+
+        ``defer``: only apply them (the merge is fetchable at once) and leave the checkpoint
+        and the tape entry to ``write_checkpoint`` / ``settle``, which the driver calls
+        next, outside its lock, so that islands fetch the merge while the relay writes it;
+        any push, rejection or close settles first, so the tape order is the same.  A crash
+        before the entry is taped loses nothing: the restarted relay sends its forward
+        again and the aggregator, which keeps its last round, answers it the same."""
         if self.outbox is None or event.sync_step != self.outbox.sync_step:
             raise HypertrainError(
                 f"relay {self.region}: a global update for step {event.sync_step} "
@@ -235,10 +252,34 @@ class RelayNode(_Node):
         (applied,) = self.machine.on_global(event)
         assert isinstance(applied, Applied)
         self.outbox = None
-        self._checkpoint(applied)
-        self._crash("relay_after_checkpoint")
-        self._record(applied)
+        self._unsettled, self._checkpointed = applied, False
+        if not defer:
+            self.settle()
         return applied.merge
+
+    def write_checkpoint(self) -> None:
+        """Write the checkpoint of a global update applied with ``defer`` (not its entry).
+        Safe outside the driver's lock: the state it reads does not change until
+        ``settle``, which every push calls first."""
+        with self._settling:
+            if self._unsettled is not None and not self._checkpointed:
+                self._checkpoint(self._unsettled)
+                self._checkpointed = True
+
+    def settle(self) -> None:
+        """Make the last global update durable: its checkpoint (unless written), then its
+        ``global_applied`` entry (call it where tape entries are written: under the
+        driver's lock)."""
+        with self._settling:
+            applied = self._unsettled
+            if applied is None:
+                return
+            if not self._checkpointed:
+                self._checkpoint(applied)
+                self._checkpointed = True
+            self._crash("relay_after_checkpoint")
+            self._record(applied)
+            self._unsettled = None
 
     def _checkpoint(self, applied: Applied) -> None:
         """The relay's state after a global update, written before the update's tape entry;

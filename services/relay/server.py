@@ -164,11 +164,15 @@ class RelayService:
         self.aggregator.push(delta)
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(len(fwd.data))
         got = self.aggregator.fetch(self.region, fwd.sync_step, "global")
-        with self.board.cond:
+        with self.board.cond:  # islands fetch it now, while the relay writes it down
             merge = self.node.on_global(
-                GlobalArrived(fwd.sync_step, got.payload, got.commitment, got.payload_digest)
+                GlobalArrived(fwd.sync_step, got.payload, got.commitment, got.payload_digest),
+                defer=True,
             )
             self.board.cond.notify_all()
+        self.node.write_checkpoint()
+        with self.board.cond:
+            self.node.settle()
         log_event(
             "global",
             role="relay",
@@ -180,6 +184,9 @@ class RelayService:
         )
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
             self._report_final()
+            # Islands may have fetched the final merge before it was durable here (and
+            # before a crash and restart of this relay): then no fetch is left to end the run.
+            self.board.check_final(self.node, _DONE_REASON)
 
     def _report_final(self) -> None:
         """Report the final state applied and durable; keep trying for a while even when

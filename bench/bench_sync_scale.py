@@ -1,0 +1,895 @@
+"""End-to-end sync with the real daemons on loopback, as ratios to raw TCP in the same run.
+
+    .venv/bin/python bench/bench_sync_scale.py                      # P = 1e8, parts A and B
+    .venv/bin/python bench/bench_sync_scale.py --quick              # P = 1e7: a smoke run
+    .venv/bin/python bench/bench_sync_scale.py --part A --params 1e9 --json out.json
+    .venv/bin/python bench/bench_sync_scale.py --part B --keep /tmp/runs -v
+
+Baseline: the bytes on the sync's path sent over a loopback TCP socket (``sendall`` from
+a thread, ``recv_into`` a preallocated buffer, as bench/bench_transport.py does), at the
+rate measured in the same run on a 256 MiB buffer (best of 3): baseline time = bytes /
+rate.  Every figure is a ratio to that; no absolute time is claimed.
+
+Part A, ``relay_e2e`` (figure: ``relay_e2e_over_tcp``): one real aggregator and one real
+relay process (``python -m hypertrain.aggregator`` / ``hypertrain.relay``, flags as
+``hypertrain up`` gives them), and ``--islands`` n_r synthetic islands in one region, each
+its own process.  No training: each island encodes random deltas (fixed seeds) of P
+parameters with the regional codec (``--codec``; ``all``: int8 and sparseloco+zstd),
+signs them as the island daemon does, connects, and waits at a start barrier.  Per global
+round (h_r = h_g = 1, steps = 2; round 1 includes the warm-up, round 2 is the figure)
+every island pushes its delta (``Patient(GrpcUpstream)``) and fetches the global merge;
+timed from the first push's start to the last island holding the merge.  Bytes on the
+path: n_r deltas island -> relay, the relay's fp32 forward (4P + header), the merge
+aggregator -> relay (4P) and relay -> each island (n_r * 4P).
+
+Part B, ``sync_wall`` (figure: ``sync_wall_over_tcp``, the worst case): real island
+daemons training a P-parameter custom model (batch 1, sequence 64), one level
+(h_r = h_g = 2, steps = 6, tau = 0), regional codec fp32 and int8 (``--codec`` is part
+A's only), topologies 1 region x 2 islands and 2 regions x 1 island, started as
+``hypertrain up`` starts them (entry/up.py ``start_cluster``).  Each island logs
+``event=sync ... sync_s=`` per non-final sync (from the end of its training of the sync
+step to the start of the next step; the table splits it into push_wait, fetch and the
+rest: applying the merge and saving the rejoin state); the figure is the median over
+islands of the syncs after the first.  Bytes on the critical path: one island's delta +
+the relay's forward (4P + header) + the merge aggregator -> relay (4P) + relay -> island
+(4P).
+
+Peak RSS of every daemon (max of VmHWM and VmRSS from /proc/<pid>/status, polled every
+0.1 s) is reported in bytes and as a multiple of m = 4P, the fp32 model size.
+Targets: relay_e2e_over_tcp <= 2.0 (int8), sync_wall_over_tcp <= 4.0, relay peak <=
+2m + 64 MiB, aggregator peak <= 3m + 256 MiB, island peak (part B) <= 5m + 512 MiB.
+
+The bench refuses (exit 2, one line) when MemAvailable is short of its estimate for the
+requested P (at 1e8 it estimates ~9 GiB for part A, ~17 GiB for part B; at 1e9 ~82 and
+~159 GiB), or when the run folders would not fit on the disk.  It stops every process it started (also on Ctrl-C, SIGTERM or an error) and
+removes each run folder (several GB of spooled deltas and checkpoints at 1e8) after its
+run unless ``--keep DIR``.  ``-v`` echoes the daemons' round / global / eval / sync log
+lines as they come.  Exit status 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hypertrain.common.config import RunConfig, TopologyConfig
+from hypertrain.common.model import ModelConfig
+from hypertrain.common.trust.keys import daemon_key_names, init_keys
+from hypertrain.procs import Child, child_env, parse_logfmt, python_module
+
+MIB = 1 << 20
+TARGET_RELAY_E2E = 2.0
+TARGET_SYNC_WALL = 4.0
+#: (multiple of m, constant bytes) of each daemon's peak-RSS target.
+RSS_LIMITS: dict[str, tuple[float, int]] = {
+    "relay": (2.0, 64 * MIB),
+    "aggregator": (3.0, 256 * MIB),
+    "island": (5.0, 512 * MIB),
+}
+#: Peak RSS per process, (multiple of m, constant), fitted to the peaks this bench measured
+#: at P = 1e7 and 1e8 on the 2-core box (part A islands are the synthetic ones; torch's
+#: import alone is ~300 MiB).  The refusal adds them up for every process of the larger
+#: run of a part, times ``MEM_CONCURRENT``: the processes do not peak at the same moment
+#: (the lowest MemAvailable seen was 0.7-0.77 of the sum of the peaks).
+MEM_MODEL: dict[str, tuple[float, int]] = {
+    "a_island": (2.2, 300 * MIB),
+    "a_relay": (10.0, 350 * MIB),
+    "a_aggregator": (8.0, 350 * MIB),
+    "b_island": (11.0, 400 * MIB),
+    "b_relay": (10.5, 350 * MIB),
+    "b_aggregator": (9.5, 400 * MIB),
+}
+MEM_CONCURRENT = 0.8
+#: Disk one run folder may take, in units of m (measured: up to 30m, part B 2x1 fp32).
+DISK_PER_RUN_M = 32
+RUN_ID = "bench-sync-scale"
+DAEMON_TIMEOUT_S = 180.0
+
+
+# -- model shape --------------------------------------------------------------------
+def param_count(m: ModelConfig) -> int:
+    """Parameters of common/model.py's GPT (tied embeddings, LayerNorms with bias)."""
+    d = m.d_model
+    per_layer = (3 + 1 + 2 * m.mlp_ratio) * d * d + 4 * d
+    return m.vocab_size * d + m.seq_len * d + m.n_layer * per_layer + 2 * d
+
+
+def shape_for(params: float) -> ModelConfig:
+    """A decoder (vocab 256, sequence 64) with about ``params`` parameters."""
+    if params < 3e7:
+        d, heads = 256, 8
+    elif params < 5e8:
+        d, heads = 768, 12
+    else:
+        d, heads = 2048, 16
+    one, two = (
+        param_count(ModelConfig(n_layer=k, d_model=d, n_head=heads, seq_len=64)) for k in (1, 2)
+    )
+    per_layer = two - one
+    fixed = one - per_layer
+    layers = max(1, round((params - fixed) / per_layer))
+    return ModelConfig(n_layer=layers, d_model=d, n_head=heads, seq_len=64)
+
+
+def base_config(mcfg: ModelConfig, topo: TopologyConfig, steps: int, codec: str) -> RunConfig:
+    return RunConfig(
+        run_id=RUN_ID,
+        model="custom",
+        model_shape=mcfg,
+        steps=steps,
+        batch_per_island=1,
+        topology=topo,
+        regional_codec=codec,
+        global_codec="fp32",
+        holdout_windows=1,
+    )
+
+
+# -- the TCP baseline ----------------------------------------------------------------
+def tcp_once(data: bytes, buf: bytearray) -> None:
+    """Send ``data`` over a fresh loopback connection into ``buf`` (bench_transport.py)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        sender = threading.Thread(
+            target=lambda: socket.create_connection(("127.0.0.1", port)).sendall(data)
+        )
+        sender.start()
+        conn, _ = srv.accept()
+        view, got = memoryview(buf), 0
+        with conn:
+            while got < len(data):
+                n = conn.recv_into(view[got : got + (4 << 20)])
+                if n == 0:
+                    raise RuntimeError("tcp baseline: connection closed early")
+                got += n
+        sender.join()
+
+
+def tcp_rate(size: int, repeats: int) -> float:
+    """Loopback TCP bytes per second: best of ``repeats`` after a warm-up."""
+    data = os.urandom(size)
+    buf = bytearray(size)
+    best = float("inf")
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        tcp_once(data, buf)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return size / best
+
+
+# -- observing the daemons ------------------------------------------------------------
+def read_rss(pid: int) -> int:
+    """max(VmHWM, VmRSS) of ``pid`` in bytes (0 when gone or unreadable)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    best = 0
+    for line in text.splitlines():
+        if line.startswith(("VmHWM:", "VmRSS:")):
+            best = max(best, int(line.split()[1]) * 1024)
+    return best
+
+
+class RssPoller:
+    """Polls the peak RSS of named processes every ``period`` seconds on a thread."""
+
+    def __init__(self, period: float = 0.1) -> None:
+        self.period = period
+        self.pids: dict[str, int] = {}
+        self.peaks: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rss", daemon=True)
+        self.thread.start()
+
+    def watch(self, name: str, pid: int) -> None:
+        with self.lock:
+            self.pids[name] = pid
+            self.peaks.setdefault(name, 0)
+
+    def poll(self) -> None:
+        with self.lock:
+            for name, pid in self.pids.items():
+                self.peaks[name] = max(self.peaks[name], read_rss(pid))
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.period):
+            self.poll()
+
+    def stop(self) -> dict[str, int]:
+        self.stopped.set()
+        self.thread.join()
+        self.poll()
+        return dict(self.peaks)
+
+
+class Events:
+    """Parsed log events of the daemons, with the wall-clock time they were read."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self.cond = threading.Condition()
+        self.items: list[tuple[float, str, dict[str, str]]] = []
+
+    def on_event(self, source: str, e: dict[str, str]) -> None:
+        t = time.time()
+        with self.cond:
+            self.items.append((t, source, e))
+            self.cond.notify_all()
+        if self.verbose and e.get("event") in ("round", "global", "eval", "sync", "error"):
+            fields = " ".join(f"{k}={v}" for k, v in e.items())
+            print(f"    [{source}] {fields}", flush=True)
+
+    def find(self, source: str, event: str, **match: object) -> tuple[float, dict[str, str]] | None:
+        with self.cond:
+            for t, s, e in self.items:
+                if (
+                    s == source
+                    and e.get("event") == event
+                    and all(e.get(k) == str(v) for k, v in match.items())
+                ):
+                    return t, e
+        return None
+
+    def wait_for(
+        self, source: str, event: str, timeout: float, alive: Callable[[], bool], **match: object
+    ) -> tuple[float, dict[str, str]] | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and alive():
+            got = self.find(source, event, **match)
+            if got is not None:
+                return got
+            with self.cond:
+                self.cond.wait(0.2)
+        return self.find(source, event, **match)
+
+
+class Cluster:
+    """The daemons of one run, started as ``hypertrain up`` starts them (entry/up.py
+    ``start_cluster``: same modules, flags and island priority), each recorded the moment
+    it starts, so that ``stop`` ends every one even when starting the others failed."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, events: Events, poller: RssPoller) -> None:
+        from hypertrain.up import config_toml
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.events = events
+        self.poller = poller
+        self.children: list[Child] = []
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.toml").write_text(config_toml(cfg))
+        init_keys(run_dir / "keys", daemon_key_names(cfg.topology))
+
+    def spawn(self, name: str, module: str, *args: str, nice: int = 0) -> Child:
+        d = self.run_dir
+        key = d / "keys" / f"{name}.key"
+        flags = ("--config", str(d / "run.toml"), "--metrics-port", "0", "--signing-key", str(key))
+        argv = python_module(module, *flags, *args)
+        log = d / "logs" / f"{name}.log"
+        child = Child(name, argv, log, self.events.on_event, child_env(), nice=nice)
+        self.children.append(child)
+        self.poller.watch(name, child.proc.pid)
+        return child
+
+    def start(self, islands: bool) -> dict[str, str]:
+        """Aggregator, one relay per region and (``islands``) every island; returns the
+        relays' addresses by region."""
+        from hypertrain.up import ISLAND_NICE
+
+        d, listen = self.run_dir, ("--listen", "127.0.0.1:0")
+        agg = self.spawn(
+            "aggregator", "hypertrain.aggregator", *listen, "--state-dir", str(d / "aggregator")
+        )
+        agg_addr = agg.wait_listening(DAEMON_TIMEOUT_S)
+        relays = {
+            r: self.spawn(
+                f"relay-{r}",
+                "hypertrain.relay",
+                *("--region", r, "--aggregator", agg_addr, *listen),
+                *("--state-dir", str(d / f"relay-{r}")),
+            )
+            for r in sorted(self.cfg.topology.regions)
+        }
+        addrs = {r: c.wait_listening(DAEMON_TIMEOUT_S) for r, c in relays.items()}
+        for island in self.cfg.topology.island_ids() if islands else ():
+            region, _, index = island.rpartition("-")
+            self.spawn(
+                f"island-{island}",
+                "hypertrain.island",
+                *("--region", region, "--index", index, "--relay", addrs[region]),
+                *("--state-dir", str(d / f"island-{island}")),
+                nice=ISLAND_NICE,
+            )
+        return addrs
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            c.stop()
+
+
+def wait_exit(children: Sequence[Child], timeout: float) -> None:
+    """Wait up to ``timeout`` for the children to end by themselves (a finished run)."""
+    deadline = time.monotonic() + timeout
+    for c in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the caller stops it
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+
+# -- part A: the synthetic islands -----------------------------------------------------
+def island_worker(
+    conn: Connection, cfg: RunConfig, island_id: str, seed: int, relay: str, key_path: str
+) -> None:
+    """Child process: encode and sign every round's delta, connect, then per "go" push
+    it and fetch the round's global merge, answering with wall-clock times."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    try:
+        from hypertrain.common.codec import make_codec
+        from hypertrain.common.rounds.machines import Delta
+        from hypertrain.common.schedule import Schedule
+        from hypertrain.common.trust.keys import load_signing_key
+        from hypertrain.wire.daemon import die_with_parent
+        from hypertrain.wire.peers import relay_peer
+        from hypertrain.wire.upstream import GrpcUpstream, Patient
+
+        die_with_parent()
+        torch.set_num_threads(1)
+        numel = param_count(cfg.model_config())
+        codec = make_codec(cfg.regional_codec)
+        schedule = Schedule.of(cfg)
+        key = load_signing_key(key_path)
+        t0 = time.perf_counter()
+        deltas = []
+        for step in range(1, cfg.steps + 1):
+            gen = torch.Generator().manual_seed(1000 * seed + step)
+            x = torch.randn(numel, generator=gen).mul_(1e-3)
+            blob = codec.encode(x)
+            del x
+            d = Delta.of(cfg.run_id, step, island_id, str(codec.spec), blob, schedule)
+            deltas.append(d.signed(key.sign(d.transfer_message())))
+        encode_s = time.perf_counter() - t0
+        peer = relay_peer(relay)
+        upstream = Patient(GrpcUpstream(peer, cfg.run_id, numel), f"Relay {relay}", lambda: False)
+        conn.send(("ready", encode_s, [len(d.data) for d in deltas]))
+        for d in deltas:
+            if conn.recv() != "go":
+                break
+            t_push = time.time()
+            upstream.push(d)
+            t_pushed = time.time()
+            got = upstream.fetch(island_id, d.sync_step, "global")
+            t_have = time.time()
+            if got.payload.numel() != numel:
+                raise RuntimeError(f"merge of {got.payload.numel()} values, expected {numel}")
+            conn.send(("done", t_push, t_pushed, t_have))
+        peer.close()
+        conn.send(("bye", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+class Islands:
+    """The synthetic islands (spawned processes) and their pipes."""
+
+    def __init__(self) -> None:
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+
+    def start(self, cfg: RunConfig, relay: str, keys: Path) -> None:
+        ctx = mp.get_context("spawn")
+        for k, island in enumerate(cfg.topology.island_ids()):
+            parent, child = ctx.Pipe()
+            key = str(keys / f"island-{island}.key")
+            proc = ctx.Process(
+                target=island_worker, args=(child, cfg, island, k, relay, key), daemon=True
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def gather(self, tag: str, timeout: float, daemons: Sequence[Child]) -> list[tuple[Any, ...]]:
+        """One message ``(tag, ...)`` from every island; RuntimeError naming what failed."""
+        got: dict[int, tuple[Any, ...]] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(self.conns):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"synthetic islands: no {tag!r} within {timeout:.0f}s")
+            pending = [c for i, c in enumerate(self.conns) if i not in got]
+            for ready in wait(pending, timeout=min(left, 0.5)):
+                i = next(k for k, c in enumerate(self.conns) if c is ready)
+                try:
+                    msg: tuple[Any, ...] = self.conns[i].recv()
+                except EOFError:
+                    raise RuntimeError(f"synthetic island {i} died") from None
+                if msg[0] != tag:
+                    detail = msg[1] if msg[0] == "error" else repr(msg)
+                    raise RuntimeError(f"synthetic island {i}: expected {tag!r}, got:\n{detail}")
+                got[i] = msg
+            for d in daemons:
+                if d.proc.poll() is not None and d.proc.returncode != 0:
+                    raise RuntimeError(d.failure_message())
+        return [got[i] for i in range(len(self.conns))]
+
+    def send(self, msg: str) -> None:
+        for c in self.conns:
+            c.send(msg)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
+            c.close()
+
+
+def run_relay_e2e(
+    mcfg: ModelConfig, n_r: int, codec: str, run_dir: Path, rate: float, verbose: bool
+) -> dict[str, Any]:
+    """Part A for one codec: per-round times, ratios, the daemons' peak RSS and phases."""
+    topo = TopologyConfig(regions=("eu",), islands_per_region=n_r, h_r=1, h_g=1, tau=0)
+    cfg = base_config(mcfg, topo, 2, codec)
+    P = param_count(mcfg)
+    events = Events(verbose)
+    poller = RssPoller()
+    cluster = Cluster(cfg, run_dir, events, poller)
+    daemons = cluster.children
+    islands = Islands()
+    rounds: list[dict[str, Any]] = []
+    try:
+        relay_addr = cluster.start(islands=False)["eu"]
+        agg, relay = daemons
+        islands.start(cfg, relay_addr, run_dir / "keys")
+        for k, p in enumerate(islands.procs):
+            assert p.pid is not None
+            poller.watch(f"island-{k}", p.pid)
+        ready = islands.gather("ready", 1800, daemons)
+        delta_bytes = [list(m[2]) for m in ready]
+        # The aggregator evaluates the initial state at start: let it finish first.
+        events.wait_for("aggregator", "eval", 600, lambda: agg.proc.poll() is None, step=0)
+        for step in range(1, cfg.steps + 1):
+            islands.send("go")
+            done = islands.gather("done", 1800, daemons)
+            t_start = min(m[1] for m in done)
+            t_pushed = max(m[2] for m in done)
+            t_end = max(m[3] for m in done)
+            fwd = events.wait_for(
+                "relay-eu", "global", 30, lambda: relay.proc.poll() is None, step=step
+            )
+            fwd_bytes = int(fwd[1]["bytes"]) if fwd else 4 * P + 64
+            pushed = sum(b[step - 1] for b in delta_bytes)
+            path_bytes = pushed + fwd_bytes + 4 * P + n_r * 4 * P
+            tcp_s = path_bytes / rate
+            seconds = t_end - t_start
+            phases: dict[str, float] = {"islands_pushed": t_pushed - t_start}
+            for name, source, event in (
+                ("relay_committed", "relay-eu", "round"),
+                ("aggregator_committed", "aggregator", "round"),
+                ("relay_has_global", "relay-eu", "global"),
+            ):
+                hit = events.find(source, event, step=step)
+                if hit is not None:
+                    phases[name] = hit[0] - t_start
+            phases["islands_have_global"] = seconds
+            if fwd:
+                phases["relay_forward_s"] = float(fwd[1]["seconds"])
+            agg_round = events.find("aggregator", "round", step=step)
+            if agg_round:
+                phases["aggregator_round_s"] = float(agg_round[1]["seconds"])
+            rounds.append(
+                {
+                    "step": step,
+                    "seconds": seconds,
+                    "path_bytes": path_bytes,
+                    "delta_bytes": pushed // n_r,
+                    "forward_bytes": fwd_bytes,
+                    "tcp_s": tcp_s,
+                    "ratio": seconds / tcp_s,
+                    "phases": {k: round(v, 4) for k, v in phases.items()},
+                }
+            )
+        islands.send("stop")
+        bye = islands.gather("bye", 60, daemons)
+        wait_exit(daemons, 120)  # a finished run ends both daemons
+    finally:
+        islands.stop()
+        cluster.stop()
+        peaks = poller.stop()
+    codes = {d.name: d.proc.returncode for d in daemons}
+    island_peak = max(max(peaks.get(f"island-{k}", 0) for k in range(n_r)), *(m[1] for m in bye))
+    return {
+        "codec": codec,
+        "islands": n_r,
+        "rounds": rounds,
+        "ratio": rounds[-1]["ratio"],
+        "exit_codes": codes,
+        "peak_rss": {
+            "relay": peaks["relay-eu"],
+            "aggregator": peaks["aggregator"],
+            "synthetic_island": island_peak,
+        },
+        "encode_s_per_island": [round(m[1], 3) for m in ready],
+        "log_lines": daemon_lines(run_dir, ("relay-eu", "aggregator")),
+    }
+
+
+def daemon_lines(run_dir: Path, names: Sequence[str]) -> dict[str, list[str]]:
+    """The round / global / eval / warning / error lines of the daemons' logs."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        path = run_dir / "logs" / f"{name}.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        keep = ("round", "global", "eval", "final", "warning", "error", "stopped", "waiting")
+        out[name] = [ln for ln in lines if parse_logfmt(ln).get("event") in keep]
+    return out
+
+
+# -- part B: real islands ---------------------------------------------------------------
+def run_sync_wall(
+    mcfg: ModelConfig,
+    regions: tuple[str, ...],
+    n_r: int,
+    codec: str,
+    run_dir: Path,
+    rate: float,
+    verbose: bool,
+    timeout: float,
+) -> dict[str, Any]:
+    """Part B for one case: the islands' sync_s, ratios and every daemon's peak RSS."""
+    from hypertrain.up import supervise
+
+    topo = TopologyConfig(regions=regions, islands_per_region=n_r, h_r=2, h_g=2, tau=0)
+    cfg = base_config(mcfg, topo, 6, codec)
+    P = param_count(mcfg)
+    events = Events(verbose)
+    poller = RssPoller()
+    cluster = Cluster(cfg, run_dir, events, poller)
+    t0 = time.perf_counter()
+    try:
+        cluster.start(islands=True)
+        failed = supervise(cluster.children, deadline_s=timeout)
+        if failed is not None:
+            raise RuntimeError(failed.failure_message())
+    finally:
+        cluster.stop()
+        peaks = poller.stop()
+    wall = time.perf_counter() - t0
+    syncs: list[dict[str, Any]] = []
+    for log in sorted((run_dir / "logs").glob("island-*.log")):
+        for line in log.read_text().splitlines():
+            e = parse_logfmt(line)
+            if e.get("event") == "sync":
+                syncs.append(
+                    {
+                        "island": e["island"],
+                        "step": int(e["step"]),
+                        "sync_s": float(e["sync_s"]),
+                        "push_wait_s": float(e["push_wait_s"]),
+                        "fetch_s": float(e["fetch_s"]),
+                        # applying the merge and saving the rejoin state
+                        "rest_s": float(e["sync_s"])
+                        - float(e["push_wait_s"])
+                        - float(e["fetch_s"]),
+                        "bytes": int(e["bytes"]),
+                    }
+                )
+    if not syncs:
+        raise RuntimeError(f"no event=sync lines in {run_dir / 'logs'}")
+    first = min(s["step"] for s in syncs)
+    used = [s for s in syncs if s["step"] != first] or syncs
+    sync_s = statistics.median(s["sync_s"] for s in used)
+    delta_bytes = int(statistics.median(s["bytes"] for s in used))
+    fwd = [
+        int(e["bytes"])
+        for _, src, e in events.items
+        if src.startswith("relay-") and e.get("event") == "global"
+    ]
+    fwd_bytes = max(fwd) if fwd else 4 * P + 64
+    tcp_s = (delta_bytes + fwd_bytes + 8 * P) / rate
+    relays = [v for k, v in peaks.items() if k.startswith("relay-")]
+    islands = [v for k, v in peaks.items() if k.startswith("island-")]
+    names = [c.name for c in cluster.children]
+    return {
+        "case": f"{codec} {len(regions)}x{n_r}",
+        "codec": codec,
+        "regions": len(regions),
+        "islands_per_region": n_r,
+        "syncs": syncs,
+        "used_steps": sorted({s["step"] for s in used}),
+        "median_sync_s": sync_s,
+        "median_push_wait_s": statistics.median(s["push_wait_s"] for s in used),
+        "median_fetch_s": statistics.median(s["fetch_s"] for s in used),
+        "median_rest_s": statistics.median(s["rest_s"] for s in used),
+        "delta_bytes": delta_bytes,
+        "forward_bytes": fwd_bytes,
+        "tcp_s": tcp_s,
+        "ratio": sync_s / tcp_s,
+        "run_wall_s": wall,
+        "peak_rss": {
+            "relay": max(relays),
+            "aggregator": peaks["aggregator"],
+            "island": max(islands),
+            "each": peaks,
+        },
+        "log_lines": daemon_lines(run_dir, [n for n in names if not n.startswith("island-")]),
+    }
+
+
+# -- memory --------------------------------------------------------------------------
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def mem_needed(part: str, P: int, n_r: int) -> int:
+    """Estimated peak memory of all processes of one run of ``part`` at P parameters."""
+
+    def est(kind: str) -> float:
+        k, c = MEM_MODEL[kind]
+        return k * 4 * P + c
+
+    if part == "A":
+        total = n_r * est("a_island") + est("a_relay") + est("a_aggregator")
+    else:  # the larger part B case: 2 regions x 1 island (two relays)
+        total = 2 * est("b_island") + 2 * est("b_relay") + est("b_aggregator")
+    return int(MEM_CONCURRENT * total)
+
+
+# -- reporting ---------------------------------------------------------------------------
+def rss_row(role: str, where: str, peak: int, m: int) -> dict[str, Any]:
+    k, c = RSS_LIMITS[role]
+    limit = int(k * m + c)
+    return {
+        "daemon": role,
+        "where": where,
+        "peak_bytes": peak,
+        "peak_over_m": peak / m,
+        "limit_bytes": limit,
+        "limit": f"{k:g}m + {c // MIB} MiB",
+        "pass": peak <= limit,
+    }
+
+
+def verdict(ok: bool | None) -> str:
+    return "" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: unwind, so every ``finally`` stops its processes and folders."""
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--part", choices=("A", "B", "all"), default="all")
+    ap.add_argument("--params", type=float, default=1e8, help="model parameters P (about)")
+    ap.add_argument("--islands", type=int, default=4, help="part A: synthetic islands n_r")
+    ap.add_argument(
+        "--codec",
+        default="all",
+        help="part A regional codec: int8, sparseloco+zstd, ... or all (int8 and "
+        "sparseloco+zstd); part B always runs fp32 and int8",
+    )
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run folders under DIR")
+    ap.add_argument(
+        "--quick", action="store_true", help="P = 1e7 and a 64 MiB baseline: a smoke run"
+    )
+    ap.add_argument("--timeout", type=float, default=3600, help="part B: seconds per cluster run")
+    ap.add_argument("-v", "--verbose", action="store_true", help="echo the daemons' log events")
+    args = ap.parse_args(argv)
+
+    params = 1e7 if args.quick else args.params
+    mcfg = shape_for(params)
+    P = param_count(mcfg)
+    m = 4 * P
+    n_r = args.islands
+    parts = ["A", "B"] if args.part == "all" else [args.part]
+    codecs = ["int8", "sparseloco+zstd"] if args.codec == "all" else [args.codec]
+    avail = mem_available()
+    for part in parts:
+        need = mem_needed(part, P, n_r)
+        if avail and need > avail:
+            print(
+                f"bench_sync_scale: refusing part {part} at P = {P:,}: it needs about "
+                f"{need / 2**30:.1f} GiB, MemAvailable is {avail / 2**30:.1f} GiB",
+                file=sys.stderr,
+            )
+            return 2
+    # Disk: a run's folder (spool, published deltas, checkpoints, tape, rejoin states)
+    # took up to 30m (part B, 2 regions x 1 island, fp32); each is removed after its run
+    # unless --keep, which keeps them all.
+    keep = args.keep.resolve() if args.keep else None
+    runs = len(codecs) * ("A" in parts) + 4 * ("B" in parts)
+    disk_need = int(DISK_PER_RUN_M * m) * (runs if keep else 1)
+    where = keep or Path(tempfile.gettempdir())
+    where.mkdir(parents=True, exist_ok=True)
+    disk_free = shutil.disk_usage(where).free
+    if disk_need > disk_free:
+        print(
+            f"bench_sync_scale: refusing at P = {P:,}: the run folders need about "
+            f"{disk_need / 2**30:.1f} GiB, {where} has {disk_free / 2**30:.1f} GiB free",
+            file=sys.stderr,
+        )
+        return 2
+
+    tcp_size = (64 if args.quick else 256) * MIB
+    rate = tcp_rate(tcp_size, 3)
+    print(
+        f"# P = {P:,} (m = 4P = {m / 2**20:.0f} MiB; {mcfg.n_layer} x {mcfg.d_model}, "
+        f"{mcfg.n_head} heads, vocab {mcfg.vocab_size}, seq {mcfg.seq_len}), "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}",
+        flush=True,
+    )
+    print(
+        f"# raw loopback TCP: {rate / 1e6:.0f} MB/s ({tcp_size // MIB} MiB, best of 3)",
+        flush=True,
+    )
+
+    signal.signal(signal.SIGTERM, interrupt)
+    root = Path(tempfile.mkdtemp(prefix="bench-sync-scale-", dir=keep))
+    part_a: dict[str, dict[str, Any]] = {}
+    cases: list[dict[str, Any]] = []
+    try:
+        if "A" in parts:
+            for codec in codecs:
+                print(f"# part A: {codec}, 1 region x {n_r} synthetic islands ...", flush=True)
+                name = "A-" + codec.replace("+", "-")
+                part_a[codec] = run_relay_e2e(mcfg, n_r, codec, root / name, rate, args.verbose)
+                if keep is None:  # several GB of spooled deltas and checkpoints per run
+                    shutil.rmtree(root / name, ignore_errors=True)
+        if "B" in parts:
+            for codec in ("fp32", "int8"):
+                for regions, per in ((("eu",), 2), (("eu", "us"), 1)):
+                    label = f"{codec} {len(regions)}x{per}"
+                    print(f"# part B: {label} ...", flush=True)
+                    name = f"B-{codec}-{len(regions)}x{per}"
+                    cases.append(
+                        run_sync_wall(
+                            mcfg, regions, per, codec, root / name, rate, args.verbose, args.timeout
+                        )
+                    )
+                    if keep is None:
+                        shutil.rmtree(root / name, ignore_errors=True)
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"# run folders kept in {root}")
+
+    failed = False
+    rss_rows: list[dict[str, Any]] = []
+    if part_a:
+        print(f"\n## relay_e2e (part A): 1 region x {n_r} islands, h_r = h_g = 1, 2 global rounds")
+        print(
+            f"{'codec':<18}{'round':>6}{'delta MB':>10}{'e2e s':>9}{'tcp s':>8}{'ratio':>8}"
+            f"{'target':>8}  result"
+        )
+        for codec, r in part_a.items():
+            for rd in r["rounds"]:
+                last = rd is r["rounds"][-1]
+                target = TARGET_RELAY_E2E if codec == "int8" and last else None
+                ok = None if target is None else rd["ratio"] <= target
+                failed |= ok is False
+                print(
+                    f"{codec:<18}{rd['step']:>6}{rd['delta_bytes'] / 1e6:>10.1f}"
+                    f"{rd['seconds']:>9.2f}{rd['tcp_s']:>8.3f}{rd['ratio']:>8.1f}"
+                    f"{(f'{target:.1f}' if target else '-'):>8}  {verdict(ok)}"
+                )
+            for role in ("relay", "aggregator"):
+                rss_rows.append(rss_row(role, f"A {codec}", r["peak_rss"][role], m))
+        print("phases of each round (seconds after the first push):")
+        for codec, r in part_a.items():
+            for rd in r["rounds"]:
+                ph = " ".join(f"{k}={v:.2f}" for k, v in rd["phases"].items())
+                print(f"  {codec} round {rd['step']}: {ph}")
+    if cases:
+        print("\n## sync_wall (part B): M = 2, h_r = h_g = 2, 6 steps, tau 0, real islands")
+        print(
+            f"{'case':<14}{'syncs':>6}{'sync_s':>9}{'push_w':>8}{'fetch':>8}{'rest':>8}{'tcp s':>8}"
+            f"{'ratio':>8}{'target':>8}  result"
+        )
+        for c in cases:
+            ok = c["ratio"] <= TARGET_SYNC_WALL
+            failed |= not ok
+            n_used = sum(1 for s in c["syncs"] if s["step"] in c["used_steps"])
+            print(
+                f"{c['case']:<14}{n_used:>6}{c['median_sync_s']:>9.2f}"
+                f"{c['median_push_wait_s']:>8.2f}{c['median_fetch_s']:>8.2f}"
+                f"{c['median_rest_s']:>8.2f}{c['tcp_s']:>8.3f}"
+                f"{c['ratio']:>8.1f}{TARGET_SYNC_WALL:>8.1f}  {verdict(ok)}"
+            )
+            for role in ("relay", "aggregator", "island"):
+                rss_rows.append(rss_row(role, f"B {c['case']}", c["peak_rss"][role], m))
+    if rss_rows:
+        print(f"\n## peak RSS (m = {m / 2**20:.0f} MiB)")
+        print(f"{'daemon':<12}{'run':<18}{'peak MiB':>10}{'/ m':>7}  {'limit':<18}result")
+        for row in rss_rows:
+            failed |= not row["pass"]
+            print(
+                f"{row['daemon']:<12}{row['where']:<18}{row['peak_bytes'] / 2**20:>10.0f}"
+                f"{row['peak_over_m']:>7.2f}  {row['limit']:<18}{verdict(row['pass'])}"
+            )
+    if args.json:
+
+        def peak_of(role: str) -> int | None:
+            vals = [r["peak_bytes"] for r in rss_rows if r["daemon"] == role]
+            return max(vals) if vals else None
+
+        peaks = {role: peak_of(role) for role in ("relay", "aggregator", "island")}
+        int8 = part_a.get("int8")
+        result = {
+            "relay_e2e_over_tcp": int8["ratio"] if int8 else None,
+            "sync_wall_over_tcp": max(c["ratio"] for c in cases) if cases else None,
+            "config": {
+                "P": P,
+                "m_bytes": m,
+                "model_shape": {
+                    "n_layer": mcfg.n_layer,
+                    "d_model": mcfg.d_model,
+                    "n_head": mcfg.n_head,
+                    "seq_len": mcfg.seq_len,
+                    "vocab_size": mcfg.vocab_size,
+                },
+                "n_r": n_r,
+                "codecs_part_a": codecs,
+                "cores": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "mem_available_bytes": avail,
+                "quick": args.quick,
+            },
+            "tcp_bytes_per_s": rate,
+            "tcp_buffer_bytes": tcp_size,
+            "peak_rss_bytes": peaks,
+            "relay_peak_over_m": peaks["relay"] / m if peaks["relay"] else None,
+            "aggregator_peak_over_m": peaks["aggregator"] / m if peaks["aggregator"] else None,
+            "island_peak_over_m": peaks["island"] / m if peaks["island"] else None,
+            "peak_rss": rss_rows,
+            "targets": {
+                "relay_e2e_over_tcp": TARGET_RELAY_E2E,
+                "sync_wall_over_tcp": TARGET_SYNC_WALL,
+                **{k: f"{a:g}m + {c // MIB} MiB" for k, (a, c) in RSS_LIMITS.items()},
+            },
+            "relay_e2e": part_a,
+            "cases": cases,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
