@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,15 +123,20 @@ class GPT(nn.Module):
                 std = resid_std if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab] for token ids [B, T]."""
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, T, d_model] (after ``ln_f``) for token ids [B, T]: what
+        the tied output head multiplies by ``wte.weight``."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ConfigError(f"model: sequence of {t} tokens exceeds seq_len {self.cfg.seq_len}")
         x = self.wte(idx) + self.wpe.weight[:t]
         for block in self.blocks:
             x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] for token ids [B, T]."""
+        return F.linear(self.hidden(idx), self.wte.weight)
 
     def loss(self, windows: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over windows [B, T+1] (inputs then shifted targets)."""
@@ -147,27 +153,142 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# Held-out evaluation, sized by memory.
+#
+# The logits of one window are seq_len * vocab_size fp32 numbers: 206 MB at gpt-125m, so a
+# fixed batch of windows (64 of them: 13 GB) cannot be the unit.  ``evaluate`` runs the trunk
+# (embeddings, blocks, ln_f) over as many windows at a time as the budget holds, then the tied
+# head and the cross-entropy over slices of those positions, keeping every per-token loss.
+# The value is the exactly rounded sum of the per-token losses divided by their number: it
+# does not depend on how the work was cut (see ``evaluate``).
+
+#: Transient memory, in bytes, that held-out evaluation may use on top of the model it
+#: evaluates: activations, logits and the cross-entropy's temporaries.  The aggregator must run
+#: in 3 fp32 model copies + 256 MiB; evaluation takes half of the extra (measured with its
+#: allocator slack at gpt-125m: 104-133 MiB of resident memory on 2 cores).
+EVAL_BUDGET_BYTES = 128 << 20
+
+#: The most windows a batch holds, whatever the budget allows: the fixed batch of before.
+#: Larger batches only cost time on CPU (measured, 512 holdout windows: tiny 15% slower in
+#: batches of 227 than of 64; proxy fastest at 8-32).
+EVAL_MAX_ROWS = 64
+
+#: The fewest positions a head slice holds (unless a batch has fewer positions in all).  The
+#: per-row result of a CPU matrix product does not depend on how many rows it has from 12 rows
+#: up, but below that MKL takes other kernels whose rounding differs (measured: 1-3, 5-7 and
+#: 9-11 rows), so a thinner slice would make the value depend on the budget.  Slices of one
+#: batch differ by at most one position, so none is under half of this.
+MIN_SLICE_POSITIONS = 32
+
+#: The memory model of ``eval_plan``, in fp32 numbers, fitted to the peak resident memory
+#: measured at gpt-125m (VmHWM over the resident size after building the model, cold, 2
+#: threads; the slow test of tests/unit/test_model_eval.py bounds the whole evaluation's).
+#: Per token of the trunk, in units of d_model, besides the MLP's two hidden tensors
+#: (mlp_ratio * d_model each): the residual stream, LayerNorms, q/k/v, attention output,
+#: copies and allocator slack (measured 20-25 in all at 1-8 windows; the model says 26).
+_TRUNK_WIDTHS = 18
+
+#: Per head position, in units of vocab_size: the logits and the cross-entropy's log-softmax
+#: (measured 2.03-2.11 at 256-1024 positions; the model says 2.25).
+_HEAD_WIDTHS = 2.25
+
+
+@dataclass(frozen=True, slots=True)
+class EvalPlan:
+    """How ``evaluate`` cuts its work: ``rows`` windows through the trunk at a time, and the
+    tied head plus cross-entropy over slices of at most ``positions`` of their positions."""
+
+    rows: int
+    positions: int
+    peak_bytes: int
+    """The memory model's transient peak for this plan: at most the budget, unless even one
+    window's trunk and a slice of ``MIN_SLICE_POSITIONS`` exceed it."""
+
+
+def eval_plan(cfg: ModelConfig, budget_bytes: int = EVAL_BUDGET_BYTES) -> EvalPlan:
+    """The largest cut of the held-out evaluation of ``cfg`` whose transient memory fits
+    ``budget_bytes``, by the memory model of ``_TRUNK_WIDTHS`` and ``_HEAD_WIDTHS``.
+
+    Whole windows when one window's trunk and logits fit (as many as fit, up to
+    ``EVAL_MAX_ROWS``, their head in one slice); otherwise one window at a time, its head in
+    slices of positions.  The trunk's and the head's peaks add up: what the trunk frees stays
+    resident in the C allocator's heap (measured), where the head's large logits (mappings of
+    their own) do not reuse it."""
+    if budget_bytes <= 0:
+        raise ConfigError(f"evaluate: budget_bytes must be positive, got {budget_bytes}")
+    t = cfg.seq_len
+    trunk_row = 4 * t * (2 * cfg.mlp_ratio + _TRUNK_WIDTHS) * cfg.d_model
+    hidden_row = 4 * t * cfg.d_model  # the trunk's output, kept while the head runs
+    head_position = math.ceil(4 * _HEAD_WIDTHS * cfg.vocab_size)
+    row = trunk_row + hidden_row + t * head_position
+    if budget_bytes >= row:
+        rows = min(EVAL_MAX_ROWS, budget_bytes // row)
+        return EvalPlan(rows=rows, positions=rows * t, peak_bytes=rows * row)
+    fit = (budget_bytes - trunk_row - hidden_row) // head_position
+    positions = min(t, max(MIN_SLICE_POSITIONS, fit))
+    peak = trunk_row + hidden_row + positions * head_position
+    return EvalPlan(rows=1, positions=positions, peak_bytes=peak)
+
+
 @torch.no_grad()
 def evaluate(
     model: GPT,
     windows: torch.Tensor,
-    batch_size: int = 64,
+    budget_bytes: int | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> float:
-    """Mean held-out cross-entropy over ``windows`` [N, T+1], in fixed batches.
+    """Mean held-out cross-entropy over ``windows`` [N, T+1], in memory-sized pieces.
 
-    Each batch's mean is weighted by its row count and summed in float64 in a
-    fixed order, so the value is a pure function of (parameters, windows).
-    ``stop``: checked between batches; when it says so the evaluation ends early
-    and returns NaN (a daemon that is asked to stop does not wait for it)."""
+    The work is cut by ``eval_plan(model.cfg, budget_bytes)`` (default
+    ``EVAL_BUDGET_BYTES``): whole windows through the trunk, then the tied head and the
+    cross-entropy (fp32, one loss per token) over slices of their positions, so that the
+    transient memory stays near the budget at any preset (gpt-125m: one window at a time,
+    its logits in 10 slices of 102-103 positions).  The value is the exactly rounded float64
+    sum (``math.fsum``) of the N * T per-token fp32 losses, divided by N * T: a pure function
+    of (parameters, windows), whatever the budget, because each token's loss is computed by
+    the same arithmetic in any cut (CPU: checked bit for bit in tests/unit/test_model_eval.py;
+    on a GPU, kernels chosen by shape may round differently at another budget).
+
+    Against the evaluation before it (fixed batches of 64 windows, each batch's fp32 mean
+    weighted by its rows): the same value up to the rounding of those fp32 means, measured
+    at most 1e-7 relative (9.3e-8 at tiny and 6.9e-8 at proxy on 1-512 real holdout windows,
+    trained and untrained; 7.7e-8 at gpt-125m on 8 random windows); read it as a tolerance
+    of 1e-6 relative.
+
+    ``stop``: checked before each batch of windows and each head slice; when it says so the
+    evaluation ends early and returns NaN (a daemon that is asked to stop does not wait for
+    it).  A non-finite token loss makes the result NaN or inf."""
+    plan = eval_plan(model.cfg, EVAL_BUDGET_BYTES if budget_bytes is None else budget_bytes)
+    n, t = windows.shape[0], windows.shape[1] - 1
+    if n * t == 0:
+        raise ConfigError(
+            f"evaluate: no tokens to evaluate in windows of shape {tuple(windows.shape)}"
+        )
+    weight = model.wte.weight
+    losses = torch.empty(n * t, dtype=torch.float32, device=windows.device)
     was_training = model.training
     model.eval()
-    total = 0.0
-    for start in range(0, windows.shape[0], batch_size):
-        if stop is not None and stop():
-            model.train(was_training)
-            return math.nan
-        chunk = windows[start : start + batch_size]
-        total += float(model.loss(chunk)) * chunk.shape[0]
-    model.train(was_training)
-    return total / windows.shape[0]
+    try:
+        for start in range(0, n, plan.rows):
+            if stop is not None and stop():
+                return math.nan
+            chunk = windows[start : start + plan.rows]
+            hidden = model.hidden(chunk[:, :-1]).reshape(-1, weight.shape[1])
+            targets = chunk[:, 1:].reshape(-1)
+            m = hidden.shape[0]
+            k = -(-m // plan.positions)  # slices of equal size, to one position
+            edges = [m * i // k for i in range(k + 1)]
+            for i, (a, b) in enumerate(itertools.pairwise(edges)):
+                if i and stop is not None and stop():
+                    return math.nan
+                logits = F.linear(hidden[a:b], weight)
+                base = start * t
+                losses[base + a : base + b] = F.cross_entropy(
+                    logits, targets[a:b], reduction="none"
+                )
+                del logits  # before the next slice's logits exist
+            del hidden
+    finally:
+        model.train(was_training)
+    parts = losses.cpu().split(1 << 16)
+    return math.fsum(itertools.chain.from_iterable(p.tolist() for p in parts)) / (n * t)
