@@ -42,6 +42,7 @@ from hypertrain.common.trust.keys import SigningKey
 from hypertrain.island.ranks import TorchRanks
 from hypertrain.wire.daemon import log_event
 from hypertrain.wire.metrics import Metrics
+from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
@@ -143,11 +144,14 @@ class Island:
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)
             t0 = time.perf_counter()
+            if rounds.schedule.sync_kind(step) is not None:
+                trim_heap()  # the freed gradients' pages, before the sync's copies
             delta = rounds.after_step(encode=self.lead)
             if rounds.last_sync is not None and rounds.last_sync[0] == step:
                 if delta is not None:
                     push = self.pusher.submit(self._push, delta)
                     sent = len(delta.data)
+                    delta = None  # the pusher holds it until it is sent, no longer
                     self._sent(sent, time.perf_counter() - t0)
                 m.train_loss.labels(**labels).set(sum(losses) / len(losses))
                 m.tokens_per_second.labels(**labels).set(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from typing import Any
 
 from hypertrain.wire.chunks import CHUNK_BYTES
 
@@ -91,3 +92,23 @@ def tune_allocator() -> bool:
                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
             )
         return _tuned
+
+
+_trim: Any = None
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the kernel (glibc ``malloc_trim``; nothing
+    elsewhere).  The island calls it before each sync: the gradients freed after the
+    optimizer step sit in the heap (below ``MMAP_THRESHOLD_BYTES`` tensors are not
+    mappings of their own), and the sync's copies of the model would come on top."""
+    global _trim
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+            _trim.argtypes = [ctypes.c_size_t]
+            _trim.restype = ctypes.c_int
+        except (OSError, AttributeError, TypeError):
+            _trim = False
+    if _trim:
+        _trim(0)
