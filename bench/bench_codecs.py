@@ -7,9 +7,9 @@ Baseline: ``dst.copy_(src)`` of the same number of fp32 bytes (read + write, all
 cores), best of several.  Every figure is reported in GB/s of *fp32 input*
 (4 bytes per parameter processed) and as a ratio to the copy's GB/s, so a
 ratio is ``t_copy / t_figure`` and does not depend on how fast this machine is.
-Targets (from the codec issue): int8 decode-and-accumulate >= 0.25, int8
-encode >= 0.1, SparseLoCo encode >= 0.03, SparseLoCo+zstd <= 0.2 bits per
-parameter on a Gaussian delta.  Timings are best-of-N wall clock; the machine
+Targets: int8 decode-and-accumulate >= 0.6, int8 encode >= 0.3 (raised from
+the codec issue's 0.25 and 0.1), SparseLoCo encode >= 0.03, SparseLoCo+zstd
+<= 0.2 bits per parameter on a Gaussian delta.  Timings are best-of-N wall clock; the machine
 may be shared, so the JSON records the repeats and sizes used.
 """
 
@@ -73,8 +73,8 @@ def run(size_mib: int, repeats: int) -> dict[str, Any]:
 
     sizes: dict[str, dict[str, Any]] = {}
     targets = {
-        ("int8", "decode_accumulate"): 0.25,
-        ("int8", "encode"): 0.1,
+        ("int8", "decode_accumulate"): 0.6,
+        ("int8", "encode"): 0.3,
         ("sparseloco", "encode"): 0.03,
     }
     for spec in ["int8", "int8+zstd", "sparseloco", "sparseloco+zstd", "fp32"]:

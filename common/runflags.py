@@ -34,6 +34,7 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--lr": ("inner.lr", float),
     "--data": ("data", str),
     "--threads": ("threads", int),
+    "--holdout-windows": ("holdout_windows", int),
 }
 
 
