@@ -13,9 +13,12 @@ Durability order (a crash may come between any two steps; ``crash(point)`` marks
   taped, in the machine's order; only then is the push answered.  An input whose entry
   is on the tape is accepted; one whose entry is not was never acknowledged.
 - the aggregator's outer step: ``global_merge`` taped (the commit record), then
-  ``checkpoints/round-N.pt`` and ``state.pt``.
+  ``checkpoints/round-N.pt`` and ``state.pt`` (a link to it), possibly written in the
+  background (``NodeStore(defer=True)``) and settled before the next push.
 - a relay's global update: ``checkpoints/round-N.pt`` first (it holds the new
-  parameters, which are not on the relay's tape), then the ``global_applied`` entry.
+  parameters, which are not on the relay's tape), then the ``global_applied`` entry;
+  with ``on_global(defer=True)`` the update is fetchable before both, and every push,
+  rejection or close settles them first.
 
 Restart (``recover``): load the latest checkpoint into a fresh machine, replay the tape
 after it through ``replay.py`` (every redone merge checked bit for bit against its
@@ -461,8 +464,9 @@ class AggregatorNode(_Node):
     def push(
         self, delta: Delta, publisher: Publisher | None = None
     ) -> tuple[Decision, list[Effect]]:
-        """A relay's regional delta arrived: decide; an outer step is taped and checkpointed
-        before the push is answered."""
+        """A relay's regional delta arrived: decide; an outer step is taped before the push
+        is answered, and checkpointed then or (a store opened with ``defer``) before the
+        next push changes the state."""
         if self.store is not None:  # the outer step may change what a checkpoint refers to
             self.store.settle()
         decision, effects = self.machine.on_regional(delta)
