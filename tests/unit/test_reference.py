@@ -93,3 +93,26 @@ def test_cli_bad_flag_value_gives_one_line_and_exit_2(capsys: pytest.CaptureFixt
     assert main(["run", "--local", "--steps", "15"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "steps" in err[0]
+
+
+def test_error_feedback_in_the_delta_s_memory_changes_no_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Islands and relays encode with ``consume=True`` (error feedback works in the delta's
+    memory, a relay's spent base becomes its residual): the run must end on the digest of
+    the copying path, with a lossy global codec and overlap."""
+    from hypertrain.common.codec.feedback import ErrorFeedback
+
+    cfg = _small(
+        **{
+            "outer.name": "sparseloco",
+            "global_codec": "sparseloco",
+            "topology.tau": 1,
+        }
+    )
+    consuming = run_reference(cfg).final_digest
+    encode = ErrorFeedback.encode
+    monkeypatch.setattr(
+        ErrorFeedback, "encode", lambda self, delta, consume=False: encode(self, delta, False)
+    )
+    assert run_reference(cfg).final_digest == consuming
