@@ -58,7 +58,6 @@ import platform
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -73,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_transport import tcp_once  # this folder is on sys.path when run as a script
 
 from hypertrain.common.config import RunConfig, TopologyConfig
 from hypertrain.common.model import ModelConfig
@@ -148,25 +148,6 @@ def base_config(mcfg: ModelConfig, topo: TopologyConfig, steps: int, codec: str)
 
 
 # -- the TCP baseline ----------------------------------------------------------------
-def tcp_once(data: bytes, buf: bytearray) -> None:
-    """Send ``data`` over a fresh loopback connection into ``buf`` (bench_transport.py)."""
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        port = srv.getsockname()[1]
-        sender = threading.Thread(
-            target=lambda: socket.create_connection(("127.0.0.1", port)).sendall(data)
-        )
-        sender.start()
-        conn, _ = srv.accept()
-        view, got = memoryview(buf), 0
-        with conn:
-            while got < len(data):
-                n = conn.recv_into(view[got : got + (4 << 20)])
-                if n == 0:
-                    raise RuntimeError("tcp baseline: connection closed early")
-                got += n
-        sender.join()
-
-
 def tcp_rate(size: int, repeats: int) -> float:
     """Loopback TCP bytes per second: best of ``repeats`` after a warm-up."""
     data = os.urandom(size)
