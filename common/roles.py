@@ -164,24 +164,18 @@ class IslandState:
 
         ``copy=False``: the live tensors, no copies (the caller writes them out before the
         island changes them), and ``params`` None when they equal the base."""
-        if copy:
-            return {
-                "island": self.island_id,
-                "step": self.step,
-                "params": self.params(),
-                "base": self.base.clone(),
-                **self._train_state(),
-                "feedback": self.feedback.state_dict(),
-                "snapshots": {k: v.clone() for k, v in self.snapshots.items()},
-            }
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if copy else t
+
         return {
             "island": self.island_id,
             "step": self.step,
-            "params": None if self.params_equal_base() else self.params(),
-            "base": self.base,
+            "params": self.params() if copy or not self.params_equal_base() else None,
+            "base": keep(self.base),
             **self._train_state(),
-            "feedback": self.feedback.state_dict(copy=False),
-            "snapshots": dict(self.snapshots),
+            "feedback": self.feedback.state_dict(copy=copy),
+            "snapshots": {k: keep(v) for k, v in self.snapshots.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -203,7 +203,7 @@ class RelayNode(_Node):
         self.recovered: dict[str, Any] = {}
         self._unsettled: Applied | None = None  # applied and fetchable, not yet taped
         self._checkpointed = False  # ... and its checkpoint already written
-        self._settling = threading.Lock()
+        self._settling = threading.RLock()
 
     # -- events ----------------------------------------------------------------------------
     def push(
@@ -277,9 +277,7 @@ class RelayNode(_Node):
             applied = self._unsettled
             if applied is None:
                 return
-            if not self._checkpointed:
-                self._checkpoint(applied)
-                self._checkpointed = True
+            self.write_checkpoint()
             self._crash("relay_after_checkpoint")
             self._record(applied)
             self._unsettled = None
