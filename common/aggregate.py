@@ -10,23 +10,28 @@ Invariants:
 - ``aggregate(inputs)`` depends only on the mapping's contents, never on its
   insertion order (members are sorted by their UTF-8 id).
 - The sum starts from zeros and adds each decoded delta with one fp32 add per
-  element (``Codec.decode_accumulate``, bit-identical to ``add_(decode(...))``);
-  the mean is one fp32 division by the member count.
+  element (``Codec.accumulate_range``, bit-identical to ``add_(decode(...))``);
+  the mean is one fp32 division by the member count.  It is computed one range of
+  values at a time (``streamed_mean``): per value the operations, hence the bits, are
+  those of whole-tensor sums, and no whole-model accumulator is needed where the mean
+  is only folded into other state.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hypertrain.common.codec import Codec
-from hypertrain.common.digest import blob_digest, tensor_digest
-from hypertrain.common.errors import HypertrainError
+from hypertrain.common.codec.header import read_header
+from hypertrain.common.digest import CHUNK_BYTES, TensorHasher, blob_digest
+from hypertrain.common.errors import CodecError, HypertrainError
 
 Blob = bytes | bytearray | memoryview
 """Encoded bytes as received (the transport fills a bytearray)."""
@@ -72,10 +77,78 @@ class Commitment:
         return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def fixed_order_sum(inputs: Mapping[str, Blob], codec: Codec, out: torch.Tensor) -> None:
-    """``out`` (zeroed by the caller) += decoded inputs, in sorted member order."""
-    for member in sorted(inputs):
-        codec.decode_accumulate(inputs[member], out)
+#: Values per range of a streamed mean: 4M fp32 (16 MiB), a whole number of digest
+#: chunks; the accumulator range stays in cache while every input is added to it.
+MERGE_RANGE = 1 << 22
+
+Visit = Callable[[int, torch.Tensor], None]
+"""Called with (start, mean[start : start + n]) for each range of a streamed mean, in order."""
+
+
+def _range_length(codec: Codec) -> int:
+    unit = math.lcm(CHUNK_BYTES // 4, codec.range_align)
+    return unit * max(1, MERGE_RANGE // unit)
+
+
+def streamed_mean(
+    inputs: Mapping[str, Blob],
+    codec: Codec,
+    shape: tuple[int, ...],
+    visit: Visit | None = None,
+    out: torch.Tensor | None = None,
+    digests: Mapping[str, str] | None = None,
+    prepare: Callable[[], None] | None = None,
+) -> Commitment:
+    """The fixed-order fp32 mean of ``inputs``, one range of values at a time.
+
+    Every input is validated first (nothing is visited unless all are good); then, per
+    range of ``MERGE_RANGE`` values: zeros, plus each decoded input in sorted member
+    order, divided by the member count (the same per-value operations as summing whole
+    tensors, so the same bits); the range is hashed into the output digest and handed
+    to ``visit``.  The mean is kept in ``out`` (1-D view of ``shape``'s element count)
+    when given, otherwise only in a range-sized scratch buffer: a caller that only
+    folds it into other state (a relay's base at a global sync) never holds it whole.
+    ``digests``: each input's sha256 where the caller already verified it; ``prepare``:
+    called once every input is validated, before the first ``visit`` (a caller that
+    allocates state for the visits does it only once nothing can fail)."""
+    if not inputs:
+        raise HypertrainError("aggregate: no inputs")
+    members = tuple(sorted(inputs))
+    numel = math.prod(shape)
+    opened = []
+    for member in members:  # validate every input before anything is written
+        data = inputs[member]
+        header = read_header(data)
+        if header.shape != tuple(shape) and (numel,) != header.shape:
+            raise CodecError(f"blob has shape {header.shape}, accumulator has {tuple(shape)}")
+        opened.append(codec.open(data))
+    flat = None if out is None else out.view(-1)
+    if flat is not None and flat.numel() != numel:
+        raise HypertrainError(f"aggregate: out has {flat.numel()} values, expected {numel}")
+    step = _range_length(codec)
+    scratch = torch.empty(min(step, numel), dtype=torch.float32) if flat is None else None
+    hasher = TensorHasher(torch.float32, tuple(shape))
+    if prepare is not None:
+        prepare()
+    for start in range(0, numel, step):
+        n = min(step, numel - start)
+        acc = flat[start : start + n] if flat is not None else scratch[:n]  # type: ignore[index]
+        acc.zero_()
+        for header, prepared in opened:
+            codec.accumulate_range(header, prepared, acc, start)
+        acc.div_(len(members))
+        hasher.update(acc)
+        if visit is not None:
+            visit(start, acc)
+    return Commitment(
+        codec=codec.spec.to_dict(),
+        members=members,
+        input_digests=tuple(
+            digests[m] if digests is not None and m in digests else blob_digest(inputs[m])
+            for m in members
+        ),
+        output_digest=hasher.hexdigest(),
+    )
 
 
 def aggregate(
@@ -84,24 +157,13 @@ def aggregate(
     shape: tuple[int, ...],
     digests: Mapping[str, str] | None = None,
 ) -> tuple[torch.Tensor, Commitment]:
-    """Fixed-order fp32 mean of the decoded ``inputs`` and its commitment.
+    """Fixed-order fp32 mean of the decoded ``inputs`` and its commitment (``streamed_mean``
+    kept whole).
 
     ``digests``: each input's sha256 where the caller already verified it (a transport
     checks every transfer's digest as it arrives), so that the bytes are not hashed again;
     computed here for inputs it does not name."""
     if not inputs:
         raise HypertrainError("aggregate: no inputs")
-    members = tuple(sorted(inputs))
-    acc = torch.zeros(shape, dtype=torch.float32)
-    fixed_order_sum(inputs, codec, acc)
-    acc.div_(len(members))
-    commitment = Commitment(
-        codec=codec.spec.to_dict(),
-        members=members,
-        input_digests=tuple(
-            digests[m] if digests is not None and m in digests else blob_digest(inputs[m])
-            for m in members
-        ),
-        output_digest=tensor_digest(acc),
-    )
-    return acc, commitment
+    mean = torch.empty(shape, dtype=torch.float32)
+    return mean, streamed_mean(inputs, codec, shape, out=mean, digests=digests)

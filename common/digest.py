@@ -16,6 +16,7 @@ Digest format (version 1), all sha256, hex in the API:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -65,15 +66,19 @@ def _leaves(chunks: list[memoryview]) -> list[bytes]:
 
 def _header(t: torch.Tensor, nbytes: int) -> bytes:
     """What a tensor root hashes before its leaves: tag, dtype, shape, byte count."""
-    dtype = str(t.dtype).encode()
-    dim = t.dim()
+    return _header_of(t.dtype, tuple(t.shape), nbytes)
+
+
+def _header_of(dt: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    dtype = str(dt).encode()
+    dim = len(shape)
     return b"".join(
         (
             b"ht-tensor-v1",
             struct.pack("<B", len(dtype)),
             dtype,
             struct.pack("<B", dim),
-            struct.pack(f"<{dim}Q", *t.shape),
+            struct.pack(f"<{dim}Q", *shape),
             struct.pack("<Q", nbytes),
         )
     )
@@ -117,6 +122,53 @@ def _roots(tensors: list[torch.Tensor], parallel: bool) -> list[bytes]:
         roots.append(hashlib.sha256(b"".join([_header(t, n), *leaves[first:last]])).digest())
         first = last
     return roots
+
+
+class TensorHasher:
+    """``tensor_digest`` of a tensor that is produced piece by piece (a streamed merge):
+    ``update`` each piece in order, then ``hexdigest``.  Every piece but the last must
+    be a whole number of chunks (``CHUNK_BYTES``), so the leaves are the ones
+    ``tensor_digest`` cuts; each piece's leaves are hashed on the pool."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = dtype, shape
+        self.nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        self._leaves: list[bytes] = []
+        self._seen = 0
+
+    def update(self, piece: torch.Tensor) -> None:
+        if self._seen % CHUNK_BYTES:
+            raise ValueError("TensorHasher: only the last piece may end inside a chunk")
+        raw = _raw(piece)
+        chunks = [raw[i : i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES)]
+        pool = _pool() if _WORKERS > 1 and len(raw) > TASK_BYTES else None
+        if pool is None:
+            self._leaves.extend(_leaves(chunks))
+        else:
+            per = -(-len(chunks) // _WORKERS)
+            tasks = [pool.submit(_leaves, chunks[i : i + per]) for i in range(0, len(chunks), per)]
+            for task in tasks:
+                self._leaves.extend(task.result())
+        self._seen += len(raw)
+
+    def hexdigest(self) -> str:
+        if self._seen != self.nbytes:
+            raise ValueError(f"TensorHasher: {self._seen} of {self.nbytes} bytes hashed")
+        head = _header_of(self.dtype, self.shape, self.nbytes)
+        return hashlib.sha256(b"".join([head, *self._leaves])).hexdigest()
+
+
+def zeros_digest(numel: int, dtype: torch.dtype = torch.float32) -> str:
+    """``tensor_digest(torch.zeros(numel, dtype=dtype))`` without the zeros: every full
+    chunk has the same leaf (a lossless codec's error feedback is all zeros, and relays
+    digest it every round)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * size
+    full, tail = divmod(nbytes, CHUNK_BYTES)
+    leaves = [hashlib.sha256(bytes(CHUNK_BYTES)).digest()] * full
+    if tail:
+        leaves.append(hashlib.sha256(bytes(tail)).digest())
+    return hashlib.sha256(b"".join([_header_of(dtype, (numel,), nbytes), *leaves])).hexdigest()
 
 
 def tensor_digest(t: torch.Tensor, *, parallel: bool = True) -> str:

@@ -122,18 +122,47 @@ class Codec(ABC):
         """``out`` (1-D fp32) ``=``, ``+=`` or ``-=`` the decoded payload, bit-exactly as
         the whole-tensor ops ``copy_``/``add_``/``sub_`` of ``decode`` would."""
 
+    range_align: int = 1
+    """``apply_range`` starts must be a multiple of this (int8: its block)."""
+
+    def _apply_range(self, prepared: Any, numel: int, out: torch.Tensor, start: int) -> None:
+        """``out += `` the decoded values ``[start, start + out.numel())`` of a ``numel``-value
+        payload, the same bits as that slice of ``_apply(..., "add")`` on the whole tensor."""
+        raise NotImplementedError(f"{type(self).__name__} has no range decode")
+
     # -- the public interface ------------------------------------------------
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        """Encode an fp32 tensor of any shape and strides; canonical bytes."""
+    def encode(self, x: torch.Tensor) -> bytes | bytearray:
+        """Encode an fp32 tensor of any shape and strides; canonical bytes.
+
+        Without zstd the payload is written in place behind the header, in the buffer
+        that is returned (a ``bytearray``, which nothing writes to afterwards): no
+        second copy of a model-sized payload, at any moment."""
         flat = flat_input(x)
         if x.dim() > MAX_NDIM or flat.numel() > MAX_NUMEL:
             raise CodecError(
                 f"cannot encode shape {tuple(x.shape)}: at most {MAX_NDIM} dims, {MAX_NUMEL} values"
             )
-        raw = alloc_raw(raw_length(self.spec, flat.numel()))
-        self._encode_raw(flat, raw)
-        return self.frame(raw, tuple(x.shape))
+        return self.encode_flat(flat, tuple(x.shape))[0]
+
+    def encode_flat(
+        self, flat: torch.Tensor, shape: tuple[int, ...]
+    ) -> tuple[bytes | bytearray, Buffer]:
+        """``encode`` of a contiguous 1-D fp32 tensor (reported as ``shape``), and a view
+        of the raw payload it wrote (error feedback decodes it again).  Without zstd the
+        payload is written straight behind the header in the blob itself."""
+        size = raw_length(self.spec, flat.numel())
+        if self.spec.zstd:
+            raw = alloc_raw(size)
+            self._encode_raw(flat, raw)
+            return self.frame(raw, shape), raw
+        header = pack_header(self.spec, shape, size, size)
+        blob = bytearray(len(header) + size)  # zero-filled: its pages are faulted in here
+        payload = memoryview(blob)[len(header) :]
+        self._encode_raw(flat, payload)
+        seal(header, payload)
+        blob[: len(header)] = header
+        return blob, payload
 
     def frame(self, raw: Buffer, shape: tuple[int, ...]) -> bytes:
         """Header + (zstd-framed) raw payload, checksummed: the encoded blob."""
@@ -187,6 +216,24 @@ class Codec(ABC):
             raise CodecError(f"blob has shape {header.shape}, accumulator has {tuple(out.shape)}")
         _, prepared = self.open(data)
         self._apply(prepared, out.view(-1), "add")
+
+    def accumulate_range(
+        self, header: Header, prepared: Any, out: torch.Tensor, start: int
+    ) -> None:
+        """``out += decode(data)[start : start + out.numel()]`` for a blob already validated
+        by ``open`` (its ``header`` and ``prepared`` payload), bit-identical to that slice
+        of ``decode_accumulate``: a streamed sum (``aggregate.streamed_mean``) works one
+        range of every input at a time instead of holding a whole-model accumulator.
+        ``out``: a contiguous 1-D fp32 CPU tensor; ``start``: a multiple of
+        ``range_align`` (or the end of the range is the end of the tensor)."""
+        if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+            raise CodecError("accumulate_range needs a contiguous 1-D float32 tensor")
+        if start < 0 or start + out.numel() > header.numel or start % self.range_align:
+            raise CodecError(
+                f"range [{start}, {start + out.numel()}) does not fit a blob of "
+                f"{header.numel} values in steps of {self.range_align}"
+            )
+        self._apply_range(prepared, header.numel, out, start)
 
     def bits_per_param(self, data: Buffer) -> float:
         """Encoded size in bits (header included) per encoded value; inf for an empty tensor."""

@@ -24,8 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hypertrain.common.codec.base import SLICE, Codec, alloc_raw, flat_input
-from hypertrain.common.codec.layout import raw_length
+from hypertrain.common.codec.base import SLICE, Codec, flat_input
 from hypertrain.common.codec.registry import make_codec
 from hypertrain.common.codec.spec import CodecSpec
 from hypertrain.common.errors import CodecError, ConfigError
@@ -72,7 +71,7 @@ class ErrorFeedback:
         """Is the residual all +0.0 (held as no tensor)?"""
         return self._residual is None
 
-    def encode(self, delta: torch.Tensor, consume: bool = False) -> bytes:
+    def encode(self, delta: torch.Tensor, consume: bool = False) -> bytes | bytearray:
         """Fold ``delta`` into the residual, encode it, keep what was not sent.
 
         ``consume``: ``delta``'s memory may be used as the work buffer (the new residual
@@ -100,9 +99,7 @@ class ErrorFeedback:
         else:
             acc = torch.mul(e, self.beta).view(-1)
             acc.add_(flat)
-        raw = alloc_raw(raw_length(self.codec.spec, acc.numel()))
-        self.codec._encode_raw(acc, raw)
-        blob = self.codec.frame(raw, self.shape)
+        blob, raw = self.codec.encode_flat(acc, self.shape)
         self.released = e if own else None
         if self.codec.lossless:  # acc - decode(c) is +0.0 everywhere
             self._residual = None

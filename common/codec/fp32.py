@@ -36,6 +36,9 @@ class Fp32Codec(Codec):
                 raise CodecError("fp32 payload holds NaN or inf")
         return raw
 
+    def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:
+        out.add_(tensor_view(raw, torch.float32, 4 * start, out.numel()))
+
     def _apply(self, raw: Buffer, out: torch.Tensor, mode: Mode) -> None:
         src = tensor_view(raw, torch.float32, 0, out.numel())
         if mode == "set":

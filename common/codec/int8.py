@@ -71,6 +71,7 @@ class Int8Codec(Codec):
     def __init__(self, spec: CodecSpec) -> None:
         super().__init__(spec)
         self.block = int(self.spec.param("block"))
+        self.range_align = self.block
         # A slice is a whole number of blocks so scales never straddle slices.
         self.rows = max(1, _SLICE // self.block)
         self.slice = self.block * self.rows
@@ -139,6 +140,25 @@ class Int8Codec(Codec):
             raise CodecError("int8 payload: code -128 (the encoder uses [-127, 127])")
         return raw
 
+    def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:
+        # Blocks never straddle the range (start is a block boundary), so the slice's
+        # blocks and their scales are exactly the whole tensor's.
+        nblocks = -(-numel // self.block)
+        n = out.numel()
+        first = start // self.block
+        scales = tensor_view(raw, torch.float32, 4 * first, -(-n // self.block))
+        codes = tensor_view(raw, torch.int8, 4 * nblocks + start, n)
+        self._accumulate(scales, codes, out)
+
+    def _accumulate(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+        work = _work_buffer(min(self.slice, out.numel()))
+        for w, q, dst, scale in self._pieces(scales, work, codes, out):
+            # The decoded slice is fl(float(q) * scale), exactly what decode() holds;
+            # adding it afterwards keeps the two roundings of out.add_(decode(data)).
+            w.copy_(q)
+            w.mul_(scale)
+            dst.add_(w)
+
     def _apply(self, raw: Buffer, out: torch.Tensor, mode: Mode) -> None:
         numel = out.numel()
         nblocks = -(-numel // self.block)
@@ -149,13 +169,11 @@ class Int8Codec(Codec):
                 dst.copy_(q)
                 dst.mul_(scale)
             return
+        if mode == "add":
+            self._accumulate(scales, codes, out)
+            return
         work = _work_buffer(min(self.slice, numel))
         for w, q, dst, scale in self._pieces(scales, work, codes, out):
-            # The decoded slice is fl(float(q) * scale), exactly what decode() holds;
-            # adding it afterwards keeps the two roundings of out.add_(decode(data)).
-            w.copy_(q)
+            w.copy_(q)  # as in _accumulate
             w.mul_(scale)
-            if mode == "add":
-                dst.add_(w)
-            else:
-                dst.sub_(w)
+            dst.sub_(w)

@@ -200,18 +200,29 @@ class SparseLoCoCodec(Codec):
         negative = (codes >> (self.bits - 1)).bool()
         return _Decoded(torch.cat(parts), torch.where(negative, -mag, mag))
 
+    def _apply_range(self, prepared: _Decoded, numel: int, out: torch.Tensor, start: int) -> None:
+        idx, val = prepared  # positions ascending
+        lo, hi = (
+            int(i) for i in torch.searchsorted(idx, torch.tensor([start, start + out.numel()]))
+        )
+        self._add(idx[lo:hi] - start, val[lo:hi], out)
+
+    @staticmethod
+    def _add(idx: torch.Tensor, val: torch.Tensor, out: torch.Tensor) -> None:
+        # out.add_(dense) adds +0.0 off the kept indices, which turns -0.0 into +0.0;
+        # reproduce that with one in-place pass, then add the kept values to the
+        # original entries (read before that pass).
+        kept = out[idx]
+        out.add_(0.0)
+        out[idx] = kept + val
+
     def _apply(self, prepared: _Decoded, out: torch.Tensor, mode: Mode) -> None:
         idx, val = prepared
         if mode == "set":
             out.zero_()
             out[idx] = val
         elif mode == "add":
-            # out.add_(dense) adds +0.0 off the kept indices, which turns -0.0
-            # into +0.0; reproduce that with one in-place pass, then add the
-            # kept values to the original entries (read before that pass).
-            kept = out[idx]
-            out.add_(0.0)
-            out[idx] = kept + val
+            self._add(idx, val, out)
         else:
             # x - (+0.0) == x for every x (-0.0 included): only kept entries change.
             out[idx] = out[idx] - val

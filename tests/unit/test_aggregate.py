@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hypertrain.common.aggregate import aggregate
+import hypertrain.common.aggregate as agg
+from hypertrain.common.aggregate import aggregate, streamed_mean
 from hypertrain.common.codec import make_codec
-from hypertrain.common.digest import blob_digest, tensor_digest
-from hypertrain.common.errors import HypertrainError
+from hypertrain.common.digest import TensorHasher, blob_digest, tensor_digest, zeros_digest
+from hypertrain.common.errors import CodecError, HypertrainError
 
 
 def _blobs(codec_name: str, n: int, numel: int, seed: int) -> dict[str, bytes]:
@@ -77,3 +78,96 @@ def test_known_digests_give_the_same_commitment_without_hashing_again() -> None:
     partial = {"eu-0": digests["eu-0"], "eu-2": "0" * 64}
     _, commitment3 = aggregate(blobs, codec, (1000,), partial)
     assert commitment3.input_digests == (digests["eu-0"], digests["eu-1"], "0" * 64)
+
+
+# -- the streamed mean: one range at a time, the same bits as whole-tensor sums ----------
+STREAM_CODECS = [
+    "fp32",
+    "int8",
+    "int8:block=100",  # blocks that do not divide the digest chunk: ranges align to both
+    "int8+zstd",
+    "sparseloco",
+    "sparseloco:chunk=1000,density=0.01,value_bits=4+zstd",
+]
+
+
+def _whole_tensor_mean(blobs: dict[str, bytes], codec_name: str, numel: int) -> torch.Tensor:
+    """The definition: zeros, + decode(input) in sorted member order, / count."""
+    codec = make_codec(codec_name)
+    acc = torch.zeros(numel)
+    for member in sorted(blobs):
+        acc.add_(codec.decode(blobs[member]))
+    return acc.div_(len(blobs))
+
+
+@pytest.mark.parametrize("codec_name", STREAM_CODECS)
+@pytest.mark.parametrize("numel", [1, 999, 5 * 262144 + 37])
+def test_streamed_mean_has_the_bits_of_whole_tensor_sums(
+    codec_name: str, numel: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)  # several ranges even at this size
+    codec = make_codec(codec_name)
+    blobs = _blobs(codec_name, 3, numel, seed=numel)
+    blobs["eu-1"] = codec.encode(-0.0 * torch.ones(numel))  # -0.0 + +0.0 rules, sparse adds
+    want = _whole_tensor_mean(blobs, codec_name, numel)
+    mean, com = aggregate(blobs, codec, (numel,))
+    assert torch.equal(mean.view(torch.int32), want.view(torch.int32))
+    assert com.output_digest == tensor_digest(want)
+    # Folded into a base range by range, without the whole mean: base - mean, bit for bit.
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    folded = base.clone()
+    seen: list[int] = []
+
+    def fold(start: int, part: torch.Tensor) -> None:
+        seen.append(start)
+        folded[start : start + part.numel()].sub_(part)
+
+    assert streamed_mean(blobs, codec, (numel,), fold) == com
+    assert torch.equal(folded.view(torch.int32), (base - want).view(torch.int32))
+    assert seen == sorted(seen) and seen[0] == 0
+
+
+def test_streamed_mean_validates_every_input_before_it_visits_a_range() -> None:
+    codec = make_codec("int8")
+    blobs = _blobs("int8", 3, 4096, seed=3)
+    bad = bytearray(blobs["eu-2"])
+    bad[-1] ^= 0xFF  # last input, last byte: the checksum fails
+    blobs["eu-2"] = bytes(bad)
+    visits: list[int] = []
+    with pytest.raises(CodecError, match="checksum"):
+        streamed_mean(blobs, codec, (4096,), lambda start, part: visits.append(start))
+    assert visits == []
+
+
+def test_accumulate_range_refuses_a_range_that_does_not_fit() -> None:
+    codec = make_codec("int8:block=100")
+    blob = codec.encode(torch.randn(1000))
+    header, prepared = codec.open(blob)
+    with pytest.raises(CodecError, match="steps of 100"):
+        codec.accumulate_range(header, prepared, torch.zeros(100), 50)  # inside a block
+    with pytest.raises(CodecError, match="does not fit"):
+        codec.accumulate_range(header, prepared, torch.zeros(200), 900)  # past the end
+    with pytest.raises(CodecError, match="contiguous 1-D float32"):
+        codec.accumulate_range(header, prepared, torch.zeros(100, dtype=torch.float64), 0)
+    out = torch.zeros(100)
+    codec.accumulate_range(header, prepared, out, 900)  # the tail block
+    assert torch.equal(out, codec.decode(blob)[900:])
+
+
+@pytest.mark.parametrize("numel", [0, 1, 262_144, 262_145, 3 * 262_144 + 11])
+def test_piecewise_and_zeros_digests_equal_the_whole_tensor_digest(numel: int) -> None:
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    hasher = TensorHasher(torch.float32, (numel,))
+    for start in range(0, numel, 2 * 262_144):  # whole chunks, the last piece short
+        hasher.update(t[start : start + 2 * 262_144])
+    assert hasher.hexdigest() == tensor_digest(t)
+    assert zeros_digest(numel) == tensor_digest(torch.zeros(numel))
+
+
+def test_a_piece_that_ends_inside_a_chunk_must_be_the_last() -> None:
+    hasher = TensorHasher(torch.float32, (600_000,))
+    hasher.update(torch.zeros(1000))
+    with pytest.raises(ValueError, match="last piece"):
+        hasher.update(torch.zeros(1000))
+    with pytest.raises(ValueError, match="of 2400000 bytes"):
+        hasher.hexdigest()
