@@ -69,9 +69,23 @@ class OuterOptimizer(ABC):
     steps: int
     """Outer steps applied so far."""
 
-    @abstractmethod
     def step(self, params: torch.Tensor, pseudo_grad: torch.Tensor) -> None:
         """``params`` (flat fp32) <- outer update with the averaged ``pseudo_grad``."""
+        self.begin(params.numel())
+        self.step_range(0, params, pseudo_grad, params)
+        self.steps += 1
+
+    def begin(self, numel: int) -> None:  # noqa: B027 (stateless optimizers need nothing)
+        """Before the ranges of one step (allocates state on the first)."""
+
+    @abstractmethod
+    def step_range(
+        self, start: int, params: torch.Tensor, pseudo_grad: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """One range of a step: ``out`` <- the updated ``params`` (the values ``[start,
+        start + n)`` of the vector; ``out`` may be ``params`` itself).  Elementwise, so a
+        step taken range by range, then ``steps += 1``, has the bits of ``step``: the
+        aggregator folds each range of the streamed mean in while it is in cache."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps}
@@ -92,16 +106,24 @@ class NesterovOuter(OuterOptimizer):
         self.steps = 0
         self.momentum: torch.Tensor | None = None
 
-    def step(self, params: torch.Tensor, pseudo_grad: torch.Tensor) -> None:
-        eta, mu = self.config.eta, self.config.mu
-        # Same op sequence as torch's _single_tensor_sgd with dampening 0.
+    def begin(self, numel: int) -> None:
         if self.momentum is None:
-            self.momentum = torch.clone(pseudo_grad).detach()
+            self.momentum = torch.empty(numel, dtype=torch.float32)
+
+    def step_range(
+        self, start: int, params: torch.Tensor, pseudo_grad: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        assert self.momentum is not None, "begin() first"
+        eta, mu = self.config.eta, self.config.mu
+        mom = self.momentum[start : start + pseudo_grad.numel()]
+        # Same op sequence as torch's _single_tensor_sgd with dampening 0 (its first
+        # step clones the gradient into the momentum buffer).
+        if self.steps == 0:
+            mom.copy_(pseudo_grad)
         else:
-            self.momentum.mul_(mu).add_(pseudo_grad, alpha=1)
-        update = pseudo_grad.add(self.momentum, alpha=mu)
-        params.add_(update, alpha=-eta)
-        self.steps += 1
+            mom.mul_(mu).add_(pseudo_grad, alpha=1)
+        update = pseudo_grad.add(mom, alpha=mu)
+        torch.add(params, update, alpha=-eta, out=out)
 
     def state_dict(self) -> dict[str, Any]:
         mom = None if self.momentum is None else self.momentum.clone()
@@ -124,9 +146,10 @@ class SGDOuter(OuterOptimizer):
         self.steps = 0
         self.eta = 1.0 if config.name == "average" else config.eta
 
-    def step(self, params: torch.Tensor, pseudo_grad: torch.Tensor) -> None:
-        params.add_(pseudo_grad, alpha=-self.eta)
-        self.steps += 1
+    def step_range(
+        self, start: int, params: torch.Tensor, pseudo_grad: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        torch.add(params, pseudo_grad, alpha=-self.eta, out=out)
 
 
 def make_outer(config: OuterConfig) -> OuterOptimizer:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hypertrain.common.aggregate import Blob, Commitment, aggregate
+from hypertrain.common.aggregate import Blob, Commitment, streamed_mean
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
@@ -106,7 +106,7 @@ class IslandState:
         pass
 
     # -- the sync rules (docs/design.md §2, §3) ----------------------------------------------
-    def sync(self, encode: bool = True) -> bytes:
+    def sync(self, encode: bool = True) -> bytes | bytearray:
         """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
         with error feedback.  With tau > 0 it also snapshots theta for the overlap rule.
 
@@ -288,53 +288,81 @@ class RegionCore:
         self.codec = make_codec(cfg.regional_codec)
         self.global_codec = make_codec(cfg.global_codec)
         self.theta = theta0 if adopt else theta0.clone()
-        self._base = torch.empty_like(theta0)
+        self._base: torch.Tensor | None = None  # allocated when first written
         self._base_is_theta = True  # the base equals theta, not yet written into _base
         self.feedback = ErrorFeedback(self.global_codec, theta0.numel(), beta=cfg.ef_beta)
+
+    def _buffer(self) -> torch.Tensor:
+        """The base's own memory, allocated on first use: between a global sync (which
+        spends the base) and the next regional merge the relay holds no base at all."""
+        if self._base is None:
+            self._base = torch.empty_like(self.theta)
+        return self._base
 
     @property
     def base(self) -> torch.Tensor:
         """The regional base b_r (written out of theta when it still equals it)."""
         if self._base_is_theta:
-            self._base.copy_(self.theta)
+            self._buffer().copy_(self.theta)
             self._base_is_theta = False
-        return self._base
+        return self._buffer()
 
     def base_view(self) -> torch.Tensor:
         """The regional base, to read only (``theta`` itself while the base equals it)."""
-        return self.theta if self._base_is_theta else self._base
+        return self.theta if self._base_is_theta else self._buffer()
 
     def merge(
-        self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
-    ) -> tuple[torch.Tensor, Commitment]:
+        self,
+        inputs: Mapping[str, Blob],
+        digests: Mapping[str, str] | None = None,
+        keep: bool = True,
+    ) -> tuple[torch.Tensor | None, Commitment]:
         """Fixed-order mean of the islands' deltas; the regional base moves by it.
-        ``digests``: the inputs' sha256, where already known (``aggregate``)."""
-        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape), digests)
-        if self._base_is_theta:  # base = theta - mean, without copying theta first
-            torch.sub(self.theta, mean, out=self._base)
-            self._base_is_theta = False
-        else:
-            self._base.sub_(mean)
+        ``digests``: the inputs' sha256, where already known (``aggregate``).
+
+        The mean is computed one range at a time (``streamed_mean``) and each range is
+        subtracted from the base while it is in cache; ``keep``: also return the whole
+        mean (what islands apply after a regional sync).  Without it (a global sync,
+        where islands apply the global merge instead) no model-sized tensor is allocated.
+        The base moves only once every input is validated (a bad one raises first)."""
+        mean = torch.empty_like(self.theta) if keep else None
+        fresh = self._base_is_theta  # base = theta - mean, without copying theta first
+        theta, base = self.theta.view(-1), self._buffer().view(-1)
+
+        def fold(start: int, part: torch.Tensor) -> None:
+            end = start + part.numel()
+            if fresh:
+                torch.sub(theta[start:end], part, out=base[start:end])
+            else:
+                base[start:end].sub_(part)
+
+        commitment = streamed_mean(
+            inputs, self.codec, tuple(self.theta.shape), fold, out=mean, digests=digests
+        )
+        self._base_is_theta = False
         return mean, commitment
 
-    def encode_global_delta(self) -> bytes:
+    def encode_global_delta(self) -> bytes | bytearray:
         """``D_r = theta_g - b_r`` through the global codec with the relay's error feedback.
 
         The difference is computed into the base's buffer (no model-sized allocation per
         round): the base is spent at a global sync and holds nothing until ``set_global``
-        / ``adopt_global`` sets it to the new global parameters."""
+        / ``adopt_global`` sets it to the new global parameters.  Its memory is let go
+        (a lossless codec keeps no residual) or handed the previous residual's buffer,
+        and allocated again by the next regional merge: while the relay waits for the
+        aggregator it holds theta, the encoded delta and (lossy codecs) the residual."""
         base = self.base
         blob = self.feedback.encode(torch.sub(self.theta, base, out=base), consume=True)
-        if not self.feedback.is_zero:  # the base's memory now holds the residual
-            released = self.feedback.released
-            self._base = torch.empty_like(self.theta) if released is None else released
-            self.feedback.released = None
+        del base
+        # Lossy: the base's memory now holds the residual, and the old residual's is free.
+        self._base = None if self.feedback.is_zero else self.feedback.released
+        self.feedback.released = None
         return blob
 
     def set_global(self, theta: torch.Tensor) -> None:
         """The new global parameters, copied (``theta`` may change afterwards)."""
         self.theta.copy_(theta)
-        self._base.copy_(theta)
+        self._buffer().copy_(theta)
         self._base_is_theta = False
 
     def adopt_global(self, theta: torch.Tensor) -> None:
@@ -356,11 +384,33 @@ class GlobalCore:
     def step(
         self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
     ) -> Commitment:
-        """Fixed-order mean over regions, then one outer step on ``theta`` in place.
-        ``digests``: the inputs' sha256, where already known (``aggregate``)."""
+        """Fixed-order mean over regions, then one outer step.
+        ``digests``: the inputs' sha256, where already known (``aggregate``).
+
+        The mean is streamed (``streamed_mean``) and each range goes through the outer
+        step while it is in cache, into a new tensor that becomes ``theta``: the previous
+        ``theta`` is never written again (the merge relays fetch, the checkpoint being
+        written and the evaluation may all still read it), and no whole mean is held.
+        Nothing changes unless every input is valid."""
         regions = set(self.cfg.topology.regions)
         if set(inputs) != regions:
             raise HypertrainError(f"global step: inputs from {sorted(inputs)} != {sorted(regions)}")
-        mean, commitment = aggregate(inputs, self.codec, tuple(self.theta.shape), digests)
-        self.outer.step(self.theta, mean)
+        old, new = self.theta.view(-1), torch.empty_like(self.theta)
+        flat = new.view(-1)
+
+        def outer_step(start: int, grad: torch.Tensor) -> None:
+            end = start + grad.numel()
+            self.outer.step_range(start, old[start:end], grad, flat[start:end])
+
+        shape = tuple(self.theta.shape)
+        commitment = streamed_mean(
+            inputs,
+            self.codec,
+            shape,
+            outer_step,
+            digests=digests,
+            prepare=lambda: self.outer.begin(old.numel()),
+        )
+        self.outer.steps += 1
+        self.theta = new
         return commitment

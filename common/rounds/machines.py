@@ -36,7 +36,7 @@ from hypertrain.common import planted
 from hypertrain.common.aggregate import Blob, Commitment
 from hypertrain.common.codec import Codec, ErrorFeedback
 from hypertrain.common.config import RunConfig
-from hypertrain.common.digest import blob_digest
+from hypertrain.common.digest import blob_digest, zeros_digest
 from hypertrain.common.errors import HypertrainError, UnknownKeyError
 from hypertrain.common.roles import GlobalCore, RegionCore
 from hypertrain.common.schedule import Schedule, SyncKind
@@ -195,7 +195,9 @@ class Committed:
     sync_step: int
     merge_step: int
     commitment: Commitment
-    payload: torch.Tensor  # regional: the mean; global: theta_{g+1}
+    payload: torch.Tensor
+    """Regional: the mean (empty at a global sync step, where islands apply the global
+    merge and the relay never holds the mean whole); global: theta_{g+1}."""
     kind: SyncKind  # the merge kind islands apply
     record: RegionalMergeEntry | GlobalMergeEntry | None
     """The commit record (None: a relay's copy of the aggregator's global merge)."""
@@ -211,7 +213,7 @@ class Forward:
     round: int
     sync_step: int
     codec: str
-    data: bytes
+    data: Blob
     record: ForwardEntry
 
 
@@ -357,9 +359,6 @@ def _keep_newest(merges: dict[int, Committed], merge: Committed) -> None:
         del merges[old]
 
 
-_ZERO_DIGESTS: dict[int, str] = {}
-
-
 def residual_digest(feedback: ErrorFeedback) -> str:
     """``flat_digest`` of a sender's error-feedback residual."""
     return stored_residual_digest(
@@ -369,12 +368,8 @@ def residual_digest(feedback: ErrorFeedback) -> str:
 
 def stored_residual_digest(residual: torch.Tensor | None, numel: int) -> str:
     """``flat_digest`` of a residual as checkpoints hold it (None: ``numel`` zeros, whose
-    digest is computed once per size)."""
-    if residual is not None:
-        return flat_digest(residual)
-    if numel not in _ZERO_DIGESTS:
-        _ZERO_DIGESTS[numel] = flat_digest(torch.zeros(numel, dtype=torch.float32))
-    return _ZERO_DIGESTS[numel]
+    digest needs no zeros in memory)."""
+    return zeros_digest(numel) if residual is None else flat_digest(residual)
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,7 +435,9 @@ class RelayMachine:
         sched = self.schedule
         blobs, digests = self.level.close()
         pre = self._base_digest or flat_digest(self.core.base_view())
-        mean, commitment = self.core.merge(blobs, digests)
+        # At a global sync islands apply the global merge: the regional mean is only
+        # folded into the base, never held whole.
+        mean, commitment = self.core.merge(blobs, digests, keep=sched.sync_kind(step) != "global")
         post = self._base_digest = flat_digest(self.core.base_view())
         g = sched.round_of(step)
         record = RegionalMergeEntry(
@@ -461,7 +458,7 @@ class RelayMachine:
             step,
             sched.merge_step(step),
             commitment,
-            mean,
+            torch.empty(0) if mean is None else mean,
             "regional",
             record,
             sum(len(b) for b in blobs.values()),
@@ -656,7 +653,7 @@ class AggregatorMachine:
             step,
             sched.merge_step(step),
             commitment,
-            core.theta.clone(),
+            core.theta,  # never written in place: each outer step makes a new theta
             "global",
             record,
             sum(len(b) for b in blobs.values()),
@@ -699,7 +696,7 @@ class AggregatorMachine:
             raise HypertrainError(
                 f"aggregator: no global merge of step {snap.sync_step} before the checkpoint"
             )
-        self.core.theta.copy_(snap.theta)
+        self.core.theta = snap.theta.detach().clone().to(torch.float32)
         self.core.outer.load_state_dict(snap.outer)
         self._theta_digest = self._outer_digest = None
         commitment = Commitment(
@@ -716,7 +713,7 @@ class AggregatorMachine:
                 last.sync_step,
                 last.merge_step,
                 commitment,
-                self.core.theta.clone(),
+                self.core.theta,
                 "global",
                 last,
             ),

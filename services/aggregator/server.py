@@ -36,13 +36,12 @@ from hypertrain.common.digest import state_digest
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import build_model, evaluate
 from hypertrain.common.reference import open_dataset
-from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.node import AggregatorNode
 from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
-from hypertrain.wire.daemon import fault_point, log_event
+from hypertrain.wire.daemon import fault_point, log_event, starting_parameters
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.rounds import Intake, MergeBoard, refusal
 from hypertrain.wire.server import Shutdown, maps_errors
@@ -76,7 +75,9 @@ class Evaluator:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (job := self.jobs.get()) is not None:
             round_, step, theta = job
-            self.layout.load(self.model, theta)
+            # A view, not a copy: a global state is never written after its round (each
+            # outer step makes a new theta), so the model reads it while the next runs.
+            self.layout.bind(self.model, theta)
             loss = evaluate(self.model, self.windows, stop=self.stopping.is_set)
             if self.stopping.is_set():
                 return
@@ -110,7 +111,7 @@ class AggregatorService:
         trusted: TrustedKeys | None = None,
     ) -> None:
         self.cfg = cfg
-        self.layout, theta0 = initial_parameters(cfg)
+        self.layout, theta0 = starting_parameters(cfg)
         self.numel = theta0.numel()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir

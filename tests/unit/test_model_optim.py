@@ -38,6 +38,25 @@ def test_flat_round_trip_and_layout_order() -> None:
     assert views["wte.weight"].shape == (256, 64)
 
 
+def test_a_bound_model_reads_the_flat_vector_itself() -> None:
+    """``bind`` (the aggregator's evaluation): parameters become views of the vector, so
+    the model gives the same logits as a loaded copy without holding one."""
+    m = build_model("tiny", seed=0).eval()
+    layout = ParamLayout.of(m)
+    flat = layout.flatten(build_model("tiny", seed=5))
+    copy, bound = build_model("tiny", seed=1).eval(), build_model("tiny", seed=2).eval()
+    layout.load(copy, flat)
+    layout.bind(bound, flat)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(copy(tokens), bound(tokens))
+    for p in bound.parameters():
+        base = p.untyped_storage().data_ptr()
+        assert flat.untyped_storage().data_ptr() == base  # no copy of its own
+    with pytest.raises(ConfigError, match="parameters"):
+        layout.bind(bound, flat[:-1])
+
+
 def test_causality_future_tokens_do_not_change_past_logits() -> None:
     m = build_model("tiny", seed=0).eval()
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

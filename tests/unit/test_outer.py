@@ -71,3 +71,29 @@ def test_sparseloco_outer_has_no_momentum() -> None:
 def test_bad_config_is_named(kwargs: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg):
         OuterConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["nesterov", "average", "sparseloco"])
+@pytest.mark.parametrize("numel,width", [(1000, 96), (300_007, 65_536), (70_001, 70_001)])
+def test_a_step_taken_range_by_range_has_the_bits_of_the_whole_step(
+    name: str, numel: int, width: int
+) -> None:
+    """The aggregator streams its mean through the outer step one range at a time, into
+    a new tensor: every range boundary, odd tails included, gives the whole step's bits."""
+    cfg = OuterConfig(name=name, eta=0.7, mu=0.9)
+    theta0 = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    whole, ranged = make_outer(cfg), make_outer(cfg)
+    a, b = theta0.clone(), theta0.clone()
+    for g in _pseudo_grads(4, numel, seed=4):
+        whole.step(a, g)
+        ranged.begin(numel)
+        new = torch.empty_like(b)
+        for start in range(0, numel, width):
+            end = min(numel, start + width)
+            ranged.step_range(start, b[start:end], g[start:end], new[start:end])
+        ranged.steps += 1
+        b = new
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for key, value in whole.state_dict().items():
+        other = ranged.state_dict()[key]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other

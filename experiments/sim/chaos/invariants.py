@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from hypertrain.common.aggregate import aggregate
+from hypertrain.common.aggregate import streamed_mean
 from hypertrain.common.rounds.local import Cluster, Observer
 from hypertrain.common.rounds.machines import Committed, Decision, Delta, Effect
 from hypertrain.common.trust.ledger import flat_digest
@@ -149,7 +149,7 @@ class Checker(Observer):
         }
         machine = n.machine  # type: ignore[attr-defined]
         codec = machine.core.codec
-        _, commitment = aggregate(blobs, codec, (machine.core.theta.numel(),))
+        commitment = streamed_mean(blobs, codec, (machine.core.theta.numel(),))
         if commitment.digest != c.commitment.digest:
             raise Violation(
                 f"{node}: the aggregate of step {c.sync_step} does not recompute from its "

@@ -166,7 +166,7 @@ class FragmentSync:
                 self.island_ids[i]: self.feedback[i].encode(core.base - rows[i])
                 for i in range(lo, hi)
             }
-            core.merge(blobs)
+            core.merge(blobs, keep=False)
             targets.append((lo, hi, core.base.clone()))
         if level == "global":
             self.glob.step({core.region: core.encode_global_delta() for core in self.regions})
