@@ -18,7 +18,7 @@ Durability order (a crash may come between any two steps; ``crash(point)`` marks
 - a relay's global update: ``checkpoints/round-N.pt`` first (it holds the new
   parameters, which are not on the relay's tape), then the ``global_applied`` entry;
   with ``on_global(defer=True)`` the update is fetchable before both, and every push,
-  rejection or close settles them first.
+  rejection, close or record of a final fetch (``fetched_final``) settles them first.
 
 Restart (``recover``): load the latest checkpoint into a fresh machine, replay the tape
 after it through ``replay.py`` (every redone merge checked bit for bit against its
@@ -28,6 +28,7 @@ taped; a relay's forward whose global update has not come back).  No network is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -161,7 +162,14 @@ class _Node:
         return merge
 
     def fetched_final(self, requester: str) -> bool:
-        """Record that ``requester`` holds the run's final merge; True once every member does."""
+        """Record that ``requester`` holds the run's final merge; True once every member does.
+
+        Called when the merge's last byte is handed to the transport, before the fetch is
+        answered: the final state is made durable here first (``settle``).  Else a relay
+        that serves the merge while it writes it down (``on_global(defer=True)``) could
+        keep the mark of a fetch that its crash cut off; restarted, it redoes the round
+        and ends the run counting that member, which asks again and finds no relay."""
+        self.settle()
         if requester not in self.finals:
             if self.store is not None:
                 self.store.mark_final(requester)
@@ -236,6 +244,14 @@ class RelayNode(_Node):
             fwd.data,
         )
         return delta if key is None else delta.signed(key.sign(delta.transfer_message()))
+
+    def forward_sent(self, sync_step: int) -> None:
+        """The aggregator acknowledged the forward of ``sync_step``: it tapes an input
+        before it answers, so the bytes are never sent again (a restarted relay derives
+        its forward from its own tape) and are let go while the relay waits for the global
+        update (a model-sized fp32 delta, at the moment that update is downloaded)."""
+        if self.outbox is not None and self.outbox.sync_step == sync_step:
+            self.outbox = dataclasses.replace(self.outbox, data=b"")
 
     def on_global(self, event: GlobalArrived, defer: bool = False) -> Committed:
         """The aggregator's new parameters for the forwarded round arrived: apply them,

@@ -34,13 +34,13 @@ from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.reference import open_dataset
-from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.roles import IslandCore
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.rounds.store import atomic_save
 from hypertrain.common.trust.keys import SigningKey
 from hypertrain.island.ranks import TorchRanks
-from hypertrain.wire.daemon import log_event
+from hypertrain.wire.daemon import log_event, starting_parameters
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
@@ -73,7 +73,7 @@ class Island:
             raise ValueError("rank 0 (and only rank 0) of an island talks to the relay")
         mcfg = cfg.model_config()
         stream = SampleStream(open_dataset(cfg), mcfg.seq_len, cfg.global_batch, cfg.seed)
-        _, theta0 = initial_parameters(cfg)
+        _, theta0 = starting_parameters(cfg)
         self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device)
         self.rounds = IslandRounds(self.core, cfg.run_id)
         self.numel = theta0.numel()

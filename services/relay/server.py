@@ -29,14 +29,13 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
-from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.machines import Committed, Effect, Forward, GlobalArrived
 from hypertrain.common.rounds.node import RelayNode
 from hypertrain.common.rounds.store import NodeStore, atomic_write
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
-from hypertrain.wire.daemon import fault_point, log_event
+from hypertrain.wire.daemon import fault_point, log_event, starting_parameters
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
@@ -68,7 +67,7 @@ class RelayService:
     ) -> None:
         self.cfg = cfg
         self.region = region
-        _, theta0 = initial_parameters(cfg)
+        _, theta0 = starting_parameters(cfg)
         self.numel = theta0.numel()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
@@ -145,47 +144,52 @@ class RelayService:
             self.wake.clear()
             if self._closing:
                 return
-            with self.board.cond:
-                fwd = self.node.outbox
-            if fwd is None:
-                continue
             try:
-                self._forward(fwd)
+                self._forward()
             except Exception as e:  # the run cannot go on without the aggregator
                 log_event("error", role="relay", region=self.region, message=str(e))
                 self.shutdown.request(f"forwarding failed: {e}")
                 return
 
-    def _forward(self, fwd: Forward) -> None:
+    def _forward(self) -> None:
         """Push the region's delta, fetch theta_{g+1}, hand it to the node (which
-        checkpoints and tapes it), report the final state."""
-        t0 = time.perf_counter()
-        delta = self.node.forward_delta(fwd, self.key)
-        self.aggregator.push(delta)
-        self.metrics.sent_bytes.labels("relay", "global", self.region).inc(len(fwd.data))
-        got = self.aggregator.fetch(self.region, fwd.sync_step, "global")
-        # Checkpoint and entry before islands may fetch it.  The deferred form
-        # (on_global(defer=True)) is not used yet: with it a relay killed at its last
-        # checkpoint's rename sometimes did not finish the run (open on issue 12).
+        checkpoints and tapes it), report the final state.  The delta's bytes are held
+        only until the aggregator acknowledged them (``RelayNode.forward_sent``), not
+        while theta_{g+1} downloads."""
         with self.board.cond:
+            fwd = self.node.outbox
+        if fwd is None:
+            return
+        t0 = time.perf_counter()
+        step, size = fwd.sync_step, len(fwd.data)
+        delta = self.node.forward_delta(fwd, self.key)
+        del fwd
+        self.aggregator.push(delta)
+        del delta
+        with self.board.cond:
+            self.node.forward_sent(step)
+        self.metrics.sent_bytes.labels("relay", "global", self.region).inc(size)
+        got = self.aggregator.fetch(self.region, step, "global")
+        with self.board.cond:  # islands fetch it now, while the relay writes it down
             merge = self.node.on_global(
-                GlobalArrived(fwd.sync_step, got.payload, got.commitment, got.payload_digest)
+                GlobalArrived(step, got.payload, got.commitment, got.payload_digest), defer=True
             )
             self.board.cond.notify_all()
+        del got
+        self.node.write_checkpoint()
+        with self.board.cond:
+            self.node.settle()
         log_event(
             "global",
             role="relay",
             region=self.region,
             round=merge.round,
-            step=fwd.sync_step,
-            bytes=len(fwd.data),
+            step=step,
+            bytes=size,
             seconds=round(time.perf_counter() - t0, 4),
         )
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
             self._report_final()
-            # Islands may have fetched the final merge before it was durable here (and
-            # before a crash and restart of this relay): then no fetch is left to end the run.
-            self.board.check_final(self.node, _DONE_REASON)
 
     def _report_final(self) -> None:
         """Report the final state applied and durable; keep trying for a while even when

@@ -153,6 +153,7 @@ class Sink:
         self._fd = -1
         self._written = 0
         self._synced = 0
+        self._error: BaseException | None = None
         stages = [("wire-hash", self._hash_chunk)]
         if spool_dir is not None:
             try:
@@ -182,9 +183,8 @@ class Sink:
     def finish(self) -> str:
         """Wait for every queued chunk; the sha256 hex of everything put, in order."""
         self._stop()
-        for stage in self._stages:
-            if stage.error is not None:
-                raise failure(stage.error)
+        if self._error is not None:
+            raise failure(self._error)
         return self._hash.hexdigest()
 
     def commit(self) -> None:
@@ -220,6 +220,12 @@ class Sink:
     def _stop(self) -> None:
         for stage in self._stages:
             stage.stop()
+            self._error = self._error or stage.error
+        # Each worker holds a bound method of this sink: a reference cycle that kept the
+        # mapped buffer (a whole delta) alive after its round until the cyclic garbage
+        # collector happened to run (measured: a relay held most of a round's inputs
+        # into the next).  The stopped workers are dropped instead.
+        self._stages = []
 
     def _hash_chunk(self, offset: int, data: Data) -> None:
         self._hash.update(data)

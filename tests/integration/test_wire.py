@@ -6,6 +6,7 @@ An in-process server on port 0 runs a small Relay servicer built from the wire h
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import os
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +212,27 @@ def test_receive_delta_without_spool_and_discard(tmp_path: Path) -> None:
     assert _files(tmp_path) == ["pub"]
     (tmp_path / ".incoming-crashed.part").write_bytes(b"left by a crash")
     assert spool.remove_stale(tmp_path) == 1 and _files(tmp_path) == ["pub"]
+
+
+def test_a_spooled_transfer_leaves_no_reference_cycle(tmp_path: Path) -> None:
+    """Once its transfer is done a sink is freed by reference counting alone: a cycle
+    through its workers kept each spooled delta's mapping (a whole delta in a relay's
+    resident memory) alive until the cyclic collector happened to run."""
+    data = os.urandom(3 * CHUNK_BYTES + 5)
+    gc.collect()
+    gc.disable()
+    try:
+        sink = spool.Sink(len(data), tmp_path)
+        for offset in range(0, len(data), CHUNK_BYTES):
+            sink.put(offset, data[offset : offset + CHUNK_BYTES])
+        assert sink.finish() == _sha(data)
+        sink.commit()
+        assert bytes(sink.buffer) == data
+        ref = weakref.ref(sink)
+        del sink
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def test_local_storage_failure_is_internal_and_cleans_up(
