@@ -15,7 +15,7 @@ state_dict round-trips through torch.save exactly; nothing reads a clock.
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -118,15 +118,18 @@ class InnerOptimizer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def state_dict(self) -> list[dict[str, Any]]:
+    def state_dict(self, copy: bool = True) -> list[dict[str, Any]]:
         """A deep copy: torch's state_dict aliases the live buffers, and a snapshot
-        that keeps changing under its holder is no snapshot."""
-        return copy.deepcopy([opt.state_dict() for opt in self.optimizers])
+        that keeps changing under its holder is no snapshot.  ``copy=False``: those
+        aliases (the island's rejoin save, written before the next update changes them:
+        a copy held two model-sized moments while the next step trains)."""
+        states = [opt.state_dict() for opt in self.optimizers]
+        return _copy.deepcopy(states) if copy else states
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         if len(states) != len(self.optimizers):
             raise ConfigError("inner: optimizer state does not match the optimizer kind")
-        for opt, st in zip(self.optimizers, copy.deepcopy(states), strict=True):
+        for opt, st in zip(self.optimizers, _copy.deepcopy(states), strict=True):
             opt.load_state_dict(st)
 
 

@@ -99,7 +99,8 @@ class IslandState:
         """Set the current parameters from a flat fp32 vector."""
         raise NotImplementedError
 
-    def _train_state(self) -> dict[str, Any]:
+    def _train_state(self, copy: bool = True) -> dict[str, Any]:
+        """The training state to save (``copy=False``: the live tensors)."""
         return {}
 
     def _load_train_state(self, state: dict[str, Any]) -> None:
@@ -173,7 +174,7 @@ class IslandState:
             "step": self.step,
             "params": self.params() if copy or not self.params_equal_base() else None,
             "base": keep(self.base),
-            **self._train_state(),
+            **self._train_state(copy),
             "feedback": self.feedback.state_dict(copy=copy),
             "snapshots": {k: keep(v) for k, v in self.snapshots.items()},
         }
@@ -261,8 +262,8 @@ class IslandCore(IslandState):
     def load_params(self, flat: torch.Tensor) -> None:
         self.layout.load(self.model, flat)
 
-    def _train_state(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict()}
+    def _train_state(self, copy: bool = True) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(copy)}
 
     def _load_train_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])

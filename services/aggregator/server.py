@@ -43,6 +43,7 @@ from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, starting_parameters
 from hypertrain.wire.metrics import Metrics
+from hypertrain.wire.options import trim_heap
 from hypertrain.wire.rounds import Intake, MergeBoard, refusal
 from hypertrain.wire.server import Shutdown, maps_errors
 
@@ -78,6 +79,7 @@ class Evaluator:
             # A view, not a copy: a global state is never written after its round (each
             # outer step makes a new theta), so the model reads it while the next runs.
             self.layout.bind(self.model, theta)
+            trim_heap()  # the first bind frees the model's own parameters into the heap
             loss = evaluate(self.model, self.windows, stop=self.stopping.is_set)
             if self.stopping.is_set():
                 return

@@ -57,3 +57,47 @@ def test_model_island_compares_params_and_base_without_flattening() -> None:
     assert called == [0]  # the hook runs before the first change to the parameters
     assert not core.params_equal_base()
     assert all(p.grad is None for p in core.model.parameters())  # freed after the step
+
+
+def test_live_state_aliases_the_optimizer_moments_and_round_trips() -> None:
+    """The rejoin save holds no copy of the inner optimizer's state (two model-sized
+    moments for AdamW); what it writes restores the island exactly."""
+    cfg = RunConfig().with_overrides(**{"steps": 4, "topology.h_r": 2, "topology.h_g": 2})
+    _, theta0 = initial_parameters(cfg)
+
+    def island() -> IslandCore:
+        stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+        return IslandCore(cfg, "eu-0", stream, theta0)
+
+    core = island()
+    core.train_step()
+    live = core.state_dict(copy=False)
+    moments = [
+        t
+        for group in live["optimizer"]
+        for per_param in group["state"].values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    ]
+    owned = {s.untyped_storage().data_ptr() for s in moments}
+    in_optimizer = {
+        t.untyped_storage().data_ptr()
+        for opt in core.optimizer.optimizers
+        for per_param in opt.state.values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    }
+    assert moments and owned == in_optimizer  # aliases, not copies
+    copied = core.state_dict()
+    assert not owned & {
+        t.untyped_storage().data_ptr()
+        for group in copied["optimizer"]
+        for per_param in group["state"].values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    }
+    other = island()
+    other.load_state_dict(live)
+    core.train_step()
+    other.train_step()
+    assert torch.equal(other.params(), core.params())
