@@ -21,7 +21,8 @@ Baseline: the same bytes over a loopback TCP socket, ``sendall`` from a thread a
 - merge/reuse (figure b, the islands' path): the same into one tensor kept across
   calls (``out=``), as every island does (services/island/daemon.py).  Target >= 0.35.
 - ceiling/sha256 and ceiling/disk (with push/spool): one sha256 of the bytes, and
-  writing them to a fresh file in the same folder with an fsync.  A relay acknowledges
+  storing them durably in the same folder as a relay does without a spool
+  (``spool.write_file``: write, fsync, link into place, fsync of the folder).  A relay acknowledges
   an input only once it is verified and on disk, so push/spool cannot beat the slower
   of the two however well the rest overlaps: on a machine whose disk is slower than its
   loopback, the disk, not the transport, caps the ratio.
@@ -81,17 +82,15 @@ def tcp_once(data: bytes, buf: bytearray) -> None:
         sender.join()
 
 
-def write_durably(data: bytes, path: Path) -> None:
-    """Write ``data`` to a fresh file and fsync it: what a spooled push costs at least."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def write_durably(data: bytes, folder: Path) -> None:
+    """Store ``data`` durably as a relay does without a spool (``spool.write_file``: temp
+    file, write, fsync, link into place, fsync of the folder): what a spooled push costs
+    at least.  A previous run's file is removed first, so every run writes."""
+    from hypertrain.wire import spool
+
+    digest = "disk-floor"
+    (folder / digest).unlink(missing_ok=True)
+    spool.write_file(data, digest, folder)
 
 
 # -- the server process ---------------------------------------------------------------
@@ -184,7 +183,7 @@ def measure(
         runs: dict[str, Callable[[], object]] = {"tcp": lambda: tcp_once(data, buf)}
         if "push/spool" in modes:  # the floors of a durable, verified receive
             runs["ceiling/sha256"] = lambda: hashlib.sha256(data).digest()
-            runs["ceiling/disk"] = lambda: write_durably(data, Path(work_dir, "disk-floor"))
+            runs["ceiling/disk"] = lambda: write_durably(data, Path(work_dir))
         for mode in modes:
             if mode.startswith("merge"):
                 keep = torch.empty(len(data) // 4) if mode == "merge/reuse" else None
