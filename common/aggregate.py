@@ -163,7 +163,5 @@ def aggregate(
     ``digests``: each input's sha256 where the caller already verified it (a transport
     checks every transfer's digest as it arrives), so that the bytes are not hashed again;
     computed here for inputs it does not name."""
-    if not inputs:
-        raise HypertrainError("aggregate: no inputs")
     mean = torch.empty(shape, dtype=torch.float32)
     return mean, streamed_mean(inputs, codec, shape, out=mean, digests=digests)

@@ -69,6 +69,11 @@ def _header(t: torch.Tensor, nbytes: int) -> bytes:
     return _header_of(t.dtype, tuple(t.shape), nbytes)
 
 
+def _root(dt: torch.dtype, shape: tuple[int, ...], nbytes: int, leaves: list[bytes]) -> bytes:
+    """A tensor root: the header, then its chunks' leaves."""
+    return hashlib.sha256(b"".join([_header_of(dt, shape, nbytes), *leaves])).digest()
+
+
 def _header_of(dt: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
     dtype = str(dt).encode()
     dim = len(shape)
@@ -119,7 +124,7 @@ def _roots(tensors: list[torch.Tensor], parallel: bool) -> list[bytes]:
     first = 0
     for t, n in zip(tensors, sizes, strict=True):
         last = first + -(-n // CHUNK_BYTES)
-        roots.append(hashlib.sha256(b"".join([_header(t, n), *leaves[first:last]])).digest())
+        roots.append(_root(t.dtype, tuple(t.shape), n, leaves[first:last]))
         first = last
     return roots
 
@@ -154,8 +159,7 @@ class TensorHasher:
     def hexdigest(self) -> str:
         if self._seen != self.nbytes:
             raise ValueError(f"TensorHasher: {self._seen} of {self.nbytes} bytes hashed")
-        head = _header_of(self.dtype, self.shape, self.nbytes)
-        return hashlib.sha256(b"".join([head, *self._leaves])).hexdigest()
+        return _root(self.dtype, self.shape, self.nbytes, self._leaves).hex()
 
 
 def zeros_digest(numel: int, dtype: torch.dtype = torch.float32) -> str:
@@ -168,7 +172,7 @@ def zeros_digest(numel: int, dtype: torch.dtype = torch.float32) -> str:
     leaves = [hashlib.sha256(bytes(CHUNK_BYTES)).digest()] * full
     if tail:
         leaves.append(hashlib.sha256(bytes(tail)).digest())
-    return hashlib.sha256(b"".join([_header_of(dtype, (numel,), nbytes), *leaves])).hexdigest()
+    return _root(dtype, (numel,), nbytes, leaves).hex()
 
 
 def tensor_digest(t: torch.Tensor, *, parallel: bool = True) -> str:

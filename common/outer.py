@@ -73,10 +73,14 @@ class OuterOptimizer(ABC):
         """``params`` (flat fp32) <- outer update with the averaged ``pseudo_grad``."""
         self.begin(params.numel())
         self.step_range(0, params, pseudo_grad, params)
-        self.steps += 1
+        self.end()
 
     def begin(self, numel: int) -> None:  # noqa: B027 (stateless optimizers need nothing)
         """Before the ranges of one step (allocates state on the first)."""
+
+    def end(self) -> None:
+        """After the ranges of one step: it counts as taken."""
+        self.steps += 1
 
     @abstractmethod
     def step_range(
@@ -84,7 +88,7 @@ class OuterOptimizer(ABC):
     ) -> None:
         """One range of a step: ``out`` <- the updated ``params`` (the values ``[start,
         start + n)`` of the vector; ``out`` may be ``params`` itself).  Elementwise, so a
-        step taken range by range, then ``steps += 1``, has the bits of ``step``: the
+        step taken range by range between ``begin`` and ``end`` has the bits of ``step``: the
         aggregator folds each range of the streamed mean in while it is in cache."""
 
     def state_dict(self) -> dict[str, Any]:

@@ -412,6 +412,6 @@ class GlobalCore:
             digests=digests,
             prepare=lambda: self.outer.begin(old.numel()),
         )
-        self.outer.steps += 1
+        self.outer.end()
         self.theta = new
         return commitment

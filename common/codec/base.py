@@ -123,7 +123,7 @@ class Codec(ABC):
         the whole-tensor ops ``copy_``/``add_``/``sub_`` of ``decode`` would."""
 
     range_align: int = 1
-    """``apply_range`` starts must be a multiple of this (int8: its block)."""
+    """``accumulate_range`` starts must be a multiple of this (int8: its block)."""
 
     def _apply_range(self, prepared: Any, numel: int, out: torch.Tensor, start: int) -> None:
         """``out += `` the decoded values ``[start, start + out.numel())`` of a ``numel``-value

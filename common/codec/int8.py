@@ -150,14 +150,20 @@ class Int8Codec(Codec):
         codes = tensor_view(raw, torch.int8, 4 * nblocks + start, n)
         self._accumulate(scales, codes, out)
 
-    def _accumulate(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+    def _accumulate(
+        self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, mode: Mode = "add"
+    ) -> None:
+        """``out`` += (or -=, ``mode`` "sub") the decoded values of ``codes``."""
         work = _work_buffer(min(self.slice, out.numel()))
         for w, q, dst, scale in self._pieces(scales, work, codes, out):
             # The decoded slice is fl(float(q) * scale), exactly what decode() holds;
             # adding it afterwards keeps the two roundings of out.add_(decode(data)).
             w.copy_(q)
             w.mul_(scale)
-            dst.add_(w)
+            if mode == "add":
+                dst.add_(w)
+            else:
+                dst.sub_(w)
 
     def _apply(self, raw: Buffer, out: torch.Tensor, mode: Mode) -> None:
         numel = out.numel()
@@ -169,11 +175,4 @@ class Int8Codec(Codec):
                 dst.copy_(q)
                 dst.mul_(scale)
             return
-        if mode == "add":
-            self._accumulate(scales, codes, out)
-            return
-        work = _work_buffer(min(self.slice, numel))
-        for w, q, dst, scale in self._pieces(scales, work, codes, out):
-            w.copy_(q)  # as in _accumulate
-            w.mul_(scale)
-            dst.sub_(w)
+        self._accumulate(scales, codes, out, mode)

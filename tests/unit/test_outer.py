@@ -91,7 +91,7 @@ def test_a_step_taken_range_by_range_has_the_bits_of_the_whole_step(
         for start in range(0, numel, width):
             end = min(numel, start + width)
             ranged.step_range(start, b[start:end], g[start:end], new[start:end])
-        ranged.steps += 1
+        ranged.end()
         b = new
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     for key, value in whole.state_dict().items():
