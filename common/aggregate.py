@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ class Commitment:
     codec: dict[str, Any]
     """The codec's canonical parameters (``CodecSpec.to_dict()``)."""
     members: tuple[str, ...]
-    """Member ids in summation order (sorted)."""
+    """Member ids in summation order (sorted; with relay shards, shard by shard)."""
     input_digests: tuple[str, ...]
     """sha256 of each member's encoded bytes, in the same order."""
     output_digest: str
@@ -90,6 +90,19 @@ def _range_length(codec: Codec) -> int:
     return unit * max(1, MERGE_RANGE // unit)
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The inputs of one contiguous range ``[start, start + numel)`` of a streamed mean
+    (a relay shard's range at the aggregator, ``common/shards.py``).  ``inputs`` are
+    keyed by the id that orders the sum (a region); ``names``: the member id each input
+    is committed under (default: its key)."""
+
+    start: int
+    numel: int
+    inputs: Mapping[str, Blob]
+    names: Mapping[str, str] | None = None
+
+
 def streamed_mean(
     inputs: Mapping[str, Blob],
     codec: Codec,
@@ -113,39 +126,81 @@ def streamed_mean(
     allocates state for the visits does it only once nothing can fail)."""
     if not inputs:
         raise HypertrainError("aggregate: no inputs")
-    members = tuple(sorted(inputs))
+    segment = Segment(0, math.prod(shape), inputs)
+    return segmented_mean([segment], codec, shape, visit, out, digests, prepare)
+
+
+def segmented_mean(
+    segments: Sequence[Segment],
+    codec: Codec,
+    shape: tuple[int, ...],
+    visit: Visit | None = None,
+    out: torch.Tensor | None = None,
+    digests: Mapping[str, str] | None = None,
+    prepare: Callable[[], None] | None = None,
+) -> Commitment:
+    """``streamed_mean`` of a tensor whose ranges have their own inputs: ``segments`` tile
+    ``[0, numel)`` in order, and each range is the fixed-order mean of its segment's
+    inputs, each of them encoding exactly that range.  One commitment covers them all:
+    the members segment by segment (each segment's in sorted order), and the digest of
+    the whole mean.  With one segment this is ``streamed_mean``, bit for bit and byte
+    for byte."""
     numel = math.prod(shape)
-    opened = []
-    for member in members:  # validate every input before anything is written
-        data = inputs[member]
-        header = read_header(data)
-        if header.shape != tuple(shape) and (numel,) != header.shape:
-            raise CodecError(f"blob has shape {header.shape}, accumulator has {tuple(shape)}")
-        opened.append(codec.open(data))
+    opened: list[list[tuple[Any, Any]]] = []
+    position = 0
+    for seg in segments:  # validate every input before anything is written
+        if seg.start != position or seg.numel < 0 or not seg.inputs:
+            raise HypertrainError(
+                f"aggregate: a segment [{seg.start}, {seg.start + seg.numel}) with "
+                f"{len(seg.inputs)} inputs does not continue at {position}"
+            )
+        position += seg.numel
+        whole = len(segments) == 1
+        ops = []
+        for member in sorted(seg.inputs):
+            header = read_header(seg.inputs[member])
+            if (seg.numel,) != header.shape and not (whole and header.shape == tuple(shape)):
+                raise CodecError(
+                    f"blob has shape {header.shape}, accumulator has "
+                    f"{tuple(shape) if whole else (seg.numel,)}"
+                )
+            ops.append(codec.open(seg.inputs[member]))
+        opened.append(ops)
+    if position != numel:
+        raise HypertrainError(f"aggregate: segments cover {position} of {numel} values")
     flat = None if out is None else out.view(-1)
     if flat is not None and flat.numel() != numel:
         raise HypertrainError(f"aggregate: out has {flat.numel()} values, expected {numel}")
     step = _range_length(codec)
-    scratch = torch.empty(min(step, numel), dtype=torch.float32) if flat is None else None
+    longest = max(seg.numel for seg in segments)
+    scratch = torch.empty(min(step, longest), dtype=torch.float32) if flat is None else None
     hasher = TensorHasher(torch.float32, tuple(shape))
     if prepare is not None:
         prepare()
-    for start in range(0, numel, step):
-        n = min(step, numel - start)
-        acc = flat[start : start + n] if flat is not None else scratch[:n]  # type: ignore[index]
-        acc.zero_()
-        for header, prepared in opened:
-            codec.accumulate_range(header, prepared, acc, start)
-        acc.div_(len(members))
-        hasher.update(acc)
-        if visit is not None:
-            visit(start, acc)
+    for seg, ops in zip(segments, opened, strict=True):
+        for start in range(0, seg.numel, step):
+            n = min(step, seg.numel - start)
+            at = seg.start + start
+            acc = flat[at : at + n] if flat is not None else scratch[:n]  # type: ignore[index]
+            acc.zero_()
+            for header, prepared in ops:
+                codec.accumulate_range(header, prepared, acc, start)
+            acc.div_(len(ops))
+            hasher.update(acc)
+            if visit is not None:
+                visit(at, acc)
+    members: list[str] = []
+    blobs: list[Blob] = []
+    for seg in segments:
+        for key in sorted(seg.inputs):
+            members.append(key if seg.names is None else seg.names[key])
+            blobs.append(seg.inputs[key])
     return Commitment(
         codec=codec.spec.to_dict(),
-        members=members,
+        members=tuple(members),
         input_digests=tuple(
-            digests[m] if digests is not None and m in digests else blob_digest(inputs[m])
-            for m in members
+            digests[m] if digests is not None and m in digests else blob_digest(b)
+            for m, b in zip(members, blobs, strict=True)
         ),
         output_digest=hasher.hexdigest(),
     )

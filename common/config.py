@@ -23,6 +23,7 @@ from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
+from hypertrain.common.shards import Shards, shard_unit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +40,10 @@ class TopologyConfig:
     """Global sync interval in inner steps; a multiple of h_r (K = h_g / h_r)."""
     tau: int = 0
     """Merge delay: a merge for sync step s is applied at s + tau (0 <= tau < h_r)."""
+    relay_shards: int = 1
+    """S: relay processes per region, each owning a contiguous range of the parameters
+    (``hypertrain-relay --shard i/S``; the rule is in common/shards.py).  The result is
+    bit-identical for every S; omitted from the canonical config when 1."""
 
     def __post_init__(self) -> None:
         if not self.regions or len(set(self.regions)) != len(self.regions):
@@ -52,6 +57,8 @@ class TopologyConfig:
             raise ConfigError(f"topology: h_g ({self.h_g}) must be a multiple of h_r ({self.h_r})")
         if not 0 <= self.tau < self.h_r:
             raise ConfigError(f"topology: tau must satisfy 0 <= tau < h_r, got {self.tau}")
+        if not isinstance(self.relay_shards, int) or self.relay_shards < 1:
+            raise ConfigError(f"topology: relay_shards must be >= 1, got {self.relay_shards!r}")
 
     @property
     def n_islands(self) -> int:
@@ -207,7 +214,15 @@ class RunConfig:
         d["topology"]["regions"] = list(self.topology.regions)
         if self.model_shape is None:
             del d["model_shape"]
+        if self.topology.relay_shards == 1:  # configs from before shards keep their digest
+            del d["topology"]["relay_shards"]
         return d
+
+    def shards(self, numel: int) -> Shards:
+        """How ``numel`` parameters are split between each region's relay shards."""
+        return Shards(
+            self.topology.relay_shards, numel, shard_unit(self.regional_codec, self.global_codec)
+        )
 
     def model_config(self) -> ModelConfig:
         """The decoder's shape: ``model_shape``, else the preset ``model``."""

@@ -131,22 +131,33 @@ def _roots(tensors: list[torch.Tensor], parallel: bool) -> list[bytes]:
 
 class TensorHasher:
     """``tensor_digest`` of a tensor that is produced piece by piece (a streamed merge):
-    ``update`` each piece in order, then ``hexdigest``.  Every piece but the last must
-    be a whole number of chunks (``CHUNK_BYTES``), so the leaves are the ones
-    ``tensor_digest`` cuts; each piece's leaves are hashed on the pool."""
+    ``update`` each piece in order, then ``hexdigest``.  Pieces may end anywhere: the
+    bytes of a chunk cut by a piece's end are kept (less than ``CHUNK_BYTES``) until the
+    next piece completes it, so the leaves are the ones ``tensor_digest`` cuts; whole
+    chunks are hashed in place, on the pool when there are many."""
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         self.dtype, self.shape = dtype, shape
         self.nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         self._leaves: list[bytes] = []
         self._seen = 0
+        self._tail = bytearray()  # the start of a chunk the last piece ended inside
 
     def update(self, piece: torch.Tensor) -> None:
-        if self._seen % CHUNK_BYTES:
-            raise ValueError("TensorHasher: only the last piece may end inside a chunk")
         raw = _raw(piece)
-        chunks = [raw[i : i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES)]
-        pool = _pool() if _WORKERS > 1 and len(raw) > TASK_BYTES else None
+        self._seen += len(raw)
+        if self._tail:
+            need = CHUNK_BYTES - len(self._tail)
+            self._tail += raw[:need]
+            raw = raw[need:]
+            if len(self._tail) < CHUNK_BYTES:
+                return
+            self._leaves.append(hashlib.sha256(self._tail).digest())
+            self._tail = bytearray()
+        whole = len(raw) - len(raw) % CHUNK_BYTES
+        chunks = [raw[i : i + CHUNK_BYTES] for i in range(0, whole, CHUNK_BYTES)]
+        self._tail += raw[whole:]
+        pool = _pool() if _WORKERS > 1 and whole > TASK_BYTES else None
         if pool is None:
             self._leaves.extend(_leaves(chunks))
         else:
@@ -154,12 +165,12 @@ class TensorHasher:
             tasks = [pool.submit(_leaves, chunks[i : i + per]) for i in range(0, len(chunks), per)]
             for task in tasks:
                 self._leaves.extend(task.result())
-        self._seen += len(raw)
 
     def hexdigest(self) -> str:
         if self._seen != self.nbytes:
             raise ValueError(f"TensorHasher: {self._seen} of {self.nbytes} bytes hashed")
-        return _root(self.dtype, self.shape, self.nbytes, self._leaves).hex()
+        leaves = self._leaves + ([hashlib.sha256(self._tail).digest()] if self._tail else [])
+        return _root(self.dtype, self.shape, self.nbytes, leaves).hex()
 
 
 def zeros_digest(numel: int, dtype: torch.dtype = torch.float32) -> str:

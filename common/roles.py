@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hypertrain.common.aggregate import Blob, Commitment, streamed_mean
+from hypertrain.common.aggregate import Blob, Commitment, Segment, segmented_mean, streamed_mean
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
@@ -82,6 +82,8 @@ class IslandState:
         self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
         self.codec = make_codec(cfg.regional_codec)
         self.feedback = ErrorFeedback(self.codec, self.numel, beta=cfg.ef_beta)
+        self.shards = cfg.shards(self.numel)
+        """The ranges of the region's relay shards; the island sends each its own part."""
         self.step = 0
         self.snapshots: dict[int, torch.Tensor] = {}  # sync_step -> theta (tau > 0)
         self.last_delta_norm = 0.0  # L2 norm of the last pseudo-gradient (for metrics)
@@ -107,9 +109,10 @@ class IslandState:
         pass
 
     # -- the sync rules (docs/design.md §2, §3) ----------------------------------------------
-    def sync(self, encode: bool = True) -> bytes | bytearray:
+    def sync(self, encode: bool = True) -> list[bytes | bytearray]:
         """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
-        with error feedback.  With tau > 0 it also snapshots theta for the overlap rule.
+        with error feedback, one blob per relay shard (one when the region's relay is not
+        sharded).  With tau > 0 it also snapshots theta for the overlap rule.
 
         ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
         only takes the snapshot and returns no bytes."""
@@ -117,10 +120,12 @@ class IslandState:
         if self.schedule.tau:
             self.snapshots[self.step] = theta.clone()
         if not encode:
-            return b""
+            return []
         delta = torch.sub(self.base, theta, out=theta)
         self.last_delta_norm = float(torch.linalg.vector_norm(delta))
-        return self.feedback.encode(delta, consume=True)
+        if not self.shards.sharded:
+            return [self.feedback.encode(delta, consume=True)]
+        return self.feedback.encode_parts(delta, self.shards.all_bounds(), consume=True)
 
     def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
         """Apply the merge of ``sync_step``; must be called at its pinned step
@@ -381,6 +386,9 @@ class GlobalCore:
         self.codec = make_codec(cfg.global_codec)
         self.theta = theta0.clone()
         self.outer = make_outer(cfg.outer)
+        self.shards = cfg.shards(theta0.numel())
+        self.members = self.shards.members(cfg.topology.regions)
+        """Who sends a delta each global round: the regions' relays, or their shards."""
 
     def step(
         self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
@@ -388,14 +396,17 @@ class GlobalCore:
         """Fixed-order mean over regions, then one outer step.
         ``digests``: the inputs' sha256, where already known (``aggregate``).
 
-        The mean is streamed (``streamed_mean``) and each range goes through the outer
-        step while it is in cache, into a new tensor that becomes ``theta``: the previous
-        ``theta`` is never written again (the merge relays fetch, the checkpoint being
-        written and the evaluation may all still read it), and no whole mean is held.
-        Nothing changes unless every input is valid."""
-        regions = set(self.cfg.topology.regions)
-        if set(inputs) != regions:
-            raise HypertrainError(f"global step: inputs from {sorted(inputs)} != {sorted(regions)}")
+        The mean is streamed (``segmented_mean``: with relay shards, each shard's range
+        is the mean of the regions' deltas for it, summed in the same region order as
+        without shards) and each range goes through the outer step while it is in cache,
+        into a new tensor that becomes ``theta``: the previous ``theta`` is never written
+        again (the merge relays fetch, the checkpoint being written and the evaluation may
+        all still read it), and no whole mean is held.  Nothing changes unless every input
+        is valid."""
+        if set(inputs) != set(self.members):
+            raise HypertrainError(
+                f"global step: inputs from {sorted(inputs)} != {sorted(self.members)}"
+            )
         old, new = self.theta.view(-1), torch.empty_like(self.theta)
         flat = new.view(-1)
 
@@ -403,11 +414,14 @@ class GlobalCore:
             end = start + grad.numel()
             self.outer.step_range(start, old[start:end], grad, flat[start:end])
 
-        shape = tuple(self.theta.shape)
-        commitment = streamed_mean(
-            inputs,
+        segments = []
+        for i, (a, b) in enumerate(self.shards.all_bounds()):
+            names = {r: self.shards.member(r, i) for r in self.cfg.topology.regions}
+            segments.append(Segment(a, b - a, {r: inputs[m] for r, m in names.items()}, names))
+        commitment = segmented_mean(
+            segments,
             self.codec,
-            shape,
+            tuple(self.theta.shape),
             outer_step,
             digests=digests,
             prepare=lambda: self.outer.begin(old.numel()),

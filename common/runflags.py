@@ -25,6 +25,7 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--h-r": ("topology.h_r", int),
     "--h-g": ("topology.h_g", int),
     "--tau": ("topology.tau", int),
+    "--relay-shards": ("topology.relay_shards", int),
     "--regional-codec": ("regional_codec", str),
     "--global-codec": ("global_codec", str),
     "--outer": ("outer.name", str),

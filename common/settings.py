@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Self
 from hypertrain.common.config import KNOWN_TABLES, TopologyConfig, load_tables
 from hypertrain.common.config import kind_of as _kind
 from hypertrain.common.errors import ConfigError
+from hypertrain.common.shards import parse_shard
 from hypertrain.common.trust.keys import TRUSTED_KEYS_FILE
 
 _LISTEN_EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:0, 0.0.0.0:7070 or [::1]:7070"
@@ -204,9 +205,30 @@ class RelaySettings(DaemonSettings):
     """The region this relay serves (one of the run's topology.regions); required."""
     aggregator: str | None = None
     """HOST:PORT of the aggregator; required."""
+    shard: str | None = None
+    """"i/S": this process is shard i of the region's S relay shards (S must be the run's
+    topology.relay_shards); required when S > 1 (common/shards.py)."""
 
     def _default_state_dir(self) -> str:
-        return f"relay-{self.region}"
+        if self.shard is None:
+            return f"relay-{self.region}"
+        return f"relay-{self.region}-{parse_shard(self.shard)[0]}"
+
+    def shard_index(self, topology: TopologyConfig) -> int:
+        """Which shard of its region's relay this process is (0 when not sharded);
+        ConfigError unless ``--shard i/S`` agrees with the run's relay_shards."""
+        count = topology.relay_shards
+        if self.shard is None:
+            if count > 1:
+                raise ConfigError(f"--shard i/S is required: this run's relays have {count} shards")
+            return 0
+        i, s = parse_shard(self.shard)
+        if s != count:
+            raise ConfigError(
+                f"--shard {self.shard}: this run's relays have {count} shard(s) "
+                "(--relay-shards / topology.relay_shards)"
+            )
+        return i
 
     def check_topology(self, topology: TopologyConfig) -> tuple[str, str]:
         """(region, aggregator); ConfigError unless the region is one of the run's and
@@ -232,7 +254,8 @@ class IslandSettings(DaemonSettings):
     index: int = 0
     """The island's index in its region, in [0, topology.islands_per_region)."""
     relay: str | None = None
-    """HOST:PORT of the region's relay; required."""
+    """HOST:PORT of the region's relay; required.  With relay shards, every shard's
+    address in shard order, comma-separated."""
     device: str = "cpu"
     """Where to train: "cpu" or "cuda" (under torchrun, cuda means cuda:LOCAL_RANK)."""
 
@@ -264,3 +287,14 @@ class IslandSettings(DaemonSettings):
         if not self.relay:
             raise ConfigError("--relay HOST:PORT is required")
         return self.region, self.relay
+
+    def relays(self, topology: TopologyConfig) -> list[str]:
+        """The relay addresses, one per relay shard in shard order (ConfigError unless
+        there are exactly topology.relay_shards)."""
+        addresses = [a.strip() for a in (self.relay or "").split(",")]
+        if len(addresses) != topology.relay_shards or not all(addresses):
+            raise ConfigError(
+                f"--relay: {len(addresses)} address(es) for {topology.relay_shards} relay "
+                "shard(s); give every shard's HOST:PORT in shard order, comma-separated"
+            )
+        return addresses

@@ -1,6 +1,7 @@
 """``hypertrain up``: the whole system as separate processes on loopback.
 
-Starts one aggregator, one relay per region and every island as separate OS
+Starts one aggregator, one relay per region (or ``--relay-shards S`` relay processes
+per region, each owning a range of the parameters) and every island as separate OS
 processes (``python -m hypertrain.<role>``) bound to 127.0.0.1 port 0, shows
 live progress from their logs, and ends with a summary.  It stops every
 process it started when the run ends, when it is interrupted, and when any of
@@ -8,7 +9,7 @@ them fails (showing that process's last log lines); it exits non-zero then.
 
 Run folder (``--run-dir``, default ``runs/<run_id>-<UTC time>``): ``run.toml``
 (the resolved config), ``logs/<daemon>.log``, ``aggregator/`` (state.pt and
-published inputs), ``relay-<region>/``, ``scrape_targets.json`` (the daemons' metrics
+published inputs), ``relay-<region>/`` (shards: ``relay-<region>-<i>/``), ``scrape_targets.json`` (the daemons' metrics
 endpoints, a Prometheus file_sd list); with ``--prometheus`` also ``prometheus/`` (its
 config, rules and storage: entry/prom.py).
 """
@@ -30,6 +31,7 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.runflags import run_config_from_args
 from hypertrain.common.trust.keys import daemon_key_names, init_keys
+from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, python_module, torchrun
 from hypertrain.prom import PromHandle, start_prometheus
 
@@ -129,21 +131,21 @@ def start_cluster(
         str(run_dir / "aggregator"),
     )
     agg_addr = agg.wait_listening()
-    relays = {}
+    relays: dict[str, list[Child]] = {}
+    count = cfg.topology.relay_shards
     for region in sorted(cfg.topology.regions):
-        relays[region] = spawn(
-            f"relay-{region}",
-            "hypertrain.relay",
-            "--region",
-            region,
-            "--aggregator",
-            agg_addr,
-            "--listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            str(run_dir / f"relay-{region}"),
-        )
-    addrs = {r: c.wait_listening() for r, c in relays.items()}
+        for i in range(count):  # one relay per region, or its shards (--relay-shards)
+            name = relay_key(region if count == 1 else f"{region}/{i}")
+            relays.setdefault(region, []).append(
+                spawn(
+                    name,
+                    "hypertrain.relay",
+                    *("--region", region, "--aggregator", agg_addr, "--listen", "127.0.0.1:0"),
+                    *(("--shard", f"{i}/{count}") if count > 1 else ()),
+                    *("--state-dir", str(run_dir / name)),
+                )
+            )
+    addrs = {r: ",".join(c.wait_listening() for c in cs) for r, cs in relays.items()}
     for island in cfg.topology.island_ids():
         region, _, index = island.rpartition("-")
         # On one shared host the islands' training saturates every core; a lower
@@ -172,8 +174,8 @@ def write_scrape_targets(children: list[Child], path: Path, timeout_s: float = 6
             hostport = c.metrics_url.removeprefix("http://").removesuffix("/metrics")
             role, _, rest = c.name.partition("-")
             labels = {"job": f"hypertrain-{role}", "daemon": c.name}
-            if role == "relay":
-                labels["region"] = rest
+            if role == "relay":  # relay-eu, or a shard: relay-eu-1
+                labels["region"] = rest.partition("-")[0]
             elif role == "island":
                 labels["island"] = rest
                 labels["region"] = rest.rpartition("-")[0]

@@ -125,6 +125,12 @@ class Codec(ABC):
     range_align: int = 1
     """``accumulate_range`` starts must be a multiple of this (int8: its block)."""
 
+    encode_unit: int = 1
+    """Encoding works on independent pieces of this many consecutive values (int8: its
+    block, SparseLoCo: its chunk): the encoding of ``x[a:b]`` with ``a`` a multiple of it
+    decodes to exactly ``decode(encode(x))[a:b]`` (what relay shards rely on,
+    ``common/shards.py``)."""
+
     def _apply_range(self, prepared: Any, numel: int, out: torch.Tensor, start: int) -> None:
         """``out += `` the decoded values ``[start, start + out.numel())`` of a ``numel``-value
         payload, the same bits as that slice of ``_apply(..., "add")`` on the whole tensor."""

@@ -77,11 +77,34 @@ class ErrorFeedback:
         ``consume``: ``delta``'s memory may be used as the work buffer (the new residual
         is then computed in it, and the old residual's buffer is left in ``released``):
         no model-sized allocation.  The bits are the same either way."""
+        n = math.prod(self.shape)
+        return self.encode_parts(delta, [(0, n)], consume, shape=self.shape)[0]
+
+    def encode_parts(
+        self,
+        delta: torch.Tensor,
+        parts: Sequence[tuple[int, int]],
+        consume: bool = False,
+        shape: tuple[int, ...] | None = None,
+    ) -> list[bytes | bytearray]:
+        """``encode``, with the accumulated values cut into ``parts`` (ranges ``[a, b)``
+        tiling the tensor in order) and each range encoded as a 1-D blob of its own: what
+        an island sends to each relay shard.  Every value goes through the same
+        operations as in ``encode``; with codec-unit-aligned starts
+        (``Codec.encode_unit``) the residual is the same bits too.  ``shape``: the shape
+        the single part is reported as (``encode``)."""
         flat = flat_input(delta)
         if flat.numel() != math.prod(self.shape):
             raise CodecError(
                 f"delta has {flat.numel()} values, error feedback holds {math.prod(self.shape)}"
             )
+        position = 0
+        for a, b in parts:
+            if a != position or b < a or a % self.codec.encode_unit:
+                raise CodecError(f"error feedback: part [{a}, {b}) does not continue at {position}")
+            position = b
+        if position != flat.numel():
+            raise CodecError(f"error feedback: parts cover {position} of {flat.numel()} values")
         own = consume and flat.data_ptr() == delta.data_ptr()  # flat_input may have copied
         # acc = fl(fl(beta * e) + delta), in a new tensor or in delta's memory (addition is
         # commutative, signed zeros included, so ``delta + x`` gives the bits of ``x + delta``).
@@ -99,14 +122,18 @@ class ErrorFeedback:
         else:
             acc = torch.mul(e, self.beta).view(-1)
             acc.add_(flat)
-        blob, raw = self.codec.encode_flat(acc, self.shape)
+        encoded = [
+            self.codec.encode_flat(acc[a:b], shape if shape is not None else (b - a,))
+            for a, b in parts
+        ]
         self.released = e if own else None
         if self.codec.lossless:  # acc - decode(c) is +0.0 everywhere
             self._residual = None
         else:
-            self.codec._apply(self.codec._prepare(raw, acc.numel()), acc, "sub")
+            for (a, b), (_, raw) in zip(parts, encoded, strict=True):
+                self.codec._apply(self.codec._prepare(raw, b - a), acc[a:b], "sub")
             self._residual = acc.view(self.shape)
-        return blob
+        return [blob for blob, _ in encoded]
 
     def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor | float | None]:
         """The state: ``{"residual": tensor or None (all zeros), "beta": float}``; a copy

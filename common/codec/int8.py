@@ -71,7 +71,7 @@ class Int8Codec(Codec):
     def __init__(self, spec: CodecSpec) -> None:
         super().__init__(spec)
         self.block = int(self.spec.param("block"))
-        self.range_align = self.block
+        self.range_align = self.encode_unit = self.block
         # A slice is a whole number of blocks so scales never straddle slices.
         self.rows = max(1, _SLICE // self.block)
         self.slice = self.block * self.rows

@@ -63,7 +63,7 @@ class SparseLoCoCodec(Codec):
 
     def __init__(self, spec: CodecSpec) -> None:
         super().__init__(spec)
-        self.chunk = int(spec.param("chunk"))
+        self.chunk = self.encode_unit = int(spec.param("chunk"))
         self.bits = int(spec.param("value_bits"))
         self.bins = 1 << (self.bits - 1)
         self.per_byte = 8 // self.bits

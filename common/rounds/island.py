@@ -4,12 +4,15 @@
 simulation's ``toy.ToyIsland``) and the schedule.  After every inner step the driver
 asks it what to do:
 
-- ``after_step()``: at a sync step, the delta to push (encoded with error feedback,
-  snapshotted for the overlap rule); the merge of that step becomes pending;
+- ``after_step()``: at a sync step, the deltas to push, one per relay shard of the
+  region (encoded with error feedback, snapshotted for the overlap rule); the merge of
+  that step becomes pending;
 - ``due()``: the pending merges pinned to the current step: the driver fetches each
   (blocking, or retrying in a simulation) and hands it to ``apply``;
 - ``final_due()``: after the last step the driver fetches the final global state and
   calls ``finish``.
+- ``join(parts)``: with relay shards, a merge is fetched from every shard and joined
+  here into the whole vector ``apply`` / ``finish`` take.
 
 The island daemon, the in-process cluster and the fault simulation all drive islands
 through this class, so none of them re-derives the schedule.
@@ -21,7 +24,7 @@ import torch
 
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import IslandState
-from hypertrain.common.rounds.machines import Delta
+from hypertrain.common.rounds.machines import Committed, Delta
 from hypertrain.common.schedule import PendingMerge, PendingMerges, Schedule, SyncKind
 
 
@@ -45,19 +48,54 @@ class IslandRounds:
         """Trained every step (the final merge may still be outstanding)."""
         return self.core.step >= self.schedule.steps
 
-    def after_step(self, encode: bool = True) -> Delta | None:
-        """After an inner step: at a sync step, the delta to push (None on other steps, and
-        with ``encode=False``, for ranks that send nothing but must snapshot)."""
+    def after_step(self, encode: bool = True) -> list[Delta]:
+        """After an inner step: at a sync step, the deltas to push, the i-th for relay shard
+        i (one when the region's relay is not sharded); none on other steps, and none with
+        ``encode=False``, for ranks that send nothing but must snapshot."""
         step = self.core.step
         kind = self.schedule.sync_kind(step)
         if kind is None:
-            return None
-        blob = self.core.sync(encode=encode)
+            return []
+        blobs = self.core.sync(encode=encode)
         self.pending.add(step, kind, None)
         self.last_sync = (step, kind)
-        if not encode:
-            return None
-        return Delta.of(self.run_id, step, self.core.island_id, self.codec, blob, self.schedule)
+        shards = self.core.shards
+        return [
+            Delta.of(
+                self.run_id,
+                step,
+                self.core.island_id,
+                self.codec,
+                blob,
+                self.schedule,
+                shard=shards.label(i),
+            )
+            for i, blob in enumerate(blobs)
+        ]
+
+    def join(self, parts: list[Committed]) -> torch.Tensor:
+        """The payload of a merge fetched from each relay shard, in shard order, as one
+        vector (the part itself when the relay is not sharded).  HypertrainError unless
+        the parts are one merge: same step and kind, each the size of its shard (a
+        regional merge at a global sync step is empty everywhere)."""
+        shards = self.core.shards
+        if len(parts) != shards.count:
+            raise HypertrainError(
+                f"a merge from {len(parts)} relay shards, expected {shards.count}"
+            )
+        if len({(p.sync_step, p.kind) for p in parts}) != 1:
+            raise HypertrainError("merge parts of different steps or kinds")
+        if shards.count == 1:
+            return parts[0].payload
+        empty = all(p.payload.numel() == 0 for p in parts)
+        for i, p in enumerate(parts):
+            a, b = shards.bounds(i)
+            if not empty and p.payload.numel() != b - a:
+                raise HypertrainError(
+                    f"merge part of relay shard {i} has {p.payload.numel()} values, "
+                    f"the shard owns {b - a}"
+                )
+        return torch.cat([p.payload.view(-1) for p in parts])
 
     def due(self) -> list[PendingMerge[None]]:
         """The merges to fetch and apply now (pinned to the current step, within the run)."""

@@ -283,7 +283,9 @@ class IslandActor(_Client):
         self.make_core = make_core
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir is not None else None
-        self.relay_name = f"relay-{cluster.cfg.topology.region_of(island_id)}"
+        region = cluster.cfg.topology.region_of(island_id)
+        self.relay_names = [relay_key(m) for m in cluster.shards.members((region,))]
+        """The region's relay, or its shards in shard order."""
         self.sent_bytes = 0
         self.sends = 0
         self._start()
@@ -296,6 +298,8 @@ class IslandActor(_Client):
             self.rounds.resume()
         self.wake: Callable[[], None] | None = None  # the sleeping training loop, if any
         self.push_step: int | None = None  # the sync step whose push is not acknowledged
+        self.unacked: set[int] = set()  # ... by these relay shards
+        self.parts: dict[int, Committed] = {}  # the merge being fetched, by shard
         self.waiting: list[PendingMerge[None]] = []
         self.final_wait = False
         self.done = False
@@ -310,32 +314,39 @@ class IslandActor(_Client):
 
     def after_train(self) -> None:
         """After an inner step: push at a sync step, then ask for the merges now due."""
-        delta = self.rounds.after_step()
-        if delta is not None:
+        deltas = self.rounds.after_step()
+        if deltas:
+            self.sends += 1
+            self.push_step, self.unacked = deltas[0].sync_step, set(range(len(deltas)))
+        for shard, delta in enumerate(deltas):
             if self.key is not None:
                 delta = delta.signed(self.key.sign(delta.transfer_message()))
             self.sent_bytes += len(delta.data)
-            self.sends += 1
-            self._push(delta)
+            self._push(shard, delta)
         self.waiting = self.rounds.due()
         self.final_wait = self.rounds.final_due() is not None
         self._next()
 
-    def _push(self, delta: Delta) -> None:
-        self.push_step = delta.sync_step
-        relay = self.cluster.relays[self.relay_name]
+    def _push(self, shard: int, delta: Delta) -> None:
+        relay = self.cluster.relays[self.relay_names[shard]]
 
         def on_reply(d: Decision) -> bool:
             if d.accepted:
-                self.push_step = None
-                self._next()
+                self.unacked.discard(shard)
+                if not self.unacked:
+                    self.push_step = None
+                    self._next()
                 return True
             if d.code == PRECONDITION:
                 return False
             raise _refused(self.name, f"push of step {delta.sync_step}", d)
 
         self.ask(
-            "push", relay, lambda: relay.endpoint.push(delta), on_reply, f"push {delta.sync_step}"
+            f"push{shard}",
+            relay,
+            lambda: relay.endpoint.push(delta),
+            on_reply,
+            f"push {delta.sync_step}",
         )
 
     def _next(self) -> None:
@@ -354,34 +365,44 @@ class IslandActor(_Client):
             self._fetch(step, "global")
 
     def _fetch(self, step: int, kind: str) -> None:
-        relay = self.cluster.relays[self.relay_name]
+        """Fetch the merge of ``step`` from every relay shard; apply it once all are in."""
+        self.parts = {}
+        for shard, name in enumerate(self.relay_names):
+            self._fetch_part(shard, name, step, kind)
+
+    def _fetch_part(self, shard: int, name: str, step: int, kind: str) -> None:
+        relay = self.cluster.relays[name]
 
         def on_reply(got: Committed | Decision | None) -> bool:
             if got is None:
                 return False
             if isinstance(got, Decision):
                 raise _refused(self.name, f"fetch of step {step}", got)
-            self._merged(got)
+            if got.sync_step == step:
+                self.parts[shard] = got
+            if len(self.parts) == len(self.relay_names):
+                parts, self.parts = [self.parts[i] for i in range(len(self.relay_names))], {}
+                self._merged(parts[0], self.rounds.join(parts))
             return True
 
         self.ask(
-            "fetch",
+            f"fetch{shard}",
             relay,
             lambda: relay.endpoint.fetch(self.name, step, kind),
             on_reply,
             f"fetch {kind} {step}",
         )
 
-    def _merged(self, merge: Committed) -> None:
+    def _merged(self, merge: Committed, payload: torch.Tensor) -> None:
         obs = self.cluster.observer
         if self.final_wait and not self.waiting:
-            self.rounds.finish(merge.payload)
+            self.rounds.finish(payload)
             self.final_wait = False
             self.done = True
             obs.finished(self.name, self.core.params())
             return
         pm = self.waiting.pop(0)
-        self.rounds.apply(pm, merge.payload)
+        self.rounds.apply(pm, payload)
         obs.applied(self.name, pm.kind, pm.sync_step, self.core.base)
         if pm.kind == "global":
             self._save()
@@ -403,10 +424,13 @@ class RelayActor(_Client):
         theta0: torch.Tensor,
         folder: Path | None,
         key: SigningKey | None,
+        shard: int = 0,
     ) -> None:
-        super().__init__(cluster, f"relay-{region}")
-        self.region = region
-        self.theta0 = theta0
+        member = cluster.shards.member(region, shard)
+        super().__init__(cluster, relay_key(member))
+        self.region, self.shard, self.member = region, shard, member
+        start, end = cluster.shards.bounds(shard)
+        self.theta0 = theta0[start:end] if cluster.shards.sharded else theta0
         self.folder = folder
         self.key = key
         self.final_reported = False
@@ -415,7 +439,9 @@ class RelayActor(_Client):
     def _start(self) -> None:
         c = self.cluster
         store = c.store(self.folder, self.key, self.name) if self.folder is not None else None
-        self.node = RelayNode(c.cfg, self.region, self.theta0, store, c.trusted)
+        self.node = RelayNode(
+            c.cfg, self.region, self.theta0, store, c.trusted, self.shard, c.theta0.numel()
+        )
         self.endpoint = _Served(self, self.node)
         self.forwarding = False
         self.node.recover()
@@ -466,7 +492,7 @@ class RelayActor(_Client):
         self.ask(
             "global",
             agg,
-            lambda: agg.endpoint.fetch(self.region, step, "global"),
+            lambda: agg.endpoint.fetch(self.member, step, "global"),
             fetched,
             f"fetch global {step}",
         )
@@ -486,7 +512,7 @@ class RelayActor(_Client):
         self.ask(
             "report",
             agg,
-            lambda: agg.endpoint.report_applied(self.region, steps),
+            lambda: agg.endpoint.report_applied(self.member, steps),
             reported,
             f"report {steps}",
         )
@@ -561,15 +587,23 @@ class Cluster:
     def __post_init__(self) -> None:
         topo = self.cfg.topology
         self.net = Network(self.policy)
+        self.shards = self.cfg.shards(self.theta0.numel())
         d = self.run_dir
         self.aggregator = AggregatorActor(
             self, self.theta0, d / "aggregator" if d else None, self.keys.get(AGGREGATOR_KEY)
         )
         self.relays = {
-            f"relay-{r}": RelayActor(
-                self, r, self.theta0, d / f"relay-{r}" if d else None, self.keys.get(relay_key(r))
+            relay_key(m): RelayActor(
+                self,
+                r,
+                self.theta0,
+                d / relay_key(m) if d else None,
+                self.keys.get(relay_key(m)),
+                i,
             )
             for r in sorted(topo.regions)
+            for i in range(self.shards.count)
+            for m in [self.shards.member(r, i)]
         }
         self.islands = {
             i: IslandActor(

@@ -25,6 +25,7 @@ A decision either completes (state and effects) or leaves the machine exactly as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -83,14 +84,31 @@ class Delta:
     digest_checked: bool = True
     """``digest`` is the sha256 of ``data`` (the transport checked it, or it was computed);
     False for bytes read back from a published folder, which nothing checked yet."""
+    shard: str = ""
+    """"i/S": an island's part for relay shard i of S ("" when relays are not sharded;
+    a relay shard's forward is told apart by its sender, ``eu/1``)."""
 
     @classmethod
     def of(
-        cls, run_id: str, sync_step: int, sender: str, codec: str, data: Blob, schedule: Schedule
+        cls,
+        run_id: str,
+        sync_step: int,
+        sender: str,
+        codec: str,
+        data: Blob,
+        schedule: Schedule,
+        shard: str = "",
     ) -> Delta:
         """A new delta of ``sender`` for ``sync_step`` (digest computed, not signed)."""
         return cls(
-            run_id, schedule.round_of(sync_step), sync_step, sender, blob_digest(data), codec, data
+            run_id,
+            schedule.round_of(sync_step),
+            sync_step,
+            sender,
+            blob_digest(data),
+            codec,
+            data,
+            shard=shard,
         )
 
     @classmethod
@@ -106,20 +124,11 @@ class Delta:
             data,
             bytes.fromhex(rec.signature),
             digest_checked=False,  # recomputed where it matters (the merge's commitment)
+            shard=rec.shard or "",
         )
 
     def signed(self, signature: bytes) -> Delta:
-        return Delta(
-            self.run_id,
-            self.round,
-            self.sync_step,
-            self.sender,
-            self.digest,
-            self.codec,
-            self.data,
-            signature,
-            self.digest_checked,
-        )
+        return dataclasses.replace(self, signature=signature)
 
     def transfer_message(self) -> bytes:
         """The canonical bytes the sender signs."""
@@ -131,6 +140,7 @@ class Delta:
             self.digest,
             len(self.data),
             self.codec,
+            self.shard,
         )
 
     def record(self) -> InputEntry:
@@ -143,6 +153,7 @@ class Delta:
             size=len(self.data),
             codec=self.codec,
             signature=self.signature.hex(),
+            shard=self.shard or None,
         )
 
 
@@ -245,6 +256,8 @@ class _Level:
     accepted: dict[tuple[int, str], str] = field(default_factory=dict)  # (step, sender) -> digest
     trusted: TrustedKeys | None = None  # None: signatures are not required
     signer_of: Callable[[str], str] = str  # sender id -> key name
+    numel_of: Callable[[str], int] | None = None  # sender id -> values it sends (else numel)
+    shard: str = ""  # the relay shard "i/S" island deltas must be for ("" : not sharded)
     deliveries: int = 0  # planted bug count_duplicate_twice only
 
     def check(self, d: Delta, replayed: bool = False) -> Decision | None:
@@ -261,6 +274,12 @@ class _Level:
         if d.sender not in self.members:
             return Decision(
                 INVALID, f"{d.sender!r} is not a member here (members: {', '.join(self.members)})"
+            )
+        if d.shard != self.shard:
+            return Decision(
+                INVALID,
+                f"delta for relay shard {d.shard or '(none)'} sent to "
+                f"{'shard ' + self.shard if self.shard else 'an unsharded relay'}",
             )
         s = d.sync_step
         if not sched.is_sync_step(s, self.level):
@@ -296,8 +315,9 @@ class _Level:
             return Decision(INVALID, f"wrong codec {d.codec!r}, this run uses {self.codec.spec}")
         if replayed:
             return None
+        numel = self.numel if self.numel_of is None else self.numel_of(d.sender)
         try:  # full validation (header, checksum, payload) without decoding to fp32
-            self.codec.open(d.data, (self.numel,))
+            self.codec.open(d.data, (numel,))
         except HypertrainError as e:
             return Decision(INVALID, f"rejected delta from {d.sender} for step {s}: {e}")
         return None
@@ -389,23 +409,43 @@ class RelayMachine:
     """One region's round logic: collect island deltas, commit, forward, hand out merges."""
 
     def __init__(
-        self, cfg: RunConfig, region: str, theta0: torch.Tensor, trusted: TrustedKeys | None = None
+        self,
+        cfg: RunConfig,
+        region: str,
+        theta0: torch.Tensor,
+        trusted: TrustedKeys | None = None,
+        shard: int = 0,
+        model_numel: int | None = None,
     ) -> None:
+        """``shard``: which of the region's ``relay_shards`` this relay is; ``theta0`` is
+        then that shard's range of the parameters, of a model of ``model_numel`` values
+        (common/shards.py)."""
         self.cfg = cfg
         self.region = region
         self.schedule = Schedule.of(cfg)
+        shards = cfg.shards(theta0.numel() if model_numel is None else model_numel)
+        start, end = shards.bounds(shard)
+        if theta0.numel() != end - start:
+            raise HypertrainError(
+                f"relay {region}: shard {shard} of {shards.count} owns {end - start} values, "
+                f"was given {theta0.numel()}"
+            )
+        self.shard, self.bounds = shard, (start, end)
+        self.member = shards.member(region, shard)
+        """This relay's id at the aggregator: its region, or ``region/i`` for a shard."""
         self.core = RegionCore(cfg, region, theta0, adopt=True)  # never written in place
         self.level = _Level(
             cfg,
             self.schedule,
             "regional",
-            f"relay of {region}",
+            f"relay of {self.member}",
             cfg.topology.islands_of(region),
             self.core.codec,
             theta0.numel(),
             open_step=self.schedule.first_sync_step("regional"),
             trusted=trusted,
             signer_of=island_key,
+            shard=shards.label(shard),
         )
         self.global_pending: int | None = None  # sync step forwarded, theta not yet back
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
@@ -530,8 +570,8 @@ class RelayMachine:
         _keep_newest(self.merges, merge)
         return merge
 
-    def merge_for(self, sync_step: int) -> Committed | None:
-        """The merge islands apply for ``sync_step``, once it exists."""
+    def merge_for(self, sync_step: int, requester: str | None = None) -> Committed | None:
+        """The merge islands apply for ``sync_step`` (this shard's part), once it exists."""
         return self.merges.get(sync_step)
 
     @property
@@ -586,19 +626,22 @@ class AggregatorMachine:
         self.cfg = cfg
         self.schedule = Schedule.of(cfg)
         self.core = GlobalCore(cfg, theta0)
+        self.shards = self.core.shards
         self.level = _Level(
             cfg,
             self.schedule,
             "global",
             "aggregator",
-            tuple(sorted(cfg.topology.regions)),
+            tuple(sorted(self.core.members)),
             self.core.codec,
             theta0.numel(),
             open_step=self.schedule.first_sync_step("global"),
             trusted=trusted,
             signer_of=relay_key,
+            numel_of=self._numel_of,
         )
         self.merges: dict[int, Committed] = {}
+        self._parts: dict[tuple[int, int], Committed] = {}  # (sync_step, shard) -> its part
         self.done = False
         self._theta_digest: str | None = None
         self._outer_digest: str | None = None
@@ -663,8 +706,27 @@ class AggregatorMachine:
         self.done = sched.is_final(step)
         return merge
 
-    def merge_for(self, sync_step: int) -> Committed | None:
-        return self.merges.get(sync_step)
+    def _numel_of(self, member: str) -> int:
+        start, end = self.shards.bounds(self.shards.split(member)[1])
+        return end - start
+
+    def merge_for(self, sync_step: int, requester: str | None = None) -> Committed | None:
+        """The global merge of ``sync_step``; for a relay shard (``requester`` ``eu/1``) its
+        range of theta_{g+1}, a view, with that range's digest (computed once per round and
+        shard: shard i of every region fetches the same part)."""
+        merge = self.merges.get(sync_step)
+        if merge is None or requester is None or not self.shards.sharded:
+            return merge
+        shard = self.shards.split(requester)[1]
+        part = self._parts.get((sync_step, shard))
+        if part is None:
+            start, end = self.shards.bounds(shard)
+            payload = merge.payload.view(-1)[start:end]
+            part = dataclasses.replace(merge, payload=payload, payload_digest=flat_digest(payload))
+            for key in [k for k in self._parts if k[0] != sync_step]:
+                del self._parts[key]  # only the newest round's parts are asked for
+            self._parts[(sync_step, shard)] = part
+        return part
 
     # -- durable state ------------------------------------------------------------------
     def snapshot(self, copy: bool = True) -> AggregatorSnapshot:

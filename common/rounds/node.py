@@ -154,7 +154,7 @@ class _Node:
             return Decision(INVALID, f"wrong run {run_id!r}")
         if requester not in self.machine.members:
             return Decision(FORBIDDEN, f"{requester!r} is not a member of this {self.role}")
-        merge = self.machine.merge_for(sync_step)
+        merge = self.machine.merge_for(sync_step, requester)
         if merge is None:
             return None
         if kind is not None and merge.kind != kind:
@@ -201,10 +201,17 @@ class RelayNode(_Node):
         theta0: torch.Tensor,
         store: NodeStore | None,
         trusted: TrustedKeys | None = None,
+        shard: int = 0,
+        model_numel: int | None = None,
     ) -> None:
+        """``shard``/``model_numel``: a relay shard, ``theta0`` its range (``RelayMachine``)."""
         super().__init__(cfg, store, theta0.numel())
         self.region = region
-        self.machine: RelayMachine = RelayMachine(cfg, region, theta0, trusted)
+        self.machine: RelayMachine = RelayMachine(
+            cfg, region, theta0, trusted, shard=shard, model_numel=model_numel
+        )
+        self.member = self.machine.member
+        """The id this relay pushes, fetches and reports under at the aggregator."""
         self.outbox: Forward | None = None
         """The forward whose global update has not arrived yet (the driver sends it, then
         fetches the update and calls ``on_global``)."""
@@ -233,12 +240,13 @@ class RelayNode(_Node):
             self.outbox = effect
 
     def forward_delta(self, fwd: Forward, key: SigningKey | None) -> Delta:
-        """The delta a forward is sent as: from this region, signed with the relay's key."""
+        """The delta a forward is sent as: from this relay (its region, or its shard's id),
+        signed with the relay's key."""
         delta = Delta(
             self.cfg.run_id,
             fwd.round,
             fwd.sync_step,
-            self.region,
+            self.member,
             fwd.record.digest,
             fwd.codec,
             fwd.data,
@@ -316,7 +324,7 @@ class RelayNode(_Node):
                 "format": CHECKPOINT_FORMAT,
                 "run_id": self.cfg.run_id,
                 "config_digest": self.cfg.digest,
-                "region": self.region,
+                "region": self.member,
                 "round": applied.merge.round,
                 "sync_step": snap.sync_step,
                 "theta": snap.theta,
@@ -431,7 +439,7 @@ class RelayNode(_Node):
             )
         if (ck["run_id"], ck["region"], ck["config_digest"]) != (
             self.cfg.run_id,
-            self.region,
+            self.member,
             self.cfg.digest,
         ):
             raise ConfigError(
@@ -526,7 +534,7 @@ class AggregatorNode(_Node):
         The aggregator's work ends when every relay has reported the run's last step (not
         when each fetched it: a relay killed before its checkpoint fetches it again)."""
         if requester not in self.machine.members:
-            return Decision(FORBIDDEN, f"{requester!r} is not a region")
+            return Decision(FORBIDDEN, f"{requester!r} is not a relay of this run")
         if step == self.cfg.steps:
             if self.machine.merge_for(step) is None:
                 return Decision(PRECONDITION, f"the last step {step} is not applied here yet")

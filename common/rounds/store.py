@@ -7,7 +7,7 @@ One folder per relay or aggregator (a daemon's ``--state-dir``)::
     spool/                    transfers still arriving (the gRPC driver's; never state)
     checkpoints/round-N.pt    the machine's state after global round N (torch.save)
     state.pt                  aggregator: a hard link to the latest checkpoint
-    final/<member>            members known to hold the run's final merge
+    final/<member>            members known to hold the run's final merge (shard eu/1: eu@1)
 
 Small files are written atomically (temp file in the same folder, fsync, rename, fsync of
 the folder); ``sync=False`` skips the fsyncs (simulations on a memory file system only).
@@ -227,13 +227,16 @@ class NodeStore:
         return self.latest_checkpoint() is not None or any(self.published.iterdir())
 
     def mark_final(self, member: str) -> None:
-        if not (self.final / member).exists():
-            atomic_write(self.final / member, b"", sync=self.sync)
+        path = self.final / member.replace("/", "@")  # a relay shard "eu/1" is "eu@1" here
+        if not path.exists():
+            atomic_write(path, b"", sync=self.sync)
 
     def finals(self) -> set[str]:
         if not self.final.is_dir():
             return set()
-        return {f.name for f in self.final.iterdir() if not f.name.startswith(".")}
+        return {
+            f.name.replace("@", "/") for f in self.final.iterdir() if not f.name.startswith(".")
+        }
 
     def close(self) -> None:
         """A final signed tape checkpoint (the tape's end is attested), then no more entries."""

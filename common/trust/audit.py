@@ -54,6 +54,7 @@ from hypertrain.common.rounds.replay import (
     RelayReplay,
     ReplayError,
 )
+from hypertrain.common.shards import relay_members
 from hypertrain.common.trust.keys import TrustedKeys
 from hypertrain.common.trust.ledger import (
     AGGREGATOR_KEY,
@@ -81,11 +82,13 @@ class RunLayout:
     config: RunConfig
     aggregator: Path
     relays: dict[str, Path]
+    """Each relay's folder by its member id (a region, or ``region/i`` for a shard)."""
 
     @classmethod
     def of(cls, run_dir: Path) -> RunLayout:
         cfg = RunConfig.from_toml(run_dir / "run.toml")
-        relays = {r: run_dir / f"relay-{r}" for r in sorted(cfg.topology.regions)}
+        members = relay_members(cfg.topology.regions, cfg.topology.relay_shards)
+        relays = {m: run_dir / relay_key(m) for m in sorted(members)}
         return cls(cfg, run_dir / "aggregator", relays)
 
 
@@ -164,7 +167,14 @@ class Auditor:
             self._check_reaches_latest_checkpoint(path, folder, report.entries)
         layout, theta0 = initial_parameters(cfg)
         agg = AggregatorMachine(cfg, theta0, self.trusted)
-        relays = {r: RelayMachine(cfg, r, theta0, self.trusted) for r in lay.relays}
+        self.shards = shards = cfg.shards(theta0.numel())
+        relays = {}
+        for m in lay.relays:
+            region, i = shards.split(m)
+            a, b = shards.bounds(i)
+            relays[m] = RelayMachine(
+                cfg, region, theta0[a:b], self.trusted, shard=i, model_numel=theta0.numel()
+            )
         starts = {k: 0 for k in tapes}
         if from_round is not None:
             starts = self._load_segment(from_round, agg, relays, verified)
@@ -211,26 +221,27 @@ class Auditor:
         round's merge, whose parameters every relay then applies; until the tapes end."""
         while True:
             wants: dict[str, int] = {}
-            for region, (tape, rr, _) in relays.items():
+            for member, (tape, rr, _) in relays.items():
                 try:
                     step = rr.advance()
                 except ReplayError as err:
                     raise self._fail(tape, err) from None
                 if step is not None:
-                    wants[region] = step
+                    wants[member] = step
             if not wants:
                 return
             step = min(wants.values())
             merge = agg.advance(until_step=step)
             assert merge is not None
-            for region, want in wants.items():
+            for member, want in wants.items():
                 if want != step:
                     continue
-                tape, rr, _ = relays[region]
+                tape, rr, _ = relays[member]
+                a, b = self.shards.bounds(self.shards.split(member)[1])
+                part = merge.payload.view(-1)[a:b] if self.shards.sharded else merge.payload
+                digest = "" if self.shards.sharded else merge.payload_digest
                 try:
-                    rr.apply_global(
-                        GlobalArrived(step, merge.payload, merge.commitment, merge.payload_digest)
-                    )
+                    rr.apply_global(GlobalArrived(step, part, merge.commitment, digest))
                 except ReplayError as err:
                     raise self._fail(tape, err) from None
 
@@ -240,8 +251,8 @@ class Auditor:
         agg: AggregatorReplay,
         relays: dict[str, tuple[Path, RelayReplay, PublishedFolder]],
     ) -> None:
-        """Every regional delta the aggregator took is what that region's relay forwarded
-        (as the relay's replay recomputed it)."""
+        """Every regional delta the aggregator took is what that relay (or relay shard)
+        forwarded (as the relay's replay recomputed it)."""
         for (step, region), rec in agg.received.items():
             forwarded = relays[region][1].forwards.get(step) if region in relays else None
             if forwarded is not None and forwarded.record.digest != rec.digest:
@@ -278,7 +289,10 @@ class Auditor:
         snap = AggregatorSnapshot(merge.sync_step, theta, ck["outer"])
         agg.restore(snap, prior)
         starts = {AGGREGATOR_KEY: start}
-        for region, folder in self.layout.relays.items():
+        shards = self.cfg.shards(theta.numel())
+        for region, folder in self.layout.relays.items():  # each relay by its member id
+            a, b = shards.bounds(shards.split(region)[1])
+            part = theta.view(-1)[a:b] if shards.sharded else theta
             rpath = folder / "checkpoints" / name
             if not rpath.is_file():
                 raise AuditError(f"no relay checkpoint of {region} for round {round_} ({rpath})")
@@ -300,17 +314,17 @@ class Auditor:
             ]
             if (
                 not applied
-                or not torch.equal(rck["theta"], theta)
+                or not torch.equal(rck["theta"], part)
                 or int(rck["sync_step"]) != merge.sync_step
             ):
                 raise AuditError(f"{rpath}: relay checkpoint does not match round {round_}")
             if forward is None or forward.post_residual != stored_residual_digest(
-                rck["residual"], theta.numel()
+                rck["residual"], part.numel()
             ):
                 raise AuditError(f"{rpath}: error-feedback state does not match the tape")
             rsnap = RelaySnapshot(
                 merge.sync_step,
-                theta,
+                part,
                 rck["residual"],
                 Commitment.from_dict(json.loads(rck["commitment"])),
             )

@@ -83,9 +83,13 @@ def check_key_name(name: str) -> str:
 
 
 def daemon_key_names(topology: TopologyConfig) -> list[str]:
-    """Key names of a run's daemons: aggregator, relay-<region>, island-<island id>."""
+    """Key names of a run's daemons: aggregator, relay-<region> (with relay shards:
+    relay-<region>-<i> for each shard i), island-<island id>."""
     names = ["aggregator"]
-    names += [f"relay-{r}" for r in topology.regions]
+    s = topology.relay_shards
+    names += [
+        f"relay-{r}" if s == 1 else f"relay-{r}-{i}" for r in topology.regions for i in range(s)
+    ]
     names += [f"island-{i}" for i in topology.island_ids()]
     return names
 

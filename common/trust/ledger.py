@@ -1,9 +1,10 @@
 """What is signed on the wire, and the names and digests both sides agree on.
 
 Signed transfers: an island signs the canonical JSON of its delta's transfer
-fields (run, round, sync step, sender, sha256, size, codec) with its key
+fields (run, round, sync step, sender, sha256, size, codec, and the relay shard
+"i/S" its part is for when the region's relay is sharded) with its key
 (``island-<id>``); a relay signs its forwarded regional delta with
-``relay-<region>``.  The receiver verifies before accepting; the signature
+``relay-<region>`` (a shard: ``relay-<region>-<i>``).  The receiver verifies before accepting; the signature
 goes on the tape beside the input's digest so the auditor can check it too.
 
 What goes on the tape is defined in common/trust/schema.py (one typed record per
@@ -24,12 +25,23 @@ TRANSFER_FIELDS = ("run_id", "round", "sync_step", "sender", "digest", "size", "
 
 
 def transfer_message(
-    run_id: str, round: int, sync_step: int, sender: str, digest: str, size: int, codec: str
+    run_id: str,
+    round: int,
+    sync_step: int,
+    sender: str,
+    digest: str,
+    size: int,
+    codec: str,
+    shard: str = "",
 ) -> bytes:
-    """The canonical bytes a sender signs for one delta transfer."""
-    fields = dict(
+    """The canonical bytes a sender signs for one delta transfer; ``shard`` ("i/S", an
+    island's part for one relay shard) is bound in when set, so a part cannot be
+    replayed to another shard."""
+    fields: dict[str, Any] = dict(
         zip(TRANSFER_FIELDS, (run_id, round, sync_step, sender, digest, size, codec), strict=True)
     )
+    if shard:
+        fields["shard"] = shard
     return json.dumps(
         {"hypertrain-transfer": 1, **fields}, sort_keys=True, separators=(",", ":")
     ).encode()
@@ -39,8 +51,9 @@ def island_key(island: str) -> str:
     return f"island-{island}"
 
 
-def relay_key(region: str) -> str:
-    return f"relay-{region}"
+def relay_key(member: str) -> str:
+    """The key a relay signs with: ``relay-eu``; a relay shard ``eu/1``: ``relay-eu-1``."""
+    return f"relay-{member.replace('/', '-')}"
 
 
 AGGREGATOR_KEY = "aggregator"

@@ -118,6 +118,7 @@ class InputEntry(_Record):
     """An accepted delta: its membership in the round of ``sync_step``."""
 
     KIND: ClassVar[str] = "input"
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"shard"})
     round: int
     sync_step: int
     sender: str
@@ -126,6 +127,8 @@ class InputEntry(_Record):
     codec: str
     signature: str
     """hex of the sender's Ed25519 signature over the transfer (empty when unsigned)."""
+    shard: str | None = None
+    """"i/S": an island's part for relay shard i of S (absent when relays are not sharded)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = daemon_parser("island", "Train one model replica; sync through the region's relay.")
     p.add_argument("--region", help="the island's region (e.g. eu)")
     p.add_argument("--index", type=int, help="the island's index in its region (default 0)")
-    p.add_argument("--relay", help="HOST:PORT of the region's relay")
+    p.add_argument(
+        "--relay",
+        help="HOST:PORT of the region's relay (relay shards: each shard's, in shard order, "
+        "comma-separated)",
+    )
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -45,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_run_config(args)
         settings = load_settings(args, IslandSettings)
-        _, relay = settings.check_topology(cfg.topology)
+        settings.check_topology(cfg.topology)
+        relays = settings.relays(cfg.topology)
         device = torch.device(settings.device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
@@ -61,9 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if lead:  # one island, one metrics endpoint
             start_metrics(settings, metrics)
         # Connected lazily: an island started before its relay waits for it (and says so).
-        peer = relay_peer(relay, wait_ready=False) if lead else None
+        peers = [relay_peer(r, wait_ready=False) for r in relays] if lead else None
         island = Island(
-            cfg, settings.island_id, peer, metrics, key, settings.state_path, ranks, stop, device
+            cfg, settings.island_id, peers, metrics, key, settings.state_path, ranks, stop, device
         )
         island.install_signals()
         island.run()

@@ -23,9 +23,11 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
 
 import torch
 
@@ -46,6 +48,8 @@ from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
+T = TypeVar("T")
+
 
 class Island:
     """The island's driver: training loop, pushes and pinned merges."""
@@ -54,7 +58,7 @@ class Island:
         self,
         cfg: RunConfig,
         island_id: str,
-        relay: Peer | None,
+        relay: Peer | list[Peer] | None,
         metrics: Metrics | None = None,
         key: SigningKey | None = None,
         state_dir: Path | None = None,
@@ -62,7 +66,8 @@ class Island:
         stop: threading.Event | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        """``relay`` is None exactly on ranks other than 0 of a multi-rank island."""
+        """``relay``: the region's relay, or its shards' in shard order (common/shards.py);
+        None exactly on ranks other than 0 of a multi-rank island."""
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.island_id = island_id
@@ -78,20 +83,33 @@ class Island:
         self.rounds = IslandRounds(self.core, cfg.run_id)
         self.numel = theta0.numel()
         self.received = torch.empty(self.numel, dtype=torch.float32)
-        self.peer = relay
-        self.relay = (
+        shards = self.core.shards
+        peers = None if relay is None else relay if isinstance(relay, list) else [relay]
+        if peers is not None and len(peers) != shards.count:
+            raise ValueError(f"{len(peers)} relay addresses for {shards.count} relay shards")
+        self.relays = (
             None
-            if relay is None
-            else Patient(
-                # A fresh buffer per merge, freed once applied: between syncs the island
-                # holds no model-sized receive buffer.
-                GrpcUpstream(relay, cfg.run_id, self.numel, reuse_buffer=False),
-                f"Relay {relay.address}",
-                self.stop.is_set,
-                lambda message: log_event(
-                    "waiting", role="island", island=island_id, message=message
-                ),
-            )
+            if peers is None
+            else [
+                Patient(
+                    # A fresh buffer per merge, freed once applied: between syncs the
+                    # island holds no model-sized receive buffer.
+                    GrpcUpstream(peer, cfg.run_id, end - start, reuse_buffer=False),
+                    f"Relay {peer.address}",
+                    self.stop.is_set,
+                    lambda message: log_event(
+                        "waiting", role="island", island=island_id, message=message
+                    ),
+                )
+                for peer, (start, end) in zip(peers, shards.all_bounds(), strict=True)
+            ]
+        )
+        self.peers = peers
+        # With relay shards every push and fetch goes to all of them at once.
+        self.calls = (
+            ThreadPoolExecutor(max_workers=shards.count, thread_name_prefix="shard")
+            if shards.sharded
+            else None
         )
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir else None
@@ -107,18 +125,36 @@ class Island:
         self.tokens_per_step = cfg.batch_per_island * mcfg.seq_len
         self._labels = {"region": self.core.region, "island": island_id}
 
-    def _push(self, delta: Delta) -> None:
-        if self.key is not None:
-            delta = delta.signed(self.key.sign(delta.transfer_message()))
-        assert self.relay is not None
-        self.relay.push(delta)
+    def _on_shards(self, fn: Callable[[int], T]) -> list[T]:
+        """``fn(i)`` for every relay shard i, at once when there are several."""
+        assert self.relays is not None
+        if self.calls is None:
+            return [fn(0)]
+        return list(self.calls.map(fn, range(len(self.relays))))
+
+    def _push(self, deltas: list[Delta]) -> None:
+        """Push each relay shard its part (the region's relay: the one delta)."""
+        relays = self.relays
+        assert relays is not None
+
+        def push(i: int) -> None:
+            delta = deltas[i]
+            if self.key is not None:
+                delta = delta.signed(self.key.sign(delta.transfer_message()))
+            relays[i].push(delta)
+
+        self._on_shards(push)
 
     def _fetch(self, step: int, kind: str) -> torch.Tensor:
-        """The merge of ``step``: from the relay on rank 0, then on every rank."""
-        if self.relay is None:  # a rank other than 0: rank 0 fetches and broadcasts it
+        """The merge of ``step``: from the relay (every relay shard's part, joined) on
+        rank 0, then on every rank."""
+        relays = self.relays
+        if relays is None:  # a rank other than 0: rank 0 fetches and broadcasts it
             assert self.ranks is not None
             return self.ranks.broadcast(self.received)
-        payload = self.relay.fetch(self.island_id, step, kind).payload
+        parts = self._on_shards(lambda i: relays[i].fetch(self.island_id, step, kind))
+        payload = self.rounds.join(parts)
+        del parts
         if self.ranks is not None:
             self.ranks.broadcast(payload)
         return payload
@@ -146,12 +182,12 @@ class Island:
             t0 = time.perf_counter()
             if rounds.schedule.sync_kind(step) is not None:
                 trim_heap()  # the freed gradients' pages, before the sync's copies
-            delta = rounds.after_step(encode=self.lead)
+            deltas = rounds.after_step(encode=self.lead)
             if rounds.last_sync is not None and rounds.last_sync[0] == step:
-                if delta is not None:
-                    push = self.pusher.submit(self._push, delta)
-                    sent = len(delta.data)
-                    delta = None  # the pusher holds it until it is sent, no longer
+                if deltas:
+                    push = self.pusher.submit(self._push, deltas)
+                    sent = sum(len(d.data) for d in deltas)
+                    deltas = []  # the pusher holds them until they are sent, no longer
                     self._sent(sent, time.perf_counter() - t0)
                 m.train_loss.labels(**labels).set(sum(losses) / len(losses))
                 m.tokens_per_second.labels(**labels).set(
@@ -282,8 +318,10 @@ class Island:
         self.stop.set()
         self.pusher.shutdown(wait=True, cancel_futures=True)
         self.saver.shutdown(wait=True)  # a rejoin state being written is finished
-        if self.peer is not None:
-            self.peer.close()
+        if self.calls is not None:
+            self.calls.shutdown(wait=True, cancel_futures=True)
+        for peer in self.peers or []:
+            peer.close()
 
 
 def _done() -> Future[None]:

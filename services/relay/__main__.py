@@ -34,11 +34,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = daemon_parser("relay", "Serve the islands of one region; forward to the aggregator.")
     p.add_argument("--region", help="the region this relay serves (e.g. eu)")
     p.add_argument("--aggregator", help="HOST:PORT of the aggregator")
+    p.add_argument(
+        "--shard",
+        help="i/S: run as shard i of the region's S relay processes, each owning a range "
+        "of the parameters (S must equal the run's --relay-shards)",
+    )
     args = p.parse_args(argv)
     try:
         cfg = load_run_config(args)
         settings = load_settings(args, RelaySettings)
         region, aggregator = settings.check_topology(cfg.topology)
+        shard = settings.shard_index(cfg.topology)
         state_dir = settings.state_path
         shutdown = Shutdown()
         key, trusted = load_identity(settings)
@@ -57,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics,
             key,
             trusted,
+            shard,
         )
         server = make_server()
         add_servicer(service, server, "Relay")
@@ -70,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown=shutdown,
         ready=lambda: announce("relay", address),
     )
-    log_event("stopped", role="relay", region=region, reason=shutdown.reason)
+    log_event("stopped", role="relay", region=region, **service.where, reason=shutdown.reason)
     return 1 if shutdown.reason and shutdown.reason.startswith("forwarding failed") else code
 
 

@@ -64,15 +64,27 @@ class RelayService:
         metrics: Metrics | None = None,
         key: SigningKey | None = None,
         trusted: TrustedKeys | None = None,
+        shard: int = 0,
     ) -> None:
+        """``shard``: which of the region's relay shards this is (common/shards.py); it
+        keeps, serves and forwards only its range of the parameters."""
         self.cfg = cfg
         self.region = region
         _, theta0 = starting_parameters(cfg)
+        model_numel = theta0.numel()
+        shards = cfg.shards(model_numel)
+        if shards.sharded:  # keep only this shard's range
+            start, end = shards.bounds(shard)
+            theta0 = theta0[start:end].clone()
         self.numel = theta0.numel()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
         store = NodeStore(state_dir, cfg.run_id, key, crash=fault_point)
-        self.node = RelayNode(cfg, region, theta0, store, trusted)
+        self.node = RelayNode(cfg, region, theta0, store, trusted, shard, model_numel)
+        self.member = self.node.member
+        """This relay's id at the aggregator (its region, or ``region/i``)."""
+        self.where: dict[str, object] = {"shard": shards.label(shard)} if shards.sharded else {}
+        """What log lines add to ``region`` to say which relay this is."""
         self.key = key
         self.peer = aggregator
         self.shutdown = shutdown
@@ -82,7 +94,9 @@ class RelayService:
             GrpcUpstream(aggregator, cfg.run_id, self.numel, reuse_buffer=False),
             f"Aggregator {aggregator.address}",
             lambda: self.shutdown.requested,
-            lambda message: log_event("waiting", role="relay", region=region, message=message),
+            lambda message: log_event(
+                "waiting", role="relay", region=region, **self.where, message=message
+            ),
         )
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("relay")
@@ -125,7 +139,7 @@ class RelayService:
         with self.board.cond:
             return pb.StatusReply(
                 run_id=self.cfg.run_id,
-                role=f"relay/{self.region}",
+                role=f"relay/{self.member}",
                 round=m.open_round,
                 last_step=m.level.open_step - m.schedule.h_r,
                 # the regional base; while a global round is pending (the base is spent
@@ -147,7 +161,7 @@ class RelayService:
             try:
                 self._forward()
             except Exception as e:  # the run cannot go on without the aggregator
-                log_event("error", role="relay", region=self.region, message=str(e))
+                log_event("error", role="relay", region=self.region, **self.where, message=str(e))
                 self.shutdown.request(f"forwarding failed: {e}")
                 return
 
@@ -169,7 +183,7 @@ class RelayService:
         with self.board.cond:
             self.node.forward_sent(step)
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(size)
-        got = self.aggregator.fetch(self.region, step, "global")
+        got = self.aggregator.fetch(self.member, step, "global")
         with self.board.cond:  # islands fetch it now, while the relay writes it down
             merge = self.node.on_global(
                 GlobalArrived(step, got.payload, got.commitment, got.payload_digest), defer=True
@@ -183,6 +197,7 @@ class RelayService:
             "global",
             role="relay",
             region=self.region,
+            **self.where,
             round=merge.round,
             step=step,
             bytes=size,
@@ -196,7 +211,7 @@ class RelayService:
         this relay is already stopping (the aggregator waits for every report)."""
         give_up = time.monotonic() + FINAL_REPORT_WAIT_S
         self.aggregator.report_applied(
-            self.region, self.cfg.steps, lambda: time.monotonic() > give_up
+            self.member, self.cfg.steps, lambda: time.monotonic() > give_up
         )
         atomic_write(self.state_dir / FINAL_REPORTED, b"")
 
@@ -220,15 +235,16 @@ class RelayService:
             try:
                 self._report_final()
             except WireError as e:
-                log_event("warning", role="relay", region=self.region, message=str(e))
+                log_event("warning", role="relay", region=self.region, **self.where, message=str(e))
         self.board.check_final(node, _DONE_REASON)
-        log_event("recovered", role="relay", region=self.region, **node.recovered)
+        log_event("recovered", role="relay", region=self.region, **self.where, **node.recovered)
 
     def _log_commit(self, c: Committed) -> None:
         log_event(
             "round",
             role="relay",
             region=self.region,
+            **self.where,
             round=c.round,
             step=c.sync_step,
             members=",".join(c.commitment.members),

@@ -67,7 +67,7 @@ class MergeBoard:
         self.cfg = cfg
         self.shutdown = shutdown
         self.cond = threading.Condition()
-        self.headers: dict[tuple[int, str], pb.MergeHeader] = {}
+        self.headers: dict[tuple[int, str, int, int], pb.MergeHeader] = {}
 
     def wait(
         self,
@@ -98,7 +98,8 @@ class MergeBoard:
                 self.cond.wait(min(WAIT_SLICE_S, left))
 
     def header(self, merge: Committed) -> pb.MergeHeader:
-        key = (merge.sync_step, merge.kind)
+        # A relay shard's part of a global merge is a view of its own range of it.
+        key = (merge.sync_step, merge.kind, merge.payload.data_ptr(), merge.payload.numel())
         h = self.headers.get(key)
         if h is None:
             h = self.headers[key] = merge_header(self.cfg, merge)
@@ -157,7 +158,15 @@ class Intake:
             raise
         h = rx.header
         delta = Delta(
-            h.run_id, h.round, h.sync_step, h.sender, rx.digest, h.codec, rx.data, h.signature
+            h.run_id,
+            h.round,
+            h.sync_step,
+            h.sender,
+            rx.digest,
+            h.codec,
+            rx.data,
+            h.signature,
+            shard=h.shard,
         )
         published = self.published
 

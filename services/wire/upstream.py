@@ -88,6 +88,7 @@ class GrpcUpstream:
             size=len(delta.data),
             codec=delta.codec,
             signature=delta.signature,
+            shard=delta.shard,
         )
         got = self._call(
             f"push of step {delta.sync_step} from {delta.sender}",

@@ -164,10 +164,20 @@ def test_piecewise_and_zeros_digests_equal_the_whole_tensor_digest(numel: int) -
     assert zeros_digest(numel) == tensor_digest(torch.zeros(numel))
 
 
-def test_a_piece_that_ends_inside_a_chunk_must_be_the_last() -> None:
+@pytest.mark.parametrize(
+    "cuts", [[1000, 1000], [262_143, 2, 100_000], [5, 600_000 - 10], [524_288 + 3]]
+)
+def test_pieces_may_end_inside_a_chunk(cuts: list[int]) -> None:
+    """Relay shards end anywhere (a multiple of the codec's unit): the hasher carries a
+    cut chunk over to the next piece and gets the whole tensor's digest."""
+    t = torch.randn(600_000, generator=torch.Generator().manual_seed(3))
     hasher = TensorHasher(torch.float32, (600_000,))
-    hasher.update(torch.zeros(1000))
-    with pytest.raises(ValueError, match="last piece"):
-        hasher.update(torch.zeros(1000))
+    start = 0
+    for n in [*cuts, 600_000 - sum(cuts)]:
+        hasher.update(t[start : start + n])
+        start += n
+    assert hasher.hexdigest() == tensor_digest(t)
+    short = TensorHasher(torch.float32, (600_000,))
+    short.update(t[:1000])
     with pytest.raises(ValueError, match="of 2400000 bytes"):
-        hasher.hexdigest()
+        short.hexdigest()

@@ -97,12 +97,15 @@ _RUN_MAPPED = frozenset({
 _RUN_FIXED = frozenset({"run_id", "threads"})
 """RunConfig fields that are not the simulator's: a job's run keeps their defaults."""
 _TOPO_MAPPED = frozenset({"regions", "islands_per_region", "h_r", "h_g", "tau"})
+_TOPO_FIXED = frozenset({"relay_shards"})
+"""TopologyConfig fields that are not the simulator's: how many processes a region's relay
+runs as changes no bit of a run (common/shards.py), so a job keeps the default."""
 RUN_EXTRAS = tuple(
     f.name for f in dataclasses.fields(RunConfig) if f.name not in _RUN_MAPPED | _RUN_FIXED
 )
 """RunConfig fields the flat vocabulary does not map: taken under their own names."""
 TOPOLOGY_EXTRAS = tuple(
-    f.name for f in dataclasses.fields(TopologyConfig) if f.name not in _TOPO_MAPPED
+    f.name for f in dataclasses.fields(TopologyConfig) if f.name not in _TOPO_MAPPED | _TOPO_FIXED
 )
 """TopologyConfig fields the flat vocabulary does not map: taken under their own names."""
 _DEFAULT_RUN = RunConfig().to_dict()

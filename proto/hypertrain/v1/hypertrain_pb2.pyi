@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TransferHeader(_message.Message):
-    __slots__ = ("run_id", "round", "sync_step", "sender", "digest", "size", "codec", "signature")
+    __slots__ = ("run_id", "round", "sync_step", "sender", "digest", "size", "codec", "signature", "shard")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class TransferHeader(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     sync_step: int
@@ -24,7 +25,8 @@ class TransferHeader(_message.Message):
     size: int
     codec: str
     signature: bytes
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., sender: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., codec: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    shard: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., sender: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., codec: _Optional[str] = ..., signature: _Optional[bytes] = ..., shard: _Optional[str] = ...) -> None: ...
 
 class DeltaChunk(_message.Message):
     __slots__ = ("header", "data")
