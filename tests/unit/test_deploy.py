@@ -9,11 +9,14 @@ fail), and a deliberately broken copy must fail the same check.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,8 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from hypertrain.common.config import RunConfig
+from hypertrain.common.config import RunConfig, TopologyConfig
+from hypertrain.common.settings import IslandSettings, RelaySettings
 from hypertrain.common.trust.keys import daemon_key_names
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,6 +36,9 @@ K8S = DEPLOY / "k8s"
 RUN_TOML = DEPLOY / "configs" / "run.toml"
 K8S_VERSION = "1.30"  # the oldest Kubernetes these manifests are written for
 IMAGE_UID = 10001
+ENTRYPOINT = DEPLOY / "container" / "entrypoint.sh"
+# The downward-API source of a relay pod's shard index (its StatefulSet ordinal).
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 # Flags the deploy files pass that the daemons do not take yet.  --signing-key: the
 # daemons load their Ed25519 key from it once signing lands (common/trust/keys.py).
 PENDING_FLAGS: set[str] = set()
@@ -88,6 +95,29 @@ def flag(args: list[str], name: str) -> str:
     raise AssertionError(f"{name} not in {args}")
 
 
+def region_relay_keys(topology: TopologyConfig, region: str) -> list[str]:
+    """The key names of ``region``'s relay shards, in shard order, as daemon_key_names
+    (and so ``hypertrain keys init``) gives them."""
+    one = dataclasses.replace(topology, regions=(region,))
+    return [n for n in daemon_key_names(one) if n.startswith("relay-")]
+
+
+def relay_addresses(sts: dict[str, Any], resources: list[dict[str, Any]]) -> list[str]:
+    """Every shard's HOST:PORT of a relay StatefulSet, in shard order: pod i's name in
+    the StatefulSet's headless Service, at the Service's gRPC port."""
+    name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    (svc,) = [d for d in resources if d["kind"] == "Service" and d["metadata"]["name"] == service]
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    return [f"{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
+
+
+def env_value(container: dict[str, Any], name: str) -> Any:
+    for e in container.get("env", []):
+        if e["name"] == name:
+            return e.get("value", e.get("valueFrom"))
+    return None
+
+
 @pytest.fixture(scope="module")
 def run_config() -> RunConfig:
     return RunConfig.from_toml(RUN_TOML)
@@ -134,7 +164,7 @@ def test_manifests_validate_offline_against_kubernetes_schemas() -> None:
     ]
     assert errors == []
     kinds = {d["kind"] for d in all_resources()}
-    assert {"Namespace", "ConfigMap", "Secret", "StatefulSet", "Deployment", "Job", "Service",
+    assert {"Namespace", "ConfigMap", "Secret", "StatefulSet", "Job", "Service",
             "PersistentVolumeClaim"} <= kinds  # fmt: skip
 
 
@@ -158,8 +188,8 @@ def test_broken_manifests_fail_validation(tmp_path: Path) -> None:
     broken = tmp_path / "relay-eu.yaml"
     broken.write_text(text.replace("containerPort: 7071", 'containerPort: "grpc"', 1))
     assert any("containerPort" in e for e in file_errors(broken))
-    broken.write_text(text.replace("kind: Deployment", "kind: Deploymnet"))
-    assert any("Deploymnet" in e for e in file_errors(broken))
+    broken.write_text(text.replace("kind: StatefulSet", "kind: StatefulSte"))
+    assert any("StatefulSte" in e for e in file_errors(broken))
     assert schema_errors(copy.deepcopy(svc)) == []
 
 
@@ -198,13 +228,15 @@ def test_one_relay_and_one_island_job_per_region(run_config: RunConfig) -> None:
     mounts = {m["name"]: m["mountPath"] for m in agg["volumeMounts"]}
     assert mounts[claim["metadata"]["name"]] == flag(agg["args"], "--state-dir")
     for region in topo.regions:
-        dep = by[("Deployment", f"hypertrain-relay-{region}")]
-        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
-        relay = dep["spec"]["template"]["spec"]["containers"][0]
+        # A StatefulSet of relay shards (replicas and shard wiring: test_relay_shard_*).
+        relay_sts = by[("StatefulSet", f"hypertrain-relay-{region}")]
+        relay = relay_sts["spec"]["template"]["spec"]["containers"][0]
         assert flag(relay["args"], "--region") == region
         assert flag(relay["args"], "--aggregator") == "hypertrain-aggregator:7070"
-        assert ("Service", f"hypertrain-relay-{region}") in by
-        assert ("PersistentVolumeClaim", f"hypertrain-relay-{region}-published") in by
+        (claim,) = relay_sts["spec"]["volumeClaimTemplates"]
+        mounts = {m["name"]: m["mountPath"] for m in relay["volumeMounts"]}
+        assert mounts[claim["metadata"]["name"]] == flag(relay["args"], "--state-dir")
+        assert ("Service", relay_sts["spec"]["serviceName"]) in by
         job = by[("Job", f"hypertrain-islands-{region}")]
         assert job["spec"]["completionMode"] == "Indexed"
         assert job["spec"]["completions"] == topo.islands_per_region == job["spec"]["parallelism"]
@@ -215,12 +247,13 @@ def test_one_relay_and_one_island_job_per_region(run_config: RunConfig) -> None:
         gpus = int(island["resources"]["limits"]["nvidia.com/gpu"])
         assert int(flag(args, "--nproc-per-node")) == gpus
         assert flag(args, "--region") == region and flag(args, "--index") == "$(ISLAND_INDEX)"
-        assert flag(args, "--relay") == f"hypertrain-relay-{region}:7071"
+        assert flag(args, "--relay") == ",".join(relay_addresses(relay_sts, res))
         assert "ISLAND_INDEX" in {e["name"] for e in island["env"]}  # needed for $(ISLAND_INDEX)
         assert pod["nodeSelector"] == {"hypertrain/region": region}
         assert pod["restartPolicy"] == "Never"
-    relays = {d["metadata"]["name"] for d in res if d["kind"] == "Deployment"}
-    assert relays == {f"hypertrain-relay-{r}" for r in topo.regions}
+    assert not any(d["kind"] == "Deployment" for d in res)
+    workloads = {d["metadata"]["name"] for d in res if d["kind"] == "StatefulSet"}
+    assert workloads == {"hypertrain-aggregator"} | {f"hypertrain-relay-{r}" for r in topo.regions}
 
 
 def test_pods_are_probed_limited_hardened_and_scraped() -> None:
@@ -306,12 +339,307 @@ def test_every_daemon_pins_the_trusted_keys_config_map() -> None:
 
 
 def test_one_secret_per_daemon_named_like_keys_init(run_config: RunConfig) -> None:
-    secrets = [d for d in manifests()["secrets.yaml"] if d["kind"] == "Secret"]
-    want = {f"hypertrain-key-{n}" for n in daemon_key_names(run_config.topology)}
-    assert {s["metadata"]["name"] for s in secrets} == want
-    for s in secrets:
-        assert list(s["stringData"]) == ["signing.key"]
-        assert "BEGIN PRIVATE KEY" not in s["stringData"]["signing.key"]  # placeholders only
+    """One Secret per daemon (``signing.key``), but one per region for the relay, holding
+    every relay shard's key file under the name ``hypertrain keys init`` gives it."""
+    topo = run_config.topology
+    secrets = {
+        d["metadata"]["name"]: d for d in manifests()["secrets.yaml"] if d["kind"] == "Secret"
+    }
+    relay_keys = {r: region_relay_keys(topo, r) for r in topo.regions}
+    want = {f"hypertrain-key-{n}" for n in daemon_key_names(topo) if not n.startswith("relay-")}
+    assert set(secrets) == want | {f"hypertrain-key-relay-{r}" for r in topo.regions}
+    for name, s in secrets.items():
+        region = name.removeprefix("hypertrain-key-relay-")
+        files = (
+            [f"{k}.key" for k in relay_keys[region]] if region in relay_keys else ["signing.key"]
+        )
+        assert list(s["stringData"]) == files, name
+        for value in s["stringData"].values():
+            assert "BEGIN PRIVATE KEY" not in value  # placeholders only
+    assert [k for r in topo.regions for k in relay_keys[r]] == [
+        n for n in daemon_key_names(topo) if n.startswith("relay-")
+    ]
+
+
+# -- Kubernetes: relay shards -------------------------------------------------------------
+
+
+def shard_wiring_errors(resources: list[dict[str, Any]]) -> list[str]:
+    """Where the relay-shard wiring of ``resources`` (every manifest, the secrets.yaml
+    template included) disagrees with itself or with the run config the pods read (the
+    ConfigMap's run.toml); [] if nowhere.  S is that run.toml's relay_shards, which the
+    file must say; per region it must be the relay StatefulSet's replicas, the number of
+    the islands' --relay addresses (each shard's pod name in the headless Service, in shard
+    order) and of the key files in the region's relay Secret, named as daemon_key_names
+    names them.  Shard index and key are chosen by the entry point
+    (test_relay_shard_entrypoint): the pods must give it the pod-index label, and no
+    --shard of their own."""
+    errors: list[str] = []
+    by = {(d["kind"], d["metadata"]["name"]): d for d in resources}
+    run_toml = by[("ConfigMap", "hypertrain-config")]["data"]["run.toml"]
+    topology_table = tomllib.loads(run_toml)["run"]["topology"]
+    if "relay_shards" not in topology_table:
+        errors.append("run.toml: [run.topology] does not say relay_shards")
+    topo = RunConfig.from_dict(tomllib.loads(run_toml)["run"]).topology
+    shards = topo.relay_shards
+    for region in topo.regions:
+        where = f"relay-{region}"
+        sts = by.get(("StatefulSet", f"hypertrain-relay-{region}"))
+        if sts is None:
+            errors.append(f"{where}: no StatefulSet hypertrain-relay-{region}")
+            continue
+        replicas = sts["spec"].get("replicas")
+        if replicas != shards:
+            errors.append(f"{where}: replicas {replicas}, but run.toml's relay_shards is {shards}")
+        svc = by.get(("Service", sts["spec"]["serviceName"]))
+        if svc is None or svc["spec"].get("clusterIP") != "None":
+            errors.append(f"{where}: serviceName is no headless Service (no DNS name per shard)")
+            continue
+        spec = sts["spec"]["template"]["spec"]
+        main = spec["containers"][0]
+        for c in [*spec.get("initContainers", []), main]:
+            if env_value(c, "HYPERTRAIN_SHARD_INDEX") != {"fieldRef": {"fieldPath": POD_INDEX}}:
+                errors.append(f"{where}: {c['name']}: HYPERTRAIN_SHARD_INDEX is not the pod index")
+        own = [a for a in main["args"] if a.split("=")[0] in ("--shard", "--relay-shards")]
+        if own:
+            errors.append(f"{where}: {own}: the entry point passes --shard, from run.toml")
+        # The key: the init container's relay-key FROM TO ... installs this shard's key
+        # file from the region's Secret as the relay's --signing-key.
+        inits = [c for c in spec.get("initContainers", []) if c["args"][:1] == ["relay-key"]]
+        secret = next(
+            (v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == f"hypertrain-key-relay-{region}"),
+            None,
+        )  # fmt: skip
+        if len(inits) != 1 or secret is None:
+            errors.append(
+                f"{where}: no relay-key init container with the Secret hypertrain-key-relay-{region}"
+            )
+        else:
+            args = inits[0]["args"]
+            mounts = {m["name"]: m["mountPath"] for m in inits[0]["volumeMounts"]}
+            if args[1] != mounts.get(secret["name"]) or "items" in secret["secret"]:
+                errors.append(f"{where}: relay-key does not read every file of the key Secret")
+            if args[2] != flag(main["args"], "--signing-key"):
+                errors.append(
+                    f"{where}: relay-key installs {args[2]}, the relay signs with another"
+                )
+            for name in ("--config", "--region"):
+                if flag(args[3:], name) != flag(main["args"], name):
+                    errors.append(f"{where}: relay-key {name} is not the relay's")
+        key_secret = by.get(("Secret", f"hypertrain-key-relay-{region}"), {})
+        files = list(key_secret.get("stringData", {}))
+        want = [f"{k}.key" for k in region_relay_keys(topo, region)]
+        if files != want:
+            errors.append(f"{where}: Secret holds {files}, the shards sign with {want}")
+        # The islands: every shard's address, in shard order.
+        job = by[("Job", f"hypertrain-islands-{region}")]
+        island = job["spec"]["template"]["spec"]["containers"][0]
+        relay = flag(island["args"], "--relay")
+        if relay.split(",") != relay_addresses(sts, resources):
+            errors.append(
+                f"islands-{region}: --relay={relay}, not the {replicas} shard(s) in order"
+            )
+        try:
+            IslandSettings(region=region, relay=relay).relays(topo)
+        except ValueError as e:
+            errors.append(f"islands-{region}: {e}")
+    return errors
+
+
+def scaled(resources: list[dict[str, Any]], shards: int) -> list[dict[str, Any]]:
+    """A copy of the manifests edited to S = ``shards`` as deploy/README.md says to:
+    run.toml's relay_shards, each relay's replicas, the islands' --relay, the key Secrets."""
+    out = copy.deepcopy(resources)
+    by = {(d["kind"], d["metadata"]["name"]): d for d in out}
+    cm = by[("ConfigMap", "hypertrain-config")]
+    cm["data"]["run.toml"] = re.sub(
+        r"(?m)^relay_shards = \d+$", f"relay_shards = {shards}", cm["data"]["run.toml"]
+    )
+    topo = RunConfig.from_dict(tomllib.loads(cm["data"]["run.toml"])["run"]).topology
+    assert topo.relay_shards == shards
+    for region in topo.regions:
+        sts = by[("StatefulSet", f"hypertrain-relay-{region}")]
+        sts["spec"]["replicas"] = shards
+        island = by[("Job", f"hypertrain-islands-{region}")]["spec"]["template"]["spec"][
+            "containers"
+        ][0]
+        island["args"] = [
+            f"--relay={','.join(relay_addresses(sts, out))}" if a.startswith("--relay=") else a
+            for a in island["args"]
+        ]
+        secret = by[("Secret", f"hypertrain-key-relay-{region}")]
+        secret["stringData"] = {f"{k}.key": "REPLACE" for k in region_relay_keys(topo, region)}
+    return out
+
+
+def test_relay_shard_wiring_agrees_with_the_run_config() -> None:
+    resources = all_resources()
+    assert shard_wiring_errors(resources) == []
+    # ... and so it does at other S, after the edits deploy/README.md lists (and only then).
+    for shards in (1, 2, 3):
+        assert shard_wiring_errors(scaled(resources, shards)) == [], shards
+
+
+def test_relay_shard_wiring_check_catches_breakage() -> None:
+    good = all_resources()
+
+    def broken(edit: Any, shards: int = 1) -> list[str]:
+        res = scaled(good, shards)
+        by = {(d["kind"], d["metadata"]["name"]): d for d in res}
+        edit(by)
+        return shard_wiring_errors(res)
+
+    def relay(by: dict[Any, Any], region: str = "eu") -> dict[str, Any]:
+        return by[("StatefulSet", f"hypertrain-relay-{region}")]  # type: ignore[no-any-return]
+
+    def island_args(by: dict[Any, Any], region: str = "eu") -> list[str]:
+        job = by[("Job", f"hypertrain-islands-{region}")]
+        return job["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
+
+    def set_relay(by: dict[Any, Any], value: str) -> None:
+        args = island_args(by)
+        args[:] = [f"--relay={value}" if a.startswith("--relay=") else a for a in args]
+
+    def rename(by: dict[Any, Any], old: str, new: str) -> None:
+        data = by[("Secret", "hypertrain-key-relay-eu")]["stringData"]
+        data[new] = data.pop(old)
+
+    def drop_index(by: dict[Any, Any]) -> None:
+        main = relay(by)["spec"]["template"]["spec"]["containers"][0]
+        main["env"] = [e for e in main["env"] if e["name"] != "HYPERTRAIN_SHARD_INDEX"]
+
+    def config_only(by: dict[Any, Any]) -> None:
+        cm = by[("ConfigMap", "hypertrain-config")]["data"]
+        cm["run.toml"] = cm["run.toml"].replace("relay_shards = 2", "relay_shards = 1")
+
+    def unsaid(by: dict[Any, Any]) -> None:
+        cm = by[("ConfigMap", "hypertrain-config")]["data"]
+        cm["run.toml"] = re.sub(r"(?m)^relay_shards = 1\n", "", cm["run.toml"])
+
+    cases = [
+        ("replicas above relay_shards", 1, lambda by: relay(by)["spec"].update(replicas=2)),
+        ("replicas below relay_shards", 2, lambda by: relay(by, "ap")["spec"].update(replicas=1)),
+        ("run.toml alone changed back", 2, config_only),
+        ("run.toml does not say S", 1, unsaid),
+        ("the pre-shard island address", 1, lambda by: set_relay(by, "hypertrain-relay-eu:7071")),
+        ("a shard missing", 2, lambda by: set_relay(by, "hypertrain-relay-eu-0.hypertrain-relay-eu:7071")),
+        ("shards out of order", 2, lambda by: set_relay(by, ",".join(reversed(flag(island_args(by), "--relay").split(","))))),
+        ("a shard key named for S = 1", 2, lambda by: rename(by, "relay-eu-0.key", "relay-eu.key")),
+        ("the S > 1 key name at S = 1", 1, lambda by: rename(by, "relay-eu.key", "relay-eu-0.key")),
+        ("the old signing.key", 1, lambda by: rename(by, "relay-eu.key", "signing.key")),
+        ("a --shard in the args", 2, lambda by: relay(by)["spec"]["template"]["spec"]["containers"][0]["args"].append("--shard=0/2")),
+        ("no pod index", 1, drop_index),
+        ("not headless", 1, lambda by: by[("Service", "hypertrain-relay-eu")]["spec"].pop("clusterIP")),
+    ]  # fmt: skip
+    for what, shards, edit in cases:
+        assert broken(edit, shards), what
+
+
+def run_entrypoint(
+    script: Path, args: list[str], index: int | None, bin_dir: Path
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("HYPERTRAIN_SHARD_INDEX", None)
+    if index is not None:
+        env["HYPERTRAIN_SHARD_INDEX"] = str(index)
+    return subprocess.run(
+        ["sh", str(script), *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def entrypoint_shard_errors(script: Path, shards: int, tmp_path: Path) -> list[str]:
+    """What the entry point ``script`` gets wrong for every relay pod of the manifests
+    when the run has ``shards`` relay shards ([] if nothing): pod i's relay must get
+    exactly its arguments plus --shard=i/S when S > 1 (no --shard when S = 1), and its
+    init container must install the key daemon_key_names gives shard i; pod S (a replica
+    too many) must be refused by both."""
+    errors: list[str] = []
+    bin_dir = tmp_path / f"bin-{shards}"
+    bin_dir.mkdir()
+    (bin_dir / "hypertrain-relay").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (bin_dir / "hypertrain-relay").chmod(0o755)
+    (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
+    config = tmp_path / f"run-{shards}.toml"
+    config.write_text(
+        re.sub(r"(?m)^relay_shards = \d+$", f"relay_shards = {shards}", RUN_TOML.read_text())
+    )
+    topo = RunConfig.from_toml(config).topology
+    assert topo.relay_shards == shards
+    by = {(d["kind"], d["metadata"]["name"]): d for d in all_resources()}
+    for region in topo.regions:
+        spec = by[("StatefulSet", f"hypertrain-relay-{region}")]["spec"]["template"]["spec"]
+        local = {"--config=/etc/hypertrain/run.toml": f"--config={config}"}
+        main = [local.get(a, a) for a in spec["containers"][0]["args"]]
+        (init,) = [c for c in spec["initContainers"] if c["args"][0] == "relay-key"]
+        keys = region_relay_keys(topo, region)
+        secret = tmp_path / f"secret-{shards}-{region}"
+        secret.mkdir()
+        for k in keys:
+            (secret / f"{k}.key").write_text(k)
+        for i in range(shards + 1):
+            where = f"{region} pod {i} of S = {shards}"
+            out = run_entrypoint(script, main, i, bin_dir)
+            if i == shards:
+                if out.returncode != 2:
+                    errors.append(f"{where}: a pod too many started: {out.stdout!r}")
+                continue
+            got = out.stdout.splitlines()
+            want = main[1:] + ([f"--shard={i}/{shards}"] if shards > 1 else [])
+            if out.returncode != 0 or got != want:
+                errors.append(f"{where}: relay got {got} ({out.stderr.strip()}), want {want}")
+                continue
+            shard = next((a.split("=", 1)[1] for a in got if a.startswith("--shard=")), None)
+            settings = RelaySettings(region=region, aggregator="a:1", shard=shard)
+            if settings.shard_index(topo) != i:
+                errors.append(f"{where}: the relay would be shard {settings.shard_index(topo)}")
+            dest = tmp_path / f"key-{shards}-{region}-{i}"
+            key_args = [str(secret), str(dest), *[local.get(a, a) for a in init["args"][3:]]]
+            out = run_entrypoint(script, ["relay-key", *key_args], i, bin_dir)
+            if out.returncode != 0 or not dest.exists():
+                errors.append(f"{where}: relay-key failed: {out.stderr.strip()}")
+                continue
+            if dest.read_text() != keys[i] or dest.stat().st_mode & 0o777 != 0o400:
+                errors.append(
+                    f"{where}: installed {dest.read_text()} mode {dest.stat().st_mode:o}, want {keys[i]}"
+                )
+        out = run_entrypoint(
+            script, ["relay-key", str(secret), str(tmp_path / "x"), *main[1:]], shards, bin_dir
+        )
+        if out.returncode != 2:
+            errors.append(f"{region}: relay-key installed a key for a pod too many")
+    return errors
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_relay_shard_entrypoint(shards: int, tmp_path: Path) -> None:
+    assert entrypoint_shard_errors(ENTRYPOINT, shards, tmp_path) == []
+
+
+def test_relay_shard_entrypoint_check_catches_breakage(tmp_path: Path) -> None:
+    text = ENTRYPOINT.read_text()
+    breakages = [
+        ("always --shard", 1, '[ "$shards" -gt 1 ]; then\n                set --', '[ "$shards" -ge 1 ]; then\n                set --'),
+        ("index from 1", 2, '"--shard=$index/$shards"', '"--shard=$((index + 1))/$shards"'),
+        ("shard key name at S = 1", 1, 'else name="relay-$region"; fi', 'else name="relay-$region-$index"; fi'),
+        ("no upper bound", 1, 'if [ "$index" -ge "$shards" ]; then', 'if false; then'),
+    ]  # fmt: skip
+    for what, shards, old, new in breakages:
+        assert text.count(old) == 1, what
+        script = tmp_path / f"entrypoint-{len(what)}.sh"
+        script.write_text(text.replace(old, new))
+        work = tmp_path / what.replace(" ", "-").replace("=", "")
+        work.mkdir()
+        assert entrypoint_shard_errors(script, shards, work), what
+    # Without HYPERTRAIN_SHARD_INDEX (docker run, bare metal) relay passes its args through.
+    bin_dir = tmp_path / "plain"
+    bin_dir.mkdir()
+    (bin_dir / "hypertrain-relay").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (bin_dir / "hypertrain-relay").chmod(0o755)
+    args = ["relay", f"--config={RUN_TOML}", "--region=eu", "--shard=1/2"]
+    assert run_entrypoint(ENTRYPOINT, args, None, bin_dir).stdout.splitlines() == args[1:]
+    # ... and with it, a --shard of its own is refused rather than silently overridden.
+    (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
+    assert run_entrypoint(ENTRYPOINT, args, 1, bin_dir).returncode == 2
 
 
 def test_daemons_take_the_flags_the_deploy_files_pass(capsys: pytest.CaptureFixture[str]) -> None:
@@ -330,6 +658,7 @@ def test_daemons_take_the_flags_the_deploy_files_pass(capsys: pytest.CaptureFixt
         role = "island" if args[0] == "torchrun" else args[0]
         tail = args[args.index("hypertrain.island") + 1 :] if role == "island" else args[1:]
         used[role] |= {a.split("=")[0] for a in tail}
+    used["relay"].add("--shard")  # added by the image's entry point (relay shards)
     for unit in (DEPLOY / "systemd").glob("*.service"):
         exec_start = parse_unit(unit)["Service"]["ExecStart"]
         role = next(
@@ -434,6 +763,7 @@ def test_entrypoint_dispatches(tmp_path: Path) -> None:
         stub.write_text(f'#!/bin/sh\necho "{name} $*"\n')
         stub.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env.pop("HYPERTRAIN_SHARD_INDEX", None)  # set: a relay shard pod (test_relay_shard_entrypoint)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(script), *args], env=env, capture_output=True, text=True)
@@ -515,6 +845,97 @@ def test_systemd_env_examples_and_sysusers(run_config: RunConfig) -> None:
     assert re.search(r"^u hypertrain ", sysusers, re.M)
 
 
+def env_file(path: Path) -> dict[str, str]:
+    return dict(
+        line.split("=", 1)
+        for line in path.read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+
+
+def unit_argv(command: str, instance: str, env: dict[str, str]) -> list[str]:
+    """An Exec line as systemd runs it for ``instance`` with ``env`` (the subset of the
+    rules these units use): specifiers %i and %%, then ${VAR} (one word) and a word that
+    is $VAR alone (split into words, quotes respected: none when empty), $$ for a $."""
+
+    def specifiers(m: re.Match[str]) -> str:
+        return {"%": "%", "i": instance}[m.group(1)]
+
+    def variables(m: re.Match[str]) -> str:
+        return "$" if m.group(0) == "$$" else env.get(m.group(1), "")
+
+    argv: list[str] = []
+    for word in shlex.split(command):
+        word = re.sub(r"%(.)", specifiers, word)
+        if re.fullmatch(r"\$\w+", word):
+            argv += shlex.split(env.get(word[1:], ""))
+        else:
+            argv.append(re.sub(r"\$\$|\$\{(\w+)\}", variables, word))
+    return argv
+
+
+def relay_unit_errors(unit: dict[str, dict[str, str]], topology: TopologyConfig) -> list[str]:
+    """What hypertrain-relay@.service gets wrong about relay shards ([] if nothing): with
+    deploy/systemd/env's example files, instance eu is the region's one relay (no --shard,
+    key relay-eu) and eu-1 is shard 1 of 2 (--shard 1/2, key and state relay-eu-1, the
+    names daemon_key_names and `hypertrain up` use); an instance that disagrees with its
+    env file's region or shard is refused before the relay starts."""
+    errors: list[str] = []
+    svc = unit["Service"]
+    defaults = dict(kv.split("=", 1) for kv in svc["Environment"].split())
+    examples = DEPLOY / "systemd" / "env"
+    for instance, file, shards in (("eu", "relay-eu.env", 1), ("eu-1", "relay-eu-1.env", 2)):
+        topo = dataclasses.replace(topology, relay_shards=shards)
+        env = {k: unit_argv(v, instance, {})[0] if v else "" for k, v in defaults.items()}
+        env |= env_file(examples / file)
+        check = subprocess.run(unit_argv(svc["ExecStartPre"], instance, env), timeout=30)
+        if check.returncode != 0:
+            errors.append(f"{instance}: ExecStartPre refuses {file}")
+        argv = unit_argv(svc["ExecStart"], instance, env)
+        shard = argv[argv.index("--shard") + 1] if "--shard" in argv else None
+        region = argv[argv.index("--region") + 1]
+        if region not in topo.regions:
+            errors.append(f"{instance}: --region {region!r}")
+            continue
+        try:
+            index = RelaySettings(region=region, aggregator="a:1", shard=shard).shard_index(topo)
+        except ValueError as e:
+            errors.append(f"{instance}: {e}")
+            continue
+        key = argv[argv.index("--signing-key") + 1].rpartition("/")[2].removesuffix(".key")
+        if key != region_relay_keys(topo, region)[index] or (shard is None) != (shards == 1):
+            errors.append(f"{instance}: key {key}, --shard {shard} for S = {shards}")
+        if argv[argv.index("--state-dir") + 1] != f"/var/lib/hypertrain/{key}":
+            errors.append(f"{instance}: state dir is not named like the key")
+    # Instances that disagree with their env file.
+    shard_env = {**env_file(examples / "relay-eu-1.env"), "HYPERTRAIN_REGION": "eu"}
+    for instance, args in (("eu-0", "--shard 1/2"), ("eu", "--shard 1/2"), ("eu-1", ""),
+                           ("eu-1", "--shard=1/2"), ("us-1", "--shard 1/2")):  # fmt: skip
+        env = {**shard_env, "HYPERTRAIN_SHARD_ARGS": args}
+        if (
+            subprocess.run(unit_argv(svc["ExecStartPre"], instance, env), timeout=30).returncode
+            == 0
+        ):
+            errors.append(f"{instance} started with HYPERTRAIN_SHARD_ARGS={args!r}")
+    return errors
+
+
+def test_systemd_relay_instances_are_regions_or_shards(run_config: RunConfig) -> None:
+    path = DEPLOY / "systemd" / "hypertrain-relay@.service"
+    assert relay_unit_errors(parse_unit(path), run_config.topology) == []
+    # ... and the check fails on units that get it wrong.
+    broken = [
+        ("no check", "ExecStartPre", lambda v: "/bin/true"),
+        ("shard args dropped", "ExecStart", lambda v: v.replace(" $HYPERTRAIN_SHARD_ARGS", "")),
+        ("region from the instance", "ExecStart", lambda v: v.replace("${HYPERTRAIN_REGION}", "%i")),
+        ("shard args as one word", "ExecStart", lambda v: v.replace("$HYPERTRAIN_SHARD_ARGS", "${HYPERTRAIN_SHARD_ARGS}")),
+    ]  # fmt: skip
+    for what, key, edit in broken:
+        unit = parse_unit(path)
+        unit["Service"][key] = edit(unit["Service"][key])
+        assert relay_unit_errors(unit, run_config.topology), what
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     # verify checks that ExecStart binaries exist: point them at stubs, change nothing else.
@@ -527,6 +948,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
         text = (DEPLOY / "systemd" / name).read_text()
         (tmp_path / name).write_text(text.replace("/opt/hypertrain/venv/bin/", f"{bin_dir}/"))
     targets = [tmp_path / "hypertrain-aggregator.service", tmp_path / "hypertrain-relay@eu.service",
+               tmp_path / "hypertrain-relay@eu-1.service",
                tmp_path / "hypertrain-island@eu-0.service"]  # fmt: skip
     out = subprocess.run(
         ["systemd-analyze", "verify", *map(str, targets)],
