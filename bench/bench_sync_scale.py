@@ -68,6 +68,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -79,6 +80,7 @@ from bench_transport import tcp_once  # this folder is on sys.path when run as a
 from hypertrain.common.config import RunConfig, TopologyConfig
 from hypertrain.common.model import ModelConfig
 from hypertrain.common.trust.keys import daemon_key_names, init_keys
+from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, parse_logfmt, python_module
 
 MIB = 1 << 20
@@ -289,8 +291,9 @@ class Cluster:
         return child
 
     def start(self, islands: bool) -> dict[str, str]:
-        """Aggregator, one relay per region and (``islands``) every island; returns the
-        relays' addresses by region."""
+        """Aggregator, one relay per region (or its ``relay_shards`` shards) and
+        (``islands``) every island; returns the relays' addresses by region (a shard's
+        in shard order, comma-separated, as islands take them)."""
         from hypertrain.up import ISLAND_NICE
 
         d, listen = self.run_dir, ("--listen", "127.0.0.1:0")
@@ -298,16 +301,23 @@ class Cluster:
             "aggregator", "hypertrain.aggregator", *listen, "--state-dir", str(d / "aggregator")
         )
         agg_addr = agg.wait_listening(DAEMON_TIMEOUT_S)
-        relays = {
-            r: self.spawn(
-                f"relay-{r}",
-                "hypertrain.relay",
-                *("--region", r, "--aggregator", agg_addr, *listen),
-                *("--state-dir", str(d / f"relay-{r}")),
-            )
-            for r in sorted(self.cfg.topology.regions)
+        count = self.cfg.topology.relay_shards
+        relays: dict[str, list[Child]] = {}
+        for r in sorted(self.cfg.topology.regions):
+            for i in range(count):
+                name = relay_key(r if count == 1 else f"{r}/{i}")
+                relays.setdefault(r, []).append(
+                    self.spawn(
+                        name,
+                        "hypertrain.relay",
+                        *("--region", r, "--aggregator", agg_addr, *listen),
+                        *(("--shard", f"{i}/{count}") if count > 1 else ()),
+                        *("--state-dir", str(d / name)),
+                    )
+                )
+        addrs = {
+            r: ",".join(c.wait_listening(DAEMON_TIMEOUT_S) for c in cs) for r, cs in relays.items()
         }
-        addrs = {r: c.wait_listening(DAEMON_TIMEOUT_S) for r, c in relays.items()}
         for island in self.cfg.topology.island_ids() if islands else ():
             region, _, index = island.rpartition("-")
             self.spawn(
@@ -336,8 +346,9 @@ def wait_exit(children: Sequence[Child], timeout: float) -> None:
 def island_worker(
     conn: Connection, cfg: RunConfig, island_id: str, seed: int, relay: str, key_path: str
 ) -> None:
-    """Child process: encode and sign every round's delta, connect, then per "go" push
-    it and fetch the round's global merge, answering with wall-clock times."""
+    """Child process: encode and sign every round's delta (one part per relay shard),
+    connect, then per "go" push it and fetch the round's global merge (every shard's part
+    at once, joined as the island daemon joins them), answering with wall-clock times."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     try:
         from hypertrain.common.codec import make_codec
@@ -351,6 +362,8 @@ def island_worker(
         die_with_parent()
         torch.set_num_threads(1)
         numel = param_count(cfg.model_config())
+        shards = cfg.shards(numel)
+        bounds = shards.all_bounds()
         codec = make_codec(cfg.regional_codec)
         schedule = Schedule.of(cfg)
         key = load_signing_key(key_path)
@@ -359,26 +372,46 @@ def island_worker(
         for step in range(1, cfg.steps + 1):
             gen = torch.Generator().manual_seed(1000 * seed + step)
             x = torch.randn(numel, generator=gen).mul_(1e-3)
-            blob = codec.encode(x)
+            # Shard boundaries are codec units: each part is the matching part of the
+            # whole's encoding (what an island's encode_parts sends).
+            blobs = (
+                [codec.encode(x[a:b]) for a, b in bounds] if shards.sharded else [codec.encode(x)]
+            )
             del x
-            d = Delta.of(cfg.run_id, step, island_id, str(codec.spec), blob, schedule)
-            deltas.append(d.signed(key.sign(d.transfer_message())))
+            parts = []
+            for i, blob in enumerate(blobs):
+                d = Delta.of(
+                    cfg.run_id, step, island_id, str(codec.spec), blob, schedule, shards.label(i)
+                )
+                parts.append(d.signed(key.sign(d.transfer_message())))
+            deltas.append(parts)
         encode_s = time.perf_counter() - t0
-        peer = relay_peer(relay)
-        upstream = Patient(GrpcUpstream(peer, cfg.run_id, numel), f"Relay {relay}", lambda: False)
-        conn.send(("ready", encode_s, [len(d.data) for d in deltas]))
-        for d in deltas:
+        peers = [relay_peer(r) for r in relay.split(",")]
+        upstreams = [
+            Patient(GrpcUpstream(peer, cfg.run_id, b - a), f"Relay {peer.address}", lambda: False)
+            for peer, (a, b) in zip(peers, bounds, strict=True)
+        ]
+        pool = ThreadPoolExecutor(max_workers=len(upstreams))
+        conn.send(("ready", encode_s, [sum(len(d.data) for d in ds) for ds in deltas]))
+        for ds in deltas:
             if conn.recv() != "go":
                 break
             t_push = time.time()
-            upstream.push(d)
+            list(pool.map(lambda u, d: u.push(d), upstreams, ds))
             t_pushed = time.time()
-            got = upstream.fetch(island_id, d.sync_step, "global")
+            step = ds[0].sync_step
+            got = list(
+                pool.map(lambda u, s: u.fetch(island_id, s, "global"), upstreams, [step] * len(ds))
+            )
+            merge = got[0].payload if len(got) == 1 else torch.cat([g.payload for g in got])
             t_have = time.time()
-            if got.payload.numel() != numel:
-                raise RuntimeError(f"merge of {got.payload.numel()} values, expected {numel}")
+            if merge.numel() != numel:
+                raise RuntimeError(f"merge of {merge.numel()} values, expected {numel}")
+            del got, merge
             conn.send(("done", t_push, t_pushed, t_have))
-        peer.close()
+        pool.shutdown()
+        for peer in peers:
+            peer.close()
         conn.send(("bye", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -446,12 +479,22 @@ class Islands:
 
 
 def run_relay_e2e(
-    mcfg: ModelConfig, n_r: int, codec: str, run_dir: Path, rate: float, verbose: bool
+    mcfg: ModelConfig,
+    n_r: int,
+    codec: str,
+    run_dir: Path,
+    rate: float,
+    verbose: bool,
+    shards: int = 1,
 ) -> dict[str, Any]:
-    """Part A for one codec: per-round times, ratios, the daemons' peak RSS and phases."""
-    topo = TopologyConfig(regions=("eu",), islands_per_region=n_r, h_r=1, h_g=1, tau=0)
+    """Part A for one codec: per-round times, ratios, the daemons' peak RSS and phases;
+    ``shards``: the region's relay runs as that many processes (``--shard i/S``)."""
+    topo = TopologyConfig(
+        regions=("eu",), islands_per_region=n_r, h_r=1, h_g=1, tau=0, relay_shards=shards
+    )
     cfg = base_config(mcfg, topo, 2, codec)
     P = param_count(mcfg)
+    names = [relay_key(m) for m in cfg.shards(P).members(("eu",))]
     events = Events(verbose)
     poller = RssPoller()
     cluster = Cluster(cfg, run_dir, events, poller)
@@ -460,7 +503,7 @@ def run_relay_e2e(
     rounds: list[dict[str, Any]] = []
     try:
         relay_addr = cluster.start(islands=False)["eu"]
-        agg, relay = daemons
+        agg, relays = daemons[0], daemons[1:]
         islands.start(cfg, relay_addr, run_dir / "keys")
         for k, p in enumerate(islands.procs):
             assert p.pid is not None
@@ -475,19 +518,21 @@ def run_relay_e2e(
             t_start = min(m[1] for m in done)
             t_pushed = max(m[2] for m in done)
             t_end = max(m[3] for m in done)
-            fwd = events.wait_for(
-                "relay-eu", "global", 30, lambda: relay.proc.poll() is None, step=step
-            )
-            fwd_bytes = int(fwd[1]["bytes"]) if fwd else 4 * P + 64
+            fwds = [
+                events.wait_for(name, "global", 30, lambda r=r: r.proc.poll() is None, step=step)
+                for name, r in zip(names, relays, strict=True)
+            ]
+            fwd_bytes = sum(int(f[1]["bytes"]) if f else 4 * P // shards + 64 for f in fwds)
+            fwd = fwds[-1]
             pushed = sum(b[step - 1] for b in delta_bytes)
             path_bytes = pushed + fwd_bytes + 4 * P + n_r * 4 * P
             tcp_s = path_bytes / rate
             seconds = t_end - t_start
             phases: dict[str, float] = {"islands_pushed": t_pushed - t_start}
             for name, source, event in (
-                ("relay_committed", "relay-eu", "round"),
+                ("relay_committed", names[-1], "round"),
                 ("aggregator_committed", "aggregator", "round"),
-                ("relay_has_global", "relay-eu", "global"),
+                ("relay_has_global", names[-1], "global"),
             ):
                 hit = events.find(source, event, step=step)
                 if hit is not None:
@@ -522,17 +567,22 @@ def run_relay_e2e(
     return {
         "codec": codec,
         "islands": n_r,
+        "shards": shards,
         "rounds": rounds,
         "ratio": rounds[-1]["ratio"],
         "exit_codes": codes,
         "peak_rss": {
-            "relay": peaks["relay-eu"],
+            "relay": max(peaks[n] for n in names),  # per process (each shard's own)
+            "relay_all_shards": sum(peaks[n] for n in names),
             "aggregator": peaks["aggregator"],
             "synthetic_island": island_peak,
         },
-        "peak_anon": {"relay": poller.anon["relay-eu"], "aggregator": poller.anon["aggregator"]},
+        "peak_anon": {
+            "relay": max(poller.anon[n] for n in names),
+            "aggregator": poller.anon["aggregator"],
+        },
         "encode_s_per_island": [round(m[1], 3) for m in ready],
-        "log_lines": daemon_lines(run_dir, ("relay-eu", "aggregator")),
+        "log_lines": daemon_lines(run_dir, (*names, "aggregator")),
     }
 
 
@@ -705,6 +755,13 @@ def main(argv: list[str] | None = None) -> int:
         help="part A regional codec: int8, sparseloco+zstd, ... or all (int8 and "
         "sparseloco+zstd); part B always runs fp32 and int8",
     )
+    ap.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="part A: also run each codec with the region's relay as this many shards "
+        "(--shard i/S processes) and compare with one relay",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="keep the run folders under DIR")
     ap.add_argument(
@@ -735,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     # took up to 30m (part B, 2 regions x 1 island, fp32); each is removed after its run
     # unless --keep, which keeps them all.
     keep = args.keep.resolve() if args.keep else None
-    runs = len(codecs) * ("A" in parts) + 4 * ("B" in parts)
+    runs = len(codecs) * (1 + (args.shards > 1)) * ("A" in parts) + 4 * ("B" in parts)
     disk_need = int(DISK_PER_RUN_M * m) * (runs if keep else 1)
     where = keep or Path(tempfile.gettempdir())
     where.mkdir(parents=True, exist_ok=True)
@@ -764,15 +821,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     root = Path(tempfile.mkdtemp(prefix="bench-sync-scale-", dir=keep))
     part_a: dict[str, dict[str, Any]] = {}
+    sharded: dict[str, dict[str, Any]] = {}
     cases: list[dict[str, Any]] = []
     try:
         if "A" in parts:
             for codec in codecs:
-                print(f"# part A: {codec}, 1 region x {n_r} synthetic islands ...", flush=True)
-                name = "A-" + codec.replace("+", "-")
-                part_a[codec] = run_relay_e2e(mcfg, n_r, codec, root / name, rate, args.verbose)
-                if keep is None:  # several GB of spooled deltas and checkpoints per run
-                    shutil.rmtree(root / name, ignore_errors=True)
+                for shards in (1, args.shards) if args.shards > 1 else (1,):
+                    where = f"S = {shards} relay shards" if shards > 1 else "one relay"
+                    print(
+                        f"# part A: {codec}, 1 region x {n_r} synthetic islands, {where} ...",
+                        flush=True,
+                    )
+                    name = "A-" + codec.replace("+", "-") + (f"-S{shards}" if shards > 1 else "")
+                    got = run_relay_e2e(mcfg, n_r, codec, root / name, rate, args.verbose, shards)
+                    (sharded if shards > 1 else part_a)[codec] = got
+                    if keep is None:  # several GB of spooled deltas and checkpoints per run
+                        shutil.rmtree(root / name, ignore_errors=True)
         if "B" in parts:
             for codec in ("fp32", "int8"):
                 for regions, per in ((("eu",), 2), (("eu", "us"), 1)):
@@ -816,10 +880,49 @@ def main(argv: list[str] | None = None) -> int:
                     rss_row(role, f"A {codec}", r["peak_rss"][role], m, r["peak_anon"][role])
                 )
         print("phases of each round (seconds after the first push):")
-        for codec, r in part_a.items():
+        for codec, r in [
+            *part_a.items(),
+            *((f"{c} S={args.shards}", r) for c, r in sharded.items()),
+        ]:
             for rd in r["rounds"]:
                 ph = " ".join(f"{k}={v:.2f}" for k, v in rd["phases"].items())
                 print(f"  {codec} round {rd['step']}: {ph}")
+    shard_rows: dict[str, dict[str, Any]] = {}
+    if sharded:
+        S = args.shards
+        print(
+            f"\n## relay shards (part A): one relay vs S = {S} shard processes, {os.cpu_count()} cores"
+        )
+        print(
+            f"{'codec':<18}{'S=1 s':>8}{f'S={S} s':>8}{'S=1 ratio':>11}{f'S={S} ratio':>11}"
+            f"{'speedup':>9}{'relay MiB':>11}{'per shard':>11}"
+        )
+        for codec, r in sharded.items():
+            one = part_a[codec]
+            t1, tS = one["rounds"][-1]["seconds"], r["rounds"][-1]["seconds"]
+            shard_rows[codec] = {
+                "shards": S,
+                "seconds_one_relay": t1,
+                "seconds_sharded": tS,
+                "ratio_one_relay": one["ratio"],
+                "ratio_sharded": r["ratio"],
+                "speedup": t1 / tS,
+                "relay_peak_one_relay": one["peak_rss"]["relay"],
+                "relay_peak_per_shard": r["peak_rss"]["relay"],
+                "relay_peak_all_shards": r["peak_rss"]["relay_all_shards"],
+            }
+            print(
+                f"{codec:<18}{t1:>8.2f}{tS:>8.2f}{one['ratio']:>11.1f}{r['ratio']:>11.1f}"
+                f"{t1 / tS:>9.2f}{one['peak_rss']['relay'] / MIB:>11.0f}"
+                f"{r['peak_rss']['relay'] / MIB:>11.0f}"
+            )
+        print(
+            f"(the last round of each run; speedup = one relay's time / the shards'. With "
+            f"{os.cpu_count()} cores shared by the aggregator, {n_r} islands and S relay "
+            "processes, shards add processes, not cores: each shard does 1/S of the work "
+            "but the machine's cores are the limit; on separate hosts each shard brings its "
+            "own cores and NIC.)"
+        )
     if cases:
         print("\n## sync_wall (part B): M = 2, h_r = h_g = 2, 6 steps, tau 0, real islands")
         print(
@@ -899,6 +1002,10 @@ def main(argv: list[str] | None = None) -> int:
                 **{k: f"{a:g}m + {c // MIB} MiB" for k, (a, c) in RSS_LIMITS.items()},
             },
             "relay_e2e": part_a,
+            "relay_e2e_sharded": sharded,
+            "relay_shards": shard_rows,
+            "relay_e2e_shards_over_tcp": sharded["int8"]["ratio"] if "int8" in sharded else None,
+            "shard_speedup": shard_rows["int8"]["speedup"] if "int8" in shard_rows else None,
             "cases": cases,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -210,7 +210,8 @@ class RelaySettings(DaemonSettings):
     topology.relay_shards); required when S > 1 (common/shards.py)."""
 
     def _default_state_dir(self) -> str:
-        if self.shard is None:
+        """``relay-<region>``, or ``relay-<region>-<i>`` for shard i of S > 1."""
+        if self.shard is None or parse_shard(self.shard)[1] == 1:
             return f"relay-{self.region}"
         return f"relay-{self.region}-{parse_shard(self.shard)[0]}"
 

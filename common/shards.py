@@ -44,7 +44,8 @@ class Shards:
         if self.count > max(1, units):
             raise ConfigError(
                 f"{self.count} relay shards for {self.numel} parameters: each shard needs at "
-                f"least one unit of {self.unit} values (at most {units} shards)"
+                f"least one unit of {self.unit} values (the least common multiple of the "
+                f"regional and global codecs' blocks or chunks), so at most {units} shards"
             )
 
     @property

@@ -73,11 +73,12 @@ class IslandRounds:
             for i, blob in enumerate(blobs)
         ]
 
-    def join(self, parts: list[Committed]) -> torch.Tensor:
+    def join(self, parts: list[Committed], out: torch.Tensor | None = None) -> torch.Tensor:
         """The payload of a merge fetched from each relay shard, in shard order, as one
         vector (the part itself when the relay is not sharded).  HypertrainError unless
         the parts are one merge: same step and kind, each the size of its shard (a
-        regional merge at a global sync step is empty everywhere)."""
+        regional merge at a global sync step is empty everywhere).  ``out``: the whole
+        vector, into whose ranges the parts were received (nothing is copied then)."""
         shards = self.core.shards
         if len(parts) != shards.count:
             raise HypertrainError(
@@ -95,7 +96,13 @@ class IslandRounds:
                     f"merge part of relay shard {i} has {p.payload.numel()} values, "
                     f"the shard owns {b - a}"
                 )
-        return torch.cat([p.payload.view(-1) for p in parts])
+        if out is None or empty:
+            return torch.cat([p.payload.view(-1) for p in parts])
+        for i, p in enumerate(parts):
+            a, b = shards.bounds(i)
+            if p.payload.data_ptr() != out[a:b].data_ptr():  # not received in place
+                out[a:b].copy_(p.payload.view(-1))
+        return out
 
     def due(self) -> list[PendingMerge[None]]:
         """The merges to fetch and apply now (pinned to the current step, within the run)."""

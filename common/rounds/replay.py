@@ -259,7 +259,8 @@ class AggregatorReplay(_Replay):
         self.merges: list[Committed] = []
         """Global merges the replay produced and the tape recorded, in order."""
         self.received: dict[tuple[int, str], InputEntry] = {}
-        """(sync step, region) -> the taped input (what each relay's forward must be)."""
+        """(sync step, relay member: a region or a shard ``eu/1``) -> the taped input (what
+        each relay's forward must be)."""
 
     def next_merge(self) -> tuple[Committed, Entry] | None:
         """Replay up to the next global merge the tape records; returns it with its entry,

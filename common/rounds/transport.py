@@ -24,6 +24,8 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
+import torch
+
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.rounds.machines import (
@@ -46,7 +48,11 @@ class Upstream(Protocol):
 
     def push(self, delta: Delta) -> Decision: ...
 
-    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed | Decision | None: ...
+    def fetch(
+        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+    ) -> Committed | Decision | None:
+        """``out``: where the payload may be received (a transport that copies it)."""
+        ...
 
     def report_applied(self, requester: str, step: int) -> Decision | None: ...
 
@@ -85,7 +91,10 @@ class LocalUpstream:
         decision, _ = self.node.push(delta)
         return decision
 
-    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed | Decision | None:
+    def fetch(
+        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+    ) -> Committed | Decision | None:
+        """The node's merge itself (nothing is copied in one process, so ``out`` is unused)."""
         return self.node.fetch(self.node.cfg.run_id, requester, sync_step, kind)
 
     def report_applied(self, requester: str, step: int) -> Decision | None:

@@ -41,7 +41,7 @@ from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
-from hypertrain.wire.daemon import fault_point, log_event, starting_parameters
+from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.rounds import Intake, MergeBoard, refusal
@@ -194,6 +194,7 @@ class AggregatorService:
                 members=",".join(c.commitment.members),
                 bytes=c.input_bytes,
                 state=digest[:16],
+                **memory_fields(),
             )
             if c.sync_step == self.cfg.steps:
                 log_event("final", role="aggregator", step=c.sync_step, digest=digest)

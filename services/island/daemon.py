@@ -42,7 +42,7 @@ from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.rounds.store import atomic_save
 from hypertrain.common.trust.keys import SigningKey
 from hypertrain.island.ranks import TorchRanks
-from hypertrain.wire.daemon import log_event, starting_parameters
+from hypertrain.wire.daemon import log_event, memory_fields, starting_parameters
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
@@ -152,9 +152,16 @@ class Island:
         if relays is None:  # a rank other than 0: rank 0 fetches and broadcasts it
             assert self.ranks is not None
             return self.ranks.broadcast(self.received)
-        parts = self._on_shards(lambda i: relays[i].fetch(self.island_id, step, kind))
-        payload = self.rounds.join(parts)
-        del parts
+        if self.calls is None:
+            payload = self.rounds.join([relays[0].fetch(self.island_id, step, kind)])
+        else:  # every shard's part straight into its range of one vector
+            whole = torch.empty(self.numel, dtype=torch.float32)
+            bounds = self.core.shards.all_bounds()
+            parts = self._on_shards(
+                lambda i: relays[i].fetch(self.island_id, step, kind, whole[slice(*bounds[i])])
+            )
+            payload = self.rounds.join(parts, out=whole)
+            del parts, whole
         if self.ranks is not None:
             self.ranks.broadcast(payload)
         return payload
@@ -219,6 +226,7 @@ class Island:
                     fetch_s=round(t2 - t1, 4),
                     # from the end of this step's training to the next step's start
                     sync_s=round(time.perf_counter() - t_trained, 4),
+                    **memory_fields(),
                 )
                 losses.clear()
         final = rounds.final_due()

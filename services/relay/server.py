@@ -35,7 +35,7 @@ from hypertrain.common.rounds.store import NodeStore, atomic_write
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
-from hypertrain.wire.daemon import fault_point, log_event, starting_parameters
+from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.peers import Peer
@@ -202,6 +202,7 @@ class RelayService:
             step=step,
             bytes=size,
             seconds=round(time.perf_counter() - t0, 4),
+            **memory_fields(),
         )
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
             self._report_final()
@@ -250,6 +251,7 @@ class RelayService:
             members=",".join(c.commitment.members),
             bytes=c.input_bytes,
             commit=c.commitment.digest[:16],
+            **memory_fields(),
         )
 
     def close(self) -> None:

@@ -51,6 +51,26 @@ def log_event(event: str, **fields: object) -> None:
         print(line, flush=True)
 
 
+_STATUS_FIELDS = {"VmRSS": "rss_mib", "RssAnon": "anon_mib", "VmHWM": "peak_mib"}
+
+
+def memory_fields() -> dict[str, int]:
+    """This process's memory for a log line, in MiB: resident (``rss_mib``), of it the
+    anonymous part (``anon_mib``: the heap, tensors, buffers; the rest is mapped files)
+    and the peak resident so far (``peak_mib``), from /proc/self/status; {} where there
+    is none.  Logged at each round so an operator sees which phase holds what."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in _STATUS_FIELDS:
+            out[_STATUS_FIELDS[key]] = int(rest.split()[0]) >> 10  # kB -> MiB
+    return out
+
+
 def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
     """An argument parser with ``--config``, the run-config flags, ``--listen`` and ``--state-dir``."""
     p = argparse.ArgumentParser(prog=f"hypertrain-{role}", description=doc)

@@ -48,7 +48,7 @@ def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
         sync_step=merge.sync_step,
         merge_step=merge.merge_step,
         kind=merge.kind,
-        digest=tensor_digest(merge.payload),
+        digest=merge.payload_digest or tensor_digest(merge.payload),
         numel=merge.payload.numel(),
         commitment=json.dumps(merge.commitment.to_dict(), sort_keys=True, separators=(",", ":")),
         members=list(merge.commitment.members),
@@ -68,6 +68,7 @@ class MergeBoard:
         self.shutdown = shutdown
         self.cond = threading.Condition()
         self.headers: dict[tuple[int, str, int, int], pb.MergeHeader] = {}
+        self._headers_lock = threading.Lock()  # header() is called outside ``cond``
 
     def wait(
         self,
@@ -98,13 +99,21 @@ class MergeBoard:
                 self.cond.wait(min(WAIT_SLICE_S, left))
 
     def header(self, merge: Committed) -> pb.MergeHeader:
+        """The wire header of ``merge`` (its payload's digest computed once, outside any
+        lock; concurrent fetches of a merge not cached yet may both compute it).  Only the
+        headers of the two newest sync steps are kept: every relay shard's part of a round
+        has its own."""
         # A relay shard's part of a global merge is a view of its own range of it.
         key = (merge.sync_step, merge.kind, merge.payload.data_ptr(), merge.payload.numel())
-        h = self.headers.get(key)
+        with self._headers_lock:
+            h = self.headers.get(key)
         if h is None:
-            h = self.headers[key] = merge_header(self.cfg, merge)
-            for old in sorted(self.headers)[:-8]:
-                del self.headers[old]
+            h = merge_header(self.cfg, merge)
+            with self._headers_lock:
+                self.headers[key] = h
+                steps = sorted({k[0] for k in self.headers})
+                for old in [k for k in self.headers if k[0] not in steps[-2:]]:
+                    del self.headers[old]
         return h
 
     def check_final(self, node: RelayNode | AggregatorNode, reason: str) -> None:

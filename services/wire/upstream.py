@@ -98,7 +98,11 @@ class GrpcUpstream:
             return got
         return Decision(OK, "accepted", duplicate=got.duplicate)
 
-    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed | Decision | None:
+    def fetch(
+        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+    ) -> Committed | Decision | None:
+        """The merge of ``sync_step`` (``out``: receive it there, e.g. an island's slice of
+        the whole merge for one relay shard; default: this upstream's buffer, if any)."""
         request = pb.MergeRequest(
             run_id=self.run_id, requester=requester, sync_step=sync_step, kind=kind
         )
@@ -108,7 +112,7 @@ class GrpcUpstream:
                 self.peer._fetch,
                 request,
                 numel=self.numel,
-                out=self.buffer,
+                out=self.buffer if out is None else out,
                 timeout=FETCH_DEADLINE_S,
             )
         except (grpc.RpcError, WireError) as e:
@@ -193,10 +197,12 @@ class Patient:
             lambda: self.upstream.push(delta),
         )
 
-    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed:
+    def fetch(
+        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+    ) -> Committed:
         got = self._wait(
             f"fetch of the {kind} merge of step {sync_step}",
-            lambda: self.upstream.fetch(requester, sync_step, kind),
+            lambda: self.upstream.fetch(requester, sync_step, kind, out),
         )
         assert isinstance(got, Committed)
         return got

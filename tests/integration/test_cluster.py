@@ -82,6 +82,9 @@ def test_sharded_relays_match_one_relay_per_region_bit_for_bit(
     for i in range(shards):  # each shard kept its part of every island's delta
         published = list((cluster.run_dir / f"relay-eu-{i}" / "published").iterdir())
         assert len(published) == 2 * cfg.steps // cfg.topology.h_r
+    log = (cluster.run_dir / "logs" / f"relay-eu-{shards - 1}.log").read_text()
+    assert f"event=round role=relay region=eu shard={shards - 1}/{shards} " in log, log
+    assert "rss_mib=" in log and "peak_mib=" in log  # each round's memory
     trusted = TrustedKeys.load(cluster.run_dir / "keys" / "trusted_keys.json")
     whole = audit_run(cluster.run_dir, trusted)
     segment = audit_run(cluster.run_dir, trusted, from_round=1)

@@ -23,6 +23,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
 from hypertrain.common.trust.audit import audit_run
 from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
+from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, python_module
 from tests.integration.conftest import Cluster, free_port
 
@@ -76,17 +77,29 @@ def test_a_killed_relay_resumes_from_its_tape_at_every_point(
     _trial(tmp_path, reference_digest, fault)
 
 
-def _trial(tmp_path: Path, reference_digest: str, fault: str) -> None:
-    """One run whose relay eu dies at ``fault`` and is restarted.
+@pytest.mark.parametrize("fault", ["relay_after_forward_entry:1", "before_rename:2"])
+def test_a_killed_relay_shard_resumes_from_its_tape(
+    tmp_path: Path, reference_digest: str, fault: str
+) -> None:
+    """The same with each region's relay as 2 shard processes: shard 1 of eu dies and
+    resumes from its own checkpoint and tape (its range only); the run ends on the digest
+    of one relay per region and every shard's tape audits clean."""
+    _trial(tmp_path, reference_digest, fault, CFG.with_overrides(**{"topology.relay_shards": 2}))
+
+
+def _trial(tmp_path: Path, reference_digest: str, fault: str, cfg: RunConfig = CFG) -> None:
+    """One run whose relay eu (with relay shards: its last shard) dies at ``fault`` and
+    is restarted.
 
     At the checkpoint of the last round the relay has fetched the final state but
     not yet reported it durable: the aggregator must still be there to serve it
     again (it ends when every relay has reported, not fetched)."""
-    cluster = Cluster(CFG, tmp_path / "run")
+    cluster = Cluster(cfg, tmp_path / "run")
     run_dir = cluster.run_dir
     keys = run_dir / "keys"
-    init_keys(keys, daemon_key_names(CFG.topology))
+    init_keys(keys, daemon_key_names(cfg.topology))
     port = free_port()
+    count = cfg.topology.relay_shards
 
     def start(name: str, module: str, *args: str, env: dict[str, str] | None = None) -> Child:
         key = keys / f"{name.removesuffix('-again')}.key"
@@ -108,32 +121,47 @@ def _trial(tmp_path: Path, reference_digest: str, fault: str) -> None:
             "aggregator", "hypertrain.aggregator", "--state-dir", str(run_dir / "aggregator")
         )
         agg_address = agg.wait_listening()
+        names = {  # relay process name -> (region, shard)
+            relay_key(region if count == 1 else f"{region}/{i}"): (region, i)
+            for region in sorted(cfg.topology.regions)
+            for i in range(count)
+        }
+        victim_name = relay_key("eu" if count == 1 else f"eu/{count - 1}")
         relay_args = {
-            region: (
+            name: (
                 *("--region", region, "--aggregator", agg_address),
-                *("--state-dir", str(run_dir / f"relay-{region}")),
-                *("--listen", f"127.0.0.1:{port}" if region == "eu" else "127.0.0.1:0"),
+                *(("--shard", f"{i}/{count}") if count > 1 else ()),
+                *("--state-dir", str(run_dir / name)),
+                *("--listen", f"127.0.0.1:{port}" if name == victim_name else "127.0.0.1:0"),
             )
-            for region in CFG.topology.regions
+            for name, (region, i) in names.items()
         }
         victim = start(
-            "relay-eu", "hypertrain.relay", *relay_args["eu"], env={"HYPERTRAIN_FAULT": fault}
+            victim_name,
+            "hypertrain.relay",
+            *relay_args[victim_name],
+            env={"HYPERTRAIN_FAULT": fault},
         )
-        relays = {"eu": victim.wait_listening()}
-        relays["us"] = start("relay-us", "hypertrain.relay", *relay_args["us"]).wait_listening()
-        for island in CFG.topology.island_ids():
+        addresses = {victim_name: victim.wait_listening()}
+        for name in names:
+            if name != victim_name:
+                addresses[name] = start(
+                    name, "hypertrain.relay", *relay_args[name]
+                ).wait_listening()
+        for island in cfg.topology.island_ids():
             region, _, index = island.rpartition("-")
+            relay = ",".join(addresses[n] for n, (r, _) in names.items() if r == region)
             start(
                 f"island-{island}",
                 "hypertrain.island",
-                *("--region", region, "--index", index, "--relay", relays[region]),
+                *("--region", region, "--index", index, "--relay", relay),
                 *("--state-dir", str(run_dir / f"island-{island}")),
             )
         again: Child | None = None
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if again is None and victim.proc.poll() == -9:
-                again = start("relay-eu-again", "hypertrain.relay", *relay_args["eu"])
+                again = start(f"{victim_name}-again", "hypertrain.relay", *relay_args[victim_name])
             others = [c for c in cluster.children if c is not victim]
             failed = [c for c in others if c.proc.poll() not in (None, 0)]
             assert not failed, failed[0].failure_message()

@@ -204,3 +204,36 @@ def test_in_process_runs_with_1_2_3_relay_shards_end_on_the_same_bits(changes: d
     assert len({r.final_loss for r in results}) == 1
     # Each island sent every shard its part: the same bytes plus one header per shard.
     assert results[0].bytes_per_sync < results[2].bytes_per_sync < results[0].bytes_per_sync + 512
+
+
+def test_an_island_joins_the_parts_of_one_merge_and_refuses_anything_else() -> None:
+    from hypertrain.common.aggregate import Commitment
+    from hypertrain.common.rounds.island import IslandRounds
+    from hypertrain.common.rounds.machines import Committed
+    from hypertrain.common.toy import ToyIsland, toy_parameters
+
+    cfg = RunConfig(model="toy").with_overrides(
+        **{"steps": 4, "topology.h_r": 2, "topology.h_g": 2, "topology.relay_shards": 3}
+    )
+    rounds = IslandRounds(ToyIsland(cfg, "eu-0", toy_parameters(cfg)), cfg.run_id)
+    bounds = rounds.core.shards.all_bounds()
+    commitment = Commitment({}, (), (), "")
+
+    def part(step: int, payload: torch.Tensor) -> Committed:
+        return Committed("global", 0, step, step, commitment, payload, "global", None)
+
+    whole = torch.arange(4096, dtype=torch.float32)
+    parts = [part(2, whole[a:b].clone()) for a, b in bounds]
+    assert torch.equal(rounds.join(parts), whole)
+    out = torch.empty(4096)
+    in_place = [part(2, out[a:b]) for a, b in bounds]
+    for (a, b), p in zip(bounds, in_place, strict=True):
+        p.payload.copy_(whole[a:b])
+    assert rounds.join(in_place, out=out) is out and torch.equal(out, whole)
+    assert torch.equal(rounds.join(parts, out=torch.empty(4096)), whole)  # copied in
+    with pytest.raises(HypertrainError, match="from 2 relay shards, expected 3"):
+        rounds.join(parts[:2])
+    with pytest.raises(HypertrainError, match="different steps"):
+        rounds.join([*parts[:2], part(4, parts[2].payload)])
+    with pytest.raises(HypertrainError, match="shard 1 has 5 values"):
+        rounds.join([parts[0], part(2, torch.zeros(5)), parts[2]])

@@ -1,7 +1,7 @@
 """What goes wrong in one fault schedule, drawn from its seed.
 
 A seed fixes everything: the cluster (regions, islands, sync intervals, tau, codecs,
-outer optimizer), the network (per message: delay, loss, duplication; partitions of
+outer optimizer, relay shards per region), the network (per message: delay, loss, duplication; partitions of
 links for a while), and the crashes (nodes killed between events and restarted after
 a while, and crash points inside a node's durable writes where it dies mid-sequence).
 Two runs of one seed make the same choices in the same order, so any failure is
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.rounds.local import Crash
+from hypertrain.common.shards import shard_unit
+from hypertrain.common.toy import TOY_NUMEL
 
 REGIONS = ("a", "b", "c")
 
@@ -29,6 +31,10 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
     tau = rng.randrange(h_r)
     codec = rng.choice(("int8", "int8", "fp32", "sparseloco+zstd"))
     outer = rng.choice(("nesterov", "nesterov", "average"))
+    # Relay shards from a generator of their own, so that the draws above and the fault
+    # schedule drawn next from ``rng`` are those of the seed before shards existed.
+    units = TOY_NUMEL // shard_unit(codec, "fp32") if model == TOY_MODEL else 3
+    shards = min(random.Random(f"relay-shards-{seed}").choice((1, 1, 2, 3)), max(1, units))
     return RunConfig.from_dict(
         {
             "run_id": f"chaos-{seed}",
@@ -46,6 +52,7 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
                 "h_r": h_r,
                 "h_g": h_r * k,
                 "tau": tau,
+                "relay_shards": shards,
             },
             "outer": {"name": outer},
         }

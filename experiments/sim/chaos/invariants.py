@@ -24,9 +24,11 @@ from collections.abc import Callable
 
 import torch
 
-from hypertrain.common.aggregate import streamed_mean
+from hypertrain.common.aggregate import segmented_mean, streamed_mean
+from hypertrain.common.roles import GlobalCore
 from hypertrain.common.rounds.local import Cluster, Observer
 from hypertrain.common.rounds.machines import Committed, Decision, Delta, Effect
+from hypertrain.common.shards import Shards
 from hypertrain.common.trust.ledger import flat_digest
 
 
@@ -41,8 +43,10 @@ class Checker(Observer):
         self,
         cluster_members: dict[str, tuple[str, ...]],
         on_crash: Callable[[str], None] = lambda name: None,
+        shards: Shards | None = None,
     ) -> None:
         self.members = cluster_members  # node name -> its configured members
+        self.shards = shards  # the relay shards of each region (None: one relay)
         self.on_crash = on_crash  # the runner restarts a crashed process after a while
         self.cluster: Cluster | None = None
         self.acked: dict[str, dict[tuple[int, str], str]] = {n: {} for n in cluster_members}
@@ -72,7 +76,7 @@ class Checker(Observer):
             return
         c = effect.commitment
         want = tuple(sorted(self.members[node]))
-        if c.members != want:
+        if tuple(sorted(c.members)) != want or len(c.members) != len(want):
             raise Violation(
                 f"{node} committed step {effect.sync_step} with members {list(c.members)}, "
                 f"not each of {list(want)} once"
@@ -82,7 +86,7 @@ class Checker(Observer):
         if seen != c.digest:
             raise Violation(f"{node} committed step {effect.sync_step} twice, differently")
         self._recompute(node, effect)
-        group = "*" if effect.level == "global" else node.removeprefix("relay-")
+        group = "*" if effect.level == "global" else self._group_of(node)
         post = getattr(effect.record, "post_base", None) or getattr(
             effect.record, "post_state", None
         )
@@ -90,8 +94,21 @@ class Checker(Observer):
             self._same_base(group, effect.sync_step, str(post), node)
 
     def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
-        group = "*" if kind == "global" else island.rpartition("-")[0]
-        self._same_base(group, sync_step, flat_digest(base), island)
+        if kind == "global" or self.shards is None or not self.shards.sharded:
+            group = "*" if kind == "global" else island.rpartition("-")[0]
+            self._same_base(group, sync_step, flat_digest(base), island)
+            return
+        region = island.rpartition("-")[0]  # each relay shard's base is its range
+        for i, (a, b) in enumerate(self.shards.all_bounds()):
+            group = self.shards.member(region, i)
+            self._same_base(group, sync_step, flat_digest(base.view(-1)[a:b]), island)
+
+    def _group_of(self, node: str) -> str:
+        """Who shares the base a relay commits: its region's islands (a relay shard: the
+        range of their bases it owns, grouped under its member id)."""
+        assert self.cluster is not None
+        actor = self.cluster.relays[node]
+        return actor.member
 
     def finished(self, island: str, theta: torch.Tensor) -> None:
         self.finals[island] = flat_digest(theta)
@@ -148,8 +165,12 @@ class Checker(Observer):
             for m, d in zip(c.commitment.members, c.commitment.input_digests, strict=True)
         }
         machine = n.machine  # type: ignore[attr-defined]
-        codec = machine.core.codec
-        commitment = streamed_mean(blobs, codec, (machine.core.theta.numel(),))
+        core = machine.core
+        shape = (core.theta.numel(),)
+        if isinstance(core, GlobalCore):  # with relay shards: range by range
+            commitment = segmented_mean(core.segments(blobs), core.codec, shape)
+        else:
+            commitment = streamed_mean(blobs, core.codec, shape)
         if commitment.digest != c.commitment.digest:
             raise Violation(
                 f"{node}: the aggregate of step {c.sync_step} does not recompute from its "

@@ -47,7 +47,7 @@ from hypertrain.common.rounds.local import (
 from hypertrain.common.toy import ToyIsland
 from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
-from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.common.trust.ledger import flat_digest, relay_key
 from hypertrain.sim.chaos.faults import Faults, draw_config
 from hypertrain.sim.chaos.invariants import Checker, Violation
 
@@ -139,16 +139,19 @@ def _run(
     log: Callable[[str], None] | None,
 ) -> None:
     topo = cfg.topology
-    names = ["aggregator", *(f"relay-{r}" for r in sorted(topo.regions)), *topo.island_ids()]
+    _, theta0 = initial_parameters(cfg)
+    shards = cfg.shards(theta0.numel())
+    relay_members = shards.members(topo.regions)  # a region, or its shards "a/0", "a/1"
+    relay_names = [relay_key(m) for m in relay_members]
+    names = ["aggregator", *relay_names, *topo.island_ids()]
     step_times = {i: rng.uniform(*STEP_TIME) for i in topo.island_ids()}
     horizon = cfg.steps * STEP_TIME[1] * 2
     faults = Faults.draw(rng, names, horizon)
-    members = {"aggregator": tuple(topo.regions)}
-    members.update({f"relay-{r}": topo.islands_of(r) for r in topo.regions})
+    members = {"aggregator": relay_members}
+    members.update({relay_key(m): topo.islands_of(shards.split(m)[0]) for m in relay_members})
     restarts: list[str] = []
-    checker = Checker(members, on_crash=restarts.append)
+    checker = Checker(members, on_crash=restarts.append, shards=shards)
     keys, trusted = _keys(tuple(daemon_key_names(topo)))
-    _, theta0 = initial_parameters(cfg)
     cluster = Cluster(
         cfg,
         theta0,
@@ -199,7 +202,7 @@ def _run(
     for actor, node in zip((cluster.aggregator, *cluster.relays.values()), nodes, strict=True):
         if actor.alive:
             node.close()
-    relays = {r: run_dir / f"relay-{r}" for r in sorted(topo.regions)}
+    relays = {m: run_dir / relay_key(m) for m in sorted(relay_members)}
     try:
         Auditor(RunLayout(cfg, run_dir / "aggregator", relays), trusted).run()
     except AuditError as e:
