@@ -9,9 +9,11 @@ region and global cores directly: one implementation of every number is what
 makes the runs bit-identical.
 
 Invariants:
-- An island's ``base`` and its relay's ``base`` are updated with the same op
-  sequence (``sub_`` of the committed regional mean; ``copy_`` of the new global
-  parameters), so they stay bit-identical without being sent.
+- An island's ``base`` is its relay's ``base``: after a regional merge the island takes
+  (``copy_``) the relay's new base, which is bit-identical to applying the committed mean
+  to its own copy (the relay computed it with that op from the same old base), so the
+  relay never holds the mean whole; after a global merge both take the new global
+  parameters.
 - Merges are applied at a pinned step (sync_step + tau), never on arrival.
 - Error-feedback state lives with the sender (island for the regional codec,
   relay for the global codec).
@@ -131,7 +133,9 @@ class IslandState:
         """Apply the merge of ``sync_step``; must be called at its pinned step
         (``Schedule.merge_step``).
 
-        ``kind`` "regional": ``payload`` is the committed regional mean, base <- base - mean.
+        ``kind`` "regional": ``payload`` is the relay's regional base after its merge of
+        ``sync_step`` (b_r - mean, the bits this island's ``base - mean`` would give),
+        base <- payload.
         ``kind`` "global": ``payload`` is theta_{g+1}, base <- theta_{g+1}.
         The island then takes base, plus (tau > 0) the progress made during the overlap.
         """
@@ -141,9 +145,7 @@ class IslandState:
                 f"island {self.island_id}: merge of sync step {sync_step} is pinned to step "
                 f"{merge_step}, island is at step {self.step}"
             )
-        if kind == "regional":
-            self.base.sub_(payload)
-        elif kind == "global":
+        if kind in ("regional", "global"):
             self.base.copy_(payload)
         else:
             raise HypertrainError(f"island {self.island_id}: unknown merge kind {kind!r}")
@@ -414,12 +416,8 @@ class GlobalCore:
             end = start + grad.numel()
             self.outer.step_range(start, old[start:end], grad, flat[start:end])
 
-        segments = []
-        for i, (a, b) in enumerate(self.shards.all_bounds()):
-            names = {r: self.shards.member(r, i) for r in self.cfg.topology.regions}
-            segments.append(Segment(a, b - a, {r: inputs[m] for r, m in names.items()}, names))
         commitment = segmented_mean(
-            segments,
+            self.segments(inputs),
             self.codec,
             tuple(self.theta.shape),
             outer_step,
@@ -429,3 +427,13 @@ class GlobalCore:
         self.outer.end()
         self.theta = new
         return commitment
+
+    def segments(self, inputs: Mapping[str, Blob]) -> list[Segment]:
+        """The inputs of a round (by member id) as the ranges their mean is summed in: one
+        per relay shard, each holding the regions' parts for its range keyed by region, so
+        the sum runs in the sorted region order of an unsharded run."""
+        segments = []
+        for i, (a, b) in enumerate(self.shards.all_bounds()):
+            names = {r: self.shards.member(r, i) for r in self.cfg.topology.regions}
+            segments.append(Segment(a, b - a, {r: inputs[m] for r, m in names.items()}, names))
+        return segments

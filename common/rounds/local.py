@@ -23,6 +23,7 @@ their folder kept; ``restart`` rebuilds them from it exactly as a restarted daem
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
@@ -561,8 +562,14 @@ class _Served(LocalUpstream):
             self.actor.kick()
         return decision
 
-    def fetch(self, requester: str, sync_step: int, kind: str) -> Committed | Decision | None:
+    def fetch(
+        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+    ) -> Committed | Decision | None:
         got = super().fetch(requester, sync_step, kind)
+        if isinstance(got, Committed) and got.kind == "regional" and got.payload.numel():
+            # The answer travels as bytes would: a relay's regional payload is its live
+            # base, which its next merge moves, possibly before a late answer arrives.
+            got = dataclasses.replace(got, payload=got.payload.clone())
         if isinstance(got, Committed) and self.node.machine.schedule.is_final(sync_step):
             self.node.fetched_final(requester)
         return got

@@ -199,7 +199,7 @@ class Publish:
 class Committed:
     """Effect: an aggregate was committed (a regional mean, or a global outer step).
 
-    Also what members fetch: ``kind`` tells them how to apply ``payload``."""
+    Also what members fetch: ``kind`` tells them what ``payload`` is."""
 
     level: SyncKind
     round: int
@@ -207,8 +207,8 @@ class Committed:
     merge_step: int
     commitment: Commitment
     payload: torch.Tensor
-    """Regional: the mean (empty at a global sync step, where islands apply the global
-    merge and the relay never holds the mean whole); global: theta_{g+1}."""
+    """Regional: the relay's base after the merge, which islands take (empty at a global
+    sync step, where they take the global merge instead); global: theta_{g+1}."""
     kind: SyncKind  # the merge kind islands apply
     record: RegionalMergeEntry | GlobalMergeEntry | None
     """The commit record (None: a relay's copy of the aggregator's global merge)."""
@@ -475,10 +475,11 @@ class RelayMachine:
         sched = self.schedule
         blobs, digests = self.level.close()
         pre = self._base_digest or flat_digest(self.core.base_view())
-        # At a global sync islands apply the global merge: the regional mean is only
-        # folded into the base, never held whole.
-        mean, commitment = self.core.merge(blobs, digests, keep=sched.sync_kind(step) != "global")
+        # The mean is only folded into the base, never held whole: islands take the new
+        # base after a regional sync, and the global merge after a global one.
+        _, commitment = self.core.merge(blobs, digests, keep=False)
         post = self._base_digest = flat_digest(self.core.base_view())
+        global_sync = sched.sync_kind(step) == "global"
         g = sched.round_of(step)
         record = RegionalMergeEntry(
             round=g,
@@ -498,14 +499,21 @@ class RelayMachine:
             step,
             sched.merge_step(step),
             commitment,
-            torch.empty(0) if mean is None else mean,
+            # The live base: it moves again only at the next regional merge, which needs
+            # every island's next delta, pushed after it fetched this one.
+            torch.empty(0) if global_sync else self.core.base_view(),
             "regional",
             record,
             sum(len(b) for b in blobs.values()),
+            "" if global_sync else post,
         )
-        if sched.sync_kind(step) != "global":
+        if not global_sync:
             _keep_newest(self.merges, regional)
             return [regional]
+        # The base, which the last regional merge served, moved and is spent on the
+        # forward below: that merge is no longer held (recomputed if ever asked for).
+        for old in [t for t, c in self.merges.items() if c.kind == "regional"]:
+            del self.merges[old]
         self.global_pending = step
         pre_res = self._residual_digest or residual_digest(self.core.feedback)
         blob = self.core.encode_global_delta()  # spends the base (reset by on_global)
@@ -533,11 +541,12 @@ class RelayMachine:
         """The aggregator's theta_{g+1} for the global round of ``event.sync_step`` arrived."""
         s = event.sync_step
         if s != self.global_pending:
-            raise HypertrainError(f"relay {self.region}: unexpected global update for step {s}")
+            raise HypertrainError(f"relay {self.member}: unexpected global update for step {s}")
         if event.theta.shape != self.core.theta.shape:
+            owner = "the model has" if self.member == self.region else "this shard owns"
             raise HypertrainError(
-                f"relay {self.region}: global update of {event.theta.numel()} values, "
-                f"the model has {self.core.theta.numel()}"
+                f"relay {self.member}: global update of {event.theta.numel()} values, "
+                f"{owner} {self.core.theta.numel()}"
             )
         self.core.adopt_global(event.theta)
         self.global_pending = None
@@ -584,7 +593,7 @@ class RelayMachine:
         """The state to checkpoint right after a global round was applied."""
         last = max((s for s, m in self.merges.items() if m.kind == "global"), default=None)
         if self.global_pending is not None or self.level.inputs or last is None:
-            raise HypertrainError(f"relay {self.region}: a snapshot only between global rounds")
+            raise HypertrainError(f"relay {self.member}: a snapshot only between global rounds")
         # Neither is written in place: theta is adopted (RegionCore.adopt_global) and the
         # residual is replaced by each encode.
         return RelaySnapshot(
@@ -598,7 +607,7 @@ class RelayMachine:
         """Resume from ``snap`` (a fresh machine only); ``prior``: the records taped before
         it, so that islands re-sending what was already accepted get duplicates."""
         if self.level.accepted or self.merges:
-            raise HypertrainError(f"relay {self.region}: restore needs a fresh machine")
+            raise HypertrainError(f"relay {self.member}: restore needs a fresh machine")
         self.core.adopt_global(snap.theta.clone())
         self.core.feedback.load_state_dict({"residual": snap.residual, "beta": self.cfg.ef_beta})
         self._base_digest = self._residual_digest = None
@@ -712,8 +721,8 @@ class AggregatorMachine:
 
     def merge_for(self, sync_step: int, requester: str | None = None) -> Committed | None:
         """The global merge of ``sync_step``; for a relay shard (``requester`` ``eu/1``) its
-        range of theta_{g+1}, a view, with that range's digest (computed once per round and
-        shard: shard i of every region fetches the same part)."""
+        range of theta_{g+1}, a view (the same object for shard i of every region, so a
+        transport computes its digest once: ``payload_digest`` is left to it)."""
         merge = self.merges.get(sync_step)
         if merge is None or requester is None or not self.shards.sharded:
             return merge
@@ -722,7 +731,7 @@ class AggregatorMachine:
         if part is None:
             start, end = self.shards.bounds(shard)
             payload = merge.payload.view(-1)[start:end]
-            part = dataclasses.replace(merge, payload=payload, payload_digest=flat_digest(payload))
+            part = dataclasses.replace(merge, payload=payload, payload_digest="")
             for key in [k for k in self._parts if k[0] != sync_step]:
                 del self._parts[key]  # only the newest round's parts are asked for
             self._parts[(sync_step, shard)] = part

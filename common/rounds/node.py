@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from hypertrain.common import planted
-from hypertrain.common.aggregate import Commitment, aggregate
+from hypertrain.common.aggregate import Commitment
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError, HypertrainError
+from hypertrain.common.roles import RegionCore, initial_parameters
 from hypertrain.common.rounds.machines import (
     INVALID,
     PRECONDITION,
@@ -273,7 +274,7 @@ class RelayNode(_Node):
         again and the aggregator, which keeps its last round, answers it the same."""
         if self.outbox is None or event.sync_step != self.outbox.sync_step:
             raise HypertrainError(
-                f"relay {self.region}: a global update for step {event.sync_step} "
+                f"relay {self.member}: a global update for step {event.sync_step} "
                 "that this relay did not ask for"
             )
         (applied,) = self.machine.on_global(event)
@@ -345,31 +346,62 @@ class RelayNode(_Node):
 
     def _recomputed(self, sync_step: int) -> Committed | None:
         """A regional merge no longer held in memory (an island restarted from its last
-        global state retrains the round and asks for each of its merges again): the same
-        fixed-order mean, recomputed from the published inputs."""
+        global state retrains the round and asks for each of its merges again): the base
+        after it, recomputed as the relay computed it, from the round's first global
+        parameters and every regional merge of the round up to it, from the published
+        inputs."""
         m = self.machine
+        s = m.schedule
         if (
             self.store is None
-            or m.schedule.sync_kind(sync_step) != "regional"
+            or s.sync_kind(sync_step) != "regional"
             or sync_step >= m.level.open_step
         ):
             return None
-        digests = {i: m.level.accepted.get((sync_step, i)) for i in m.members}
-        if any(d is None for d in digests.values()):
+        g = s.round_of(sync_step)
+        start = s.global_step_of(g - 1) if g else 0
+        steps = range(start + s.h_r, sync_step + 1, s.h_r)
+        digests = [{i: m.level.accepted.get((t, i)) for i in m.members} for t in steps]
+        if any(d is None for ds in digests for d in ds.values()):
             return None
-        blobs = {i: (self.store.published / str(d)).read_bytes() for i, d in digests.items()}
-        mean, commitment = aggregate(blobs, m.core.codec, tuple(m.core.theta.shape))
-        s = m.schedule
+        theta = self._round_start(g)
+        if theta is None:
+            return None
+        core = RegionCore(self.cfg, self.region, theta, adopt=True)  # theta is not written
+        commitment = None
+        for ds in digests:
+            blobs = {i: (self.store.published / str(d)).read_bytes() for i, d in ds.items()}
+            _, commitment = core.merge(blobs, keep=False)
+        assert commitment is not None
         return Committed(
             "regional",
-            s.round_of(sync_step),
+            g,
             sync_step,
             s.merge_step(sync_step),
             commitment,
-            mean,
+            core.base_view(),
             "regional",
             None,
         )
+
+    def _round_start(self, g: int) -> torch.Tensor | None:
+        """This relay's global parameters at the start of round ``g``: held while it is the
+        current round; else from its checkpoint of round g-1, or the initial ones."""
+        m = self.machine
+        applied = [t for t, c in m.merges.items() if c.kind == "global"]
+        current = m.schedule.round_of(max(applied)) + 1 if applied else 0
+        if g == current:
+            return m.core.theta
+        if g == 0:
+            _, theta0 = initial_parameters(self.cfg)
+            a, b = m.bounds
+            return theta0[a:b]
+        assert self.store is not None
+        path = self.store.folder / "checkpoints" / f"round-{g - 1:06d}.pt"
+        if not path.is_file():
+            return None
+        theta = load_state(path)["theta"]
+        return theta if isinstance(theta, torch.Tensor) else None
 
     # -- restart ---------------------------------------------------------------------------
     def recover(self) -> None:
