@@ -15,6 +15,8 @@ Invariants:
   values at a time (``streamed_mean``): per value the operations, hence the bits, are
   those of whole-tensor sums, and no whole-model accumulator is needed where the mean
   is only folded into other state.
+- Inputs that map spooled files have their pages dropped from the resident set after
+  they are read (``common/pages.py``): n inputs cost a range each, not their size.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hypertrain.common.codec import Codec
 from hypertrain.common.codec.header import read_header
 from hypertrain.common.digest import CHUNK_BYTES, TensorHasher, blob_digest
 from hypertrain.common.errors import CodecError, HypertrainError
+from hypertrain.common.pages import drop_pages
 
 Blob = bytes | bytearray | memoryview
 """Encoded bytes as received (the transport fills a bytearray)."""
@@ -165,6 +168,7 @@ def segmented_mean(
                     f"{tuple(shape) if whole else (seg.numel,)}"
                 )
             ops.append(codec.open(seg.inputs[member]))
+            drop_pages(seg.inputs[member])  # read whole by the checksum; read again by range
         opened.append(ops)
     if position != numel:
         raise HypertrainError(f"aggregate: segments cover {position} of {numel} values")
@@ -185,6 +189,8 @@ def segmented_mean(
             acc.zero_()
             for header, prepared in ops:
                 codec.accumulate_range(header, prepared, acc, start)
+            for blob in seg.inputs.values():  # what this range read of a spooled input
+                drop_pages(blob)
             acc.div_(len(ops))
             hasher.update(acc)
             if visit is not None:
@@ -195,13 +201,17 @@ def segmented_mean(
         for key in sorted(seg.inputs):
             members.append(key if seg.names is None else seg.names[key])
             blobs.append(seg.inputs[key])
+    input_digests = []
+    for m, b in zip(members, blobs, strict=True):
+        if digests is not None and m in digests:
+            input_digests.append(digests[m])
+        else:
+            input_digests.append(blob_digest(b))
+            drop_pages(b)
     return Commitment(
         codec=codec.spec.to_dict(),
         members=tuple(members),
-        input_digests=tuple(
-            digests[m] if digests is not None and m in digests else blob_digest(b)
-            for m, b in zip(members, blobs, strict=True)
-        ),
+        input_digests=tuple(input_digests),
         output_digest=hasher.hexdigest(),
     )
 

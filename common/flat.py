@@ -49,11 +49,18 @@ class ParamLayout:
             raise ConfigError("flat layout: model parameters do not match the layout")
         return [params[n] for n in self.names]
 
-    def flatten(self, model: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy the model's parameters into a flat fp32 vector (``out`` if given)."""
+    def flatten(
+        self, model: nn.Module, out: torch.Tensor | None = None, consume: bool = False
+    ) -> torch.Tensor:
+        """Copy the model's parameters into a flat fp32 vector (``out`` if given).
+
+        ``consume``: free each parameter once copied (the model is left without them), so
+        the model and the vector are never both whole in memory."""
         flat = torch.empty(self.numel, dtype=torch.float32) if out is None else out
         for p, off in zip(self._params(model), self.offsets, strict=True):
             flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            if consume:
+                p.data = torch.empty(0, dtype=p.dtype)
         return flat
 
     @torch.no_grad()

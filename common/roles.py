@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -46,7 +47,7 @@ def initial_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
         return toy_layout(), toy_parameters(cfg)
     model = build_model(cfg.model_config(), seed=cfg.seed)
     layout = ParamLayout.of(model)
-    return layout, layout.flatten(model)
+    return layout, layout.flatten(model, consume=True)  # never the model and the copy whole
 
 
 class RankGroup(Protocol):
@@ -299,12 +300,28 @@ class RegionCore:
         self._base: torch.Tensor | None = None  # allocated when first written
         self._base_is_theta = True  # the base equals theta, not yet written into _base
         self.feedback = ErrorFeedback(self.global_codec, theta0.numel(), beta=cfg.ef_beta)
+        self._frame: mmap.mmap | None = None  # the base's memory with the forward's header room
+        self._in_frame = self.global_codec.values_in_place and self.global_codec.lossless
+        """fp32 forwards: the base lives behind header room, and the forward is framed
+        around the delta computed there (``encode_global_delta``), never copied."""
 
     def _buffer(self) -> torch.Tensor:
         """The base's own memory, allocated on first use: between a global sync (which
-        spends the base) and the next regional merge the relay holds no base at all."""
+        spends the base) and the next regional merge the relay holds no base at all.
+        With an fp32 global codec it is a mapping with room for the forward's header in
+        front (pages are given on first write, like ``torch.empty``'s)."""
         if self._base is None:
-            self._base = torch.empty_like(self.theta)
+            n = self.theta.numel()
+            if self._in_frame:
+                head = self.global_codec.header_length((n,))
+                self._frame = mmap.mmap(
+                    -1, head + 4 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                )
+                self._base = torch.frombuffer(
+                    self._frame, dtype=torch.float32, offset=head, count=n
+                )
+            else:
+                self._base = torch.empty_like(self.theta)
         return self._base
 
     @property
@@ -350,7 +367,7 @@ class RegionCore:
         self._base_is_theta = False
         return mean, commitment
 
-    def encode_global_delta(self) -> bytes | bytearray:
+    def encode_global_delta(self) -> bytes | bytearray | memoryview:
         """``D_r = theta_g - b_r`` through the global codec with the relay's error feedback.
 
         The difference is computed into the base's buffer (no model-sized allocation per
@@ -360,10 +377,19 @@ class RegionCore:
         and allocated again by the next regional merge: while the relay waits for the
         aggregator it holds theta, the encoded delta and (lossy codecs) the residual."""
         base = self.base
-        blob = self.feedback.encode(torch.sub(self.theta, base, out=base), consume=True)
+        torch.sub(self.theta, base, out=base)
+        if self._frame is not None and self.feedback.is_zero:  # fp32: framed where it is
+            del base
+            blob: bytes | bytearray | memoryview = self.feedback.encode_framed(
+                memoryview(self._frame), (self.theta.numel(),)
+            )
+            self._base = self._frame = None  # that memory is the forward's now
+            return blob
+        blob = self.feedback.encode(base, consume=True)
         del base
         # Lossy: the base's memory now holds the residual, and the old residual's is free.
         self._base = None if self.feedback.is_zero else self.feedback.released
+        self._frame = None
         self.feedback.released = None
         return blob
 
@@ -383,10 +409,12 @@ class RegionCore:
 class GlobalCore:
     """The aggregator's numerical state: global parameters and the outer optimizer."""
 
-    def __init__(self, cfg: RunConfig, theta0: torch.Tensor) -> None:
+    def __init__(self, cfg: RunConfig, theta0: torch.Tensor, adopt: bool = False) -> None:
+        """``adopt``: keep ``theta0`` itself (this core never writes its ``theta`` in place:
+        each outer step makes a new one), so the caller must not write to it either."""
         self.cfg = cfg
         self.codec = make_codec(cfg.global_codec)
-        self.theta = theta0.clone()
+        self.theta = theta0 if adopt else theta0.clone()
         self.outer = make_outer(cfg.outer)
         self.shards = cfg.shards(theta0.numel())
         self.members = self.shards.members(cfg.topology.regions)

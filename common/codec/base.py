@@ -136,7 +136,39 @@ class Codec(ABC):
         payload, the same bits as that slice of ``_apply(..., "add")`` on the whole tensor."""
         raise NotImplementedError(f"{type(self).__name__} has no range decode")
 
+    @property
+    def values_in_place(self) -> bool:
+        """Is the raw payload the fp32 values themselves, unframed (fp32 without zstd)?
+        Then an encoding can be framed around values already written behind its header
+        (``frame_in_place``), with no copy of them."""
+        return False
+
     # -- the public interface ------------------------------------------------
+
+    def header_length(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the header of an encoding of ``shape`` (the payload starts there)."""
+        return len(pack_header(self.spec, shape, 0, 0))
+
+    def frame_in_place(self, buf: Buffer, shape: tuple[int, ...]) -> memoryview:
+        """``encode`` of the fp32 values already written in ``buf`` behind
+        ``header_length(shape)`` bytes, framed there: the values are checked (NaN/inf is a
+        ``CodecError``, and nothing is written), the header is written in front of them,
+        and ``buf`` is returned as the blob, byte for byte what ``encode`` returns for
+        those values.  Only where ``values_in_place``."""
+        if not self.values_in_place:
+            raise CodecError(f"{self.spec}: its payload is not the values; it cannot frame them")
+        numel = math.prod(shape)
+        size = raw_length(self.spec, numel)
+        head = self.header_length(shape)
+        view = memoryview(buf).cast("B")
+        if len(view) != head + size:
+            raise CodecError(f"in-place frame of {len(view)} bytes, {head + size} expected")
+        payload = view[head:]
+        self._prepare(payload, numel)  # the checks encode makes of the values
+        header = pack_header(self.spec, shape, size, size)
+        seal(header, payload)
+        view[:head] = header
+        return view
 
     def encode(self, x: torch.Tensor) -> bytes | bytearray:
         """Encode an fp32 tensor of any shape and strides; canonical bytes.

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hypertrain.common.codec.base import SLICE, Codec, flat_input
+from hypertrain.common.codec.base import SLICE, Buffer, Codec, flat_input, tensor_view
 from hypertrain.common.codec.registry import make_codec
 from hypertrain.common.codec.spec import CodecSpec
 from hypertrain.common.errors import CodecError, ConfigError
@@ -134,6 +134,24 @@ class ErrorFeedback:
                 self.codec._apply(self.codec._prepare(raw, b - a), acc[a:b], "sub")
             self._residual = acc.view(self.shape)
         return [blob for blob, _ in encoded]
+
+    def encode_framed(self, frame: Buffer, shape: tuple[int, ...]) -> memoryview:
+        """``encode`` of a delta held as fp32 values in ``frame`` behind the codec's header
+        room (``Codec.header_length``), framed there without a copy (``Codec.frame_in_place``);
+        for a lossless codec whose payload is the values (fp32), whose residual is always
+        zero.  The same bytes as ``encode`` of those values; ``frame`` is consumed."""
+        if not (self.codec.lossless and self.codec.values_in_place) or self._residual is not None:
+            raise CodecError(f"{self.codec.spec}: in-place framing needs lossless fp32 values")
+        numel = math.prod(shape)
+        if numel != math.prod(self.shape):
+            raise CodecError(
+                f"delta has {numel} values, error feedback holds {math.prod(self.shape)}"
+            )
+        values = tensor_view(frame, torch.float32, self.codec.header_length(shape), numel)
+        values.add_(0.0)  # beta * (+0.0) + delta, as encode computes it (-0.0 becomes +0.0)
+        blob = self.codec.frame_in_place(frame, shape)
+        self.released = None
+        return blob
 
     def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor | float | None]:
         """The state: ``{"residual": tensor or None (all zeros), "beta": float}``; a copy

@@ -20,6 +20,10 @@ class Fp32Codec(Codec):
 
     lossless = True
 
+    @property
+    def values_in_place(self) -> bool:
+        return not self.spec.zstd
+
     def _encode_raw(self, flat: torch.Tensor, raw: memoryview) -> None:
         dst = tensor_view(raw, torch.float32, 0, flat.numel())
         for start in range(0, flat.numel(), SLICE):

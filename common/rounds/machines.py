@@ -39,6 +39,7 @@ from hypertrain.common.codec import Codec, ErrorFeedback
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest, zeros_digest
 from hypertrain.common.errors import HypertrainError, UnknownKeyError
+from hypertrain.common.pages import drop_pages
 from hypertrain.common.roles import GlobalCore, RegionCore
 from hypertrain.common.schedule import Schedule, SyncKind
 from hypertrain.common.trust.keys import TrustedKeys
@@ -320,6 +321,8 @@ class _Level:
             self.codec.open(d.data, (numel,))
         except HypertrainError as e:
             return Decision(INVALID, f"rejected delta from {d.sender} for step {s}: {e}")
+        finally:
+            drop_pages(d.data)  # read whole; not needed resident until the commit
         return None
 
     def _check_signature(self, d: Delta) -> Decision | None:
@@ -634,7 +637,7 @@ class AggregatorMachine:
     ) -> None:
         self.cfg = cfg
         self.schedule = Schedule.of(cfg)
-        self.core = GlobalCore(cfg, theta0)
+        self.core = GlobalCore(cfg, theta0, adopt=True)  # never written in place
         self.shards = self.core.shards
         self.level = _Level(
             cfg,

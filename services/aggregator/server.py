@@ -51,7 +51,12 @@ _DONE_REASON = "run complete: every relay has applied the final state"
 
 
 class Evaluator:
-    """Held-out loss of each new global state, on its own thread and model."""
+    """Held-out loss of each new global state, on its own thread and model.
+
+    At most one state waits: a state submitted while an older one still waits replaces
+    it (logged ``event=eval_skipped``), so an evaluation slower than a round (the thread
+    runs at the lowest priority on a busy host) never holds a model-sized state per
+    round in memory.  The newest state, and so the run's final one, is always evaluated."""
 
     def __init__(self, cfg: RunConfig, metrics: Metrics, layout: ParamLayout) -> None:
         self.cfg = cfg
@@ -61,20 +66,43 @@ class Evaluator:
         self.windows = holdout.windows[: cfg.holdout_windows]
         self.model = build_model(mcfg, seed=cfg.seed)
         self.layout = layout
-        self.jobs: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue()
+        self.wake: queue.Queue[bool] = queue.Queue()  # True: a state waits; False: stop
+        self._waiting: tuple[int, int, torch.Tensor] | None = None  # the one state queued
+        self._lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="eval", daemon=True)
         self.thread.start()
 
     def submit(self, round_: int, step: int, theta: torch.Tensor) -> None:
-        self.jobs.put((round_, step, theta))
+        with self._lock:
+            older, self._waiting = self._waiting, (round_, step, theta)
+        if older is None:
+            self.wake.put(True)
+        else:
+            log_event(
+                "eval_skipped",
+                role="aggregator",
+                round=older[0],
+                step=older[1],
+                reason=f"round {round_} is newer and its evaluation waits in its place",
+            )
+
+    def _take(self) -> tuple[int, int, torch.Tensor] | None:
+        """The state to evaluate next (None: stop)."""
+        while True:
+            if not self.wake.get():
+                return None
+            with self._lock:
+                newest, self._waiting = self._waiting, None
+            if newest is not None:
+                return newest
 
     def _run(self) -> None:
         # Held-out loss is for people, not for the run: at the lowest CPU priority
         # (per thread on Linux) it never steals time from islands on a shared host.
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while (job := self.jobs.get()) is not None:
+        while (job := self._take()) is not None:
             round_, step, theta = job
             # A view, not a copy: a global state is never written after its round (each
             # outer step makes a new theta), so the model reads it while the next runs.
@@ -96,7 +124,7 @@ class Evaluator:
         torch's is left running when the process exits)."""
         if not finish:
             self.stopping.set()
-        self.jobs.put(None)
+        self.wake.put(False)
         self.thread.join(timeout=None if finish else 30)
 
 

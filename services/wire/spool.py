@@ -45,6 +45,7 @@ import grpc
 import numpy as np
 import torch
 
+from hypertrain.common.pages import register_file_map
 from hypertrain.common.trust.keys import fsync_dir
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.frames import Data
@@ -199,7 +200,9 @@ class Sink:
                 mapped = torch.from_file(
                     str(self.path), shared=False, size=self.size, dtype=torch.uint8
                 )
-                self.buffer = mapped.numpy().data
+                array = mapped.numpy()
+                register_file_map(array)  # its pages may be dropped once read
+                self.buffer = array.data
         except (OSError, RuntimeError) as exc:
             self.abort()
             raise WireError(grpc.StatusCode.INTERNAL, f"spool fsync failed: {exc}") from exc

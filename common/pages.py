@@ -1,0 +1,66 @@
+"""Resident memory of buffers that map files: let the kernel drop pages already read.
+
+A relay or the aggregator reads each received input through a private read-only map of
+its spool file (services/wire/spool.py), so every page of it that was read counts in the
+process's resident set until the map goes, although the kernel still has it in its page
+cache.  A streamed mean reads each input twice, whole (its checksum) and then one range at
+a time, so without a hint all of every input would stay resident through the round: n
+inputs on top of the node's state.  ``drop_pages`` tells the kernel (``madvise
+MADV_DONTNEED``) that the pages of such a map may go; a later read faults them back from
+the page cache, with the same bytes.  It changes no value, only what stays resident.
+
+Only buffers registered here by whoever mapped the file (``register_file_map``) are ever
+advised: the same hint on anonymous memory (a bytearray) would zero it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+import weakref
+from typing import Any
+
+import numpy as np
+
+_MADV_DONTNEED = 4  # Linux
+_FILE_MAPS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+_madvise: Any = None
+
+
+def register_file_map(array: np.ndarray) -> None:
+    """Mark ``array`` (a private, never written map of a file) as one whose pages may be
+    dropped once read (``drop_pages``); forgotten when the array is."""
+    _FILE_MAPS[id(array)] = array
+
+
+def _libc_madvise() -> Any:
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _madvise = fn
+            except (OSError, AttributeError):
+                pass
+    return _madvise
+
+
+def drop_pages(buf: object) -> bool:
+    """Let the kernel drop the resident pages of ``buf`` if it is (a view of) a registered
+    file map; True if it was advised.  Anything else is left alone."""
+    if not isinstance(buf, memoryview):
+        return False
+    owner = buf.obj
+    if not isinstance(owner, np.ndarray) or _FILE_MAPS.get(id(owner)) is not owner:
+        return False
+    fn = _libc_madvise()
+    if not fn or owner.nbytes == 0:
+        return False
+    start = owner.ctypes.data
+    aligned = start - start % mmap.PAGESIZE
+    return fn(aligned, owner.nbytes + (start - aligned), _MADV_DONTNEED) == 0

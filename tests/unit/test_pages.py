@@ -1,0 +1,97 @@
+"""Dropping the resident pages of spooled inputs (common/pages.py) and framing an fp32
+forward where its values are (Codec.frame_in_place): same bytes, less memory."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hypertrain.common.aggregate import aggregate
+from hypertrain.common.codec import ErrorFeedback, make_codec
+from hypertrain.common.errors import CodecError
+from hypertrain.common.pages import drop_pages, register_file_map
+from hypertrain.wire.daemon import memory_fields
+
+
+def _mapped(path: Path) -> memoryview:
+    t = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+    array = t.numpy()
+    register_file_map(array)
+    return array.data
+
+
+def test_a_registered_file_map_leaves_the_resident_set_and_keeps_its_bytes(tmp_path: Path) -> None:
+    data = np.random.default_rng(0).integers(0, 255, 128 << 20, dtype=np.uint8)
+    path = tmp_path / "input"
+    path.write_bytes(data.tobytes())
+    view = _mapped(path)
+    before = memory_fields()["rss_mib"]
+    assert int(np.frombuffer(view, dtype=np.uint8).sum(dtype=np.int64)) == int(data.sum())
+    touched = memory_fields()["rss_mib"]
+    assert touched - before >= 120  # every page read is resident
+    assert drop_pages(view[1000:])  # a slice advises the whole map
+    assert touched - memory_fields()["rss_mib"] >= 120
+    assert bytes(view[:4096]) == data[:4096].tobytes()  # read back from the page cache
+    assert np.array_equal(np.frombuffer(view, dtype=np.uint8), data)
+
+
+def test_anything_not_registered_is_left_alone() -> None:
+    anon = bytearray(b"\x07" * (1 << 20))
+    assert not drop_pages(memoryview(anon))  # advising anonymous memory would zero it
+    assert anon == bytearray(b"\x07" * (1 << 20))
+    assert not drop_pages(b"bytes") and not drop_pages(np.ones(10).data)
+
+
+def test_a_streamed_mean_over_spooled_inputs_is_the_same_and_leaves_them_unresident(
+    tmp_path: Path,
+) -> None:
+    codec = make_codec("int8")
+    numel = 24 << 20  # 4 inputs of 24 MiB each
+    blobs, mapped = {}, {}
+    for i in range(4):
+        blob = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(i)))
+        (tmp_path / f"in{i}").write_bytes(blob)
+        blobs[f"eu-{i}"] = blob
+        mapped[f"eu-{i}"] = _mapped(tmp_path / f"in{i}")
+    want, commitment = aggregate(blobs, codec, (numel,))
+    del blobs
+    before = memory_fields()["rss_mib"]
+    got, again = aggregate(mapped, codec, (numel,))
+    assert torch.equal(got, want) and again == commitment
+    # The mean (96 MiB) stays; of the 4 x 24 MiB of inputs at most a range's worth does.
+    assert memory_fields()["rss_mib"] - before < 96 + 40
+
+
+@pytest.mark.parametrize("values", [[1.5, -0.0, 3.0, 0.0], [0.0] * 7])
+def test_an_fp32_forward_framed_in_place_is_the_bytes_of_encode(values: list[float]) -> None:
+    codec = make_codec("fp32")
+    delta = torch.tensor(values, dtype=torch.float32)
+    n = delta.numel()
+    head = codec.header_length((n,))
+    frame = mmap.mmap(-1, head + 4 * n)
+    torch.frombuffer(frame, dtype=torch.float32, offset=head, count=n).copy_(delta)
+    blob = ErrorFeedback(codec, n).encode_framed(memoryview(frame), (n,))
+    assert bytes(blob) == bytes(ErrorFeedback(codec, n).encode(delta.clone()))
+    assert torch.equal(codec.decode(blob), delta + 0.0)  # -0.0 sent as +0.0, as encode does
+
+
+def test_in_place_framing_refuses_what_encode_refuses() -> None:
+    codec = make_codec("fp32")
+    head = codec.header_length((3,))
+    frame = bytearray(head + 12)
+    torch.frombuffer(frame, dtype=torch.float32, offset=head, count=3)[1] = float("nan")
+    with pytest.raises(CodecError, match="NaN or inf"):
+        codec.frame_in_place(frame, (3,))
+    assert bytes(frame[:head]) == bytes(head)  # no header written
+    with pytest.raises(CodecError, match="expected"):
+        codec.frame_in_place(bytearray(head + 8), (3,))
+    for spec in ("int8", "fp32+zstd"):
+        with pytest.raises(CodecError, match="cannot frame"):
+            make_codec(spec).frame_in_place(bytearray(64), (3,))
+    lossy = ErrorFeedback(make_codec("int8"), 3)
+    with pytest.raises(CodecError, match="in-place framing"):
+        lossy.encode_framed(memoryview(bytearray(64)), (3,))
