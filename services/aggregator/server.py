@@ -211,6 +211,8 @@ class AggregatorService:
         evaluation (the tape entry and the checkpoint are written by the node)."""
         with self.board.cond:
             done, self.node.committed[:] = list(self.node.committed), []
+        if done:
+            trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
         for c in done:
             digest = state_digest(self.layout.unflatten(c.payload))
             log_event(

@@ -38,6 +38,7 @@ from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
+from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
 from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
@@ -193,6 +194,7 @@ class RelayService:
         self.node.write_checkpoint()
         with self.board.cond:
             self.node.settle()
+        trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
         log_event(
             "global",
             role="relay",

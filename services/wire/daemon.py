@@ -19,7 +19,6 @@ import ctypes.util
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,10 +30,9 @@ from hypertrain.common.roles import initial_parameters
 from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.settings import DaemonSettings, load_tables
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
+from hypertrain.wire.lines import write_line
 from hypertrain.wire.metrics import Metrics, announce_metrics
 from hypertrain.wire.options import trim_heap
-
-_LOG_LOCK = threading.Lock()
 
 
 def _fmt(value: object) -> str:
@@ -46,9 +44,7 @@ def _fmt(value: object) -> str:
 
 def log_event(event: str, **fields: object) -> None:
     """Print one logfmt line (``event=... k=v``) to stdout and flush it."""
-    line = " ".join([f"event={event}"] + [f"{k}={_fmt(v)}" for k, v in fields.items()])
-    with _LOG_LOCK:
-        print(line, flush=True)
+    write_line(" ".join([f"event={event}"] + [f"{k}={_fmt(v)}" for k, v in fields.items()]))
 
 
 _STATUS_FIELDS = {"VmRSS": "rss_mib", "RssAnon": "anon_mib", "VmHWM": "peak_mib"}

@@ -28,6 +28,7 @@ from prometheus_client import (
 )
 
 from hypertrain.common import VERSION
+from hypertrain.wire.lines import write_line
 
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 SIZE_BUCKETS = tuple(float(4**k) for k in range(5, 16))  # 1 KiB .. 1 GiB
@@ -168,4 +169,4 @@ class Metrics:
 
 def announce_metrics(role: str, address: str) -> None:
     """``hypertrain-<role> metrics on http://HOST:PORT/metrics`` (one line, flushed)."""
-    print(f"hypertrain-{role} metrics on http://{address}/metrics", flush=True)
+    write_line(f"hypertrain-{role} metrics on http://{address}/metrics")

@@ -30,6 +30,7 @@ from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import discard, publish, receive_delta
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
+from hypertrain.wire.options import trim_heap
 from hypertrain.wire.protocol_codes import STATUS
 from hypertrain.wire.server import Shutdown
 
@@ -207,6 +208,9 @@ class Intake:
                     m.last_round.labels(role, region).set(effect.round)
                 on_effect(effect)
             self.board.cond.notify_all()
+        # Validating the input (decompressing, decoding its positions) allocated and freed
+        # on this gRPC thread's own heap: give that memory back before the next transfer.
+        trim_heap()
         return pb.PushAck(digest=rx.digest)
 
     def close(self) -> None:

@@ -44,6 +44,7 @@ from hypertrain.common.settings import parse_address
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
 from hypertrain.wire.errors import status_of
+from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
 
 log = logging.getLogger("hypertrain.wire")
@@ -144,7 +145,7 @@ def announce(role: str, address: str) -> None:
     line = f"hypertrain-{role} listening on {address}"
     if not _ROLE.fullmatch(role) or not ANNOUNCE_RE.fullmatch(line):
         raise ValueError(f"cannot announce role {role!r} at {address!r}: not a parseable line")
-    print(line, flush=True)
+    write_line(line)
 
 
 class Shutdown:

@@ -16,3 +16,29 @@ def test_memory_fields_follow_what_the_process_holds() -> None:
     assert after["anon_mib"] - before["anon_mib"] >= 90
     assert after["peak_mib"] >= after["rss_mib"] >= before["rss_mib"] + 90
     del held
+
+
+def test_lines_from_many_threads_stay_whole(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Every line a daemon prints is one write (services/wire/lines.py): an evaluation
+    thread's event and the main thread's announcement never run into one line."""
+    import threading
+
+    from hypertrain.wire.daemon import log_event
+    from hypertrain.wire.server import announce
+
+    def events(k: int) -> None:
+        for i in range(300):
+            log_event("eval", role="aggregator", round=k, step=i, heldout_loss=5.537755)
+
+    threads = [threading.Thread(target=events, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(300):
+        announce("aggregator", "127.0.0.1:43615")
+    for t in threads:
+        t.join()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1500
+    evals = [x for x in lines if x.startswith("event=eval ")]
+    assert len(evals) == 1200 and all(x.endswith("heldout_loss=5.537755") for x in evals)
+    assert lines.count("hypertrain-aggregator listening on 127.0.0.1:43615") == 300
