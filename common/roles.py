@@ -347,8 +347,8 @@ class RegionCore:
 
         The mean is computed one range at a time (``streamed_mean``) and each range is
         subtracted from the base while it is in cache; ``keep``: also return the whole
-        mean (what islands apply after a regional sync).  Without it (a global sync,
-        where islands apply the global merge instead) no model-sized tensor is allocated.
+        mean.  Without it (the relay: islands take its base instead of the mean) no
+        model-sized tensor is allocated.
         The base moves only once every input is validated (a bad one raises first)."""
         mean = torch.empty_like(self.theta) if keep else None
         fresh = self._base_is_theta  # base = theta - mean, without copying theta first

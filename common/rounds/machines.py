@@ -452,6 +452,9 @@ class RelayMachine:
         )
         self.global_pending: int | None = None  # sync step forwarded, theta not yet back
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
+        self.bases: dict[int, str] = {}
+        """Regional sync step -> the digest of the base after its merge (``post_base``, as
+        taped): what a merge recomputed for a restarted island must hash to."""
         self.done = False
         self._base_digest: str | None = None  # digest of core.base while it is unchanged
         self._residual_digest: str | None = None  # digest of the residual while unchanged
@@ -483,6 +486,7 @@ class RelayMachine:
         _, commitment = self.core.merge(blobs, digests, keep=False)
         post = self._base_digest = flat_digest(self.core.base_view())
         global_sync = sched.sync_kind(step) == "global"
+        self.bases[step] = post
         g = sched.round_of(step)
         record = RegionalMergeEntry(
             round=g,
@@ -616,7 +620,11 @@ class RelayMachine:
         self._base_digest = self._residual_digest = None
         self._global_merge(snap.sync_step, snap.commitment)
         self.level.open_step = self.schedule.next_sync_step("regional", snap.sync_step)
+        prior = list(prior)
         self.level.remember(prior)
+        self.bases.update(
+            {r.sync_step: r.post_base for r in prior if isinstance(r, RegionalMergeEntry)}
+        )
         self.done = self.schedule.is_final(snap.sync_step)
 
 

@@ -373,6 +373,13 @@ class RelayNode(_Node):
             blobs = {i: (self.store.published / str(d)).read_bytes() for i, d in ds.items()}
             _, commitment = core.merge(blobs, keep=False)
         assert commitment is not None
+        post = flat_digest(core.base_view())
+        taped = m.bases.get(sync_step)
+        if taped is not None and post != taped:
+            raise HypertrainError(
+                f"relay {self.member}: the recomputed base after step {sync_step} is {post[:16]}, "
+                f"its regional_merge entry recorded {taped[:16]}"
+            )
         return Committed(
             "regional",
             g,
@@ -382,6 +389,7 @@ class RelayNode(_Node):
             core.base_view(),
             "regional",
             None,
+            payload_digest=post,
         )
 
     def _round_start(self, g: int) -> torch.Tensor | None:

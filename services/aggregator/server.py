@@ -69,13 +69,19 @@ class Evaluator:
         self.wake: queue.Queue[bool] = queue.Queue()  # True: a state waits; False: stop
         self._waiting: tuple[int, int, torch.Tensor] | None = None  # the one state queued
         self._lock = threading.Lock()
+        self._newest = -1  # the step of the newest state handed in
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="eval", daemon=True)
         self.thread.start()
 
     def submit(self, round_: int, step: int, theta: torch.Tensor) -> None:
         with self._lock:
-            older, self._waiting = self._waiting, (round_, step, theta)
+            if step <= self._newest:  # two handlers may hand in their rounds out of order
+                older: tuple[int, int, torch.Tensor] | None = (round_, step, theta)
+                newer = self._newest
+            else:
+                older, self._waiting = self._waiting, (round_, step, theta)
+                newer, self._newest = step, step
         if older is None:
             self.wake.put(True)
         else:
@@ -84,7 +90,7 @@ class Evaluator:
                 role="aggregator",
                 round=older[0],
                 step=older[1],
-                reason=f"round {round_} is newer and its evaluation waits in its place",
+                reason=f"the state of step {newer} is newer and is evaluated instead",
             )
 
     def _take(self) -> tuple[int, int, torch.Tensor] | None:
@@ -159,7 +165,7 @@ class AggregatorService:
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         self.evaluator = Evaluator(cfg, self.metrics, self.layout)
         if not self.node.recover():
-            self.evaluator.submit(-1, 0, theta0)  # the machine's core holds its own copy
+            self.evaluator.submit(-1, 0, theta0)  # read only: nobody writes theta0 in place
         else:
             self._rounds_done()
             log_event(

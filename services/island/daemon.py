@@ -5,8 +5,8 @@
 Each step: one inner step (IslandCore.train_step).  At every sync step s
 (a multiple of H_r) the island encodes its delta with error feedback and
 pushes it to the relay on a background thread, so training can go on; at
-step s + tau it fetches the merge of s (regional mean, or new global
-parameters at a multiple of H_g; the fetch blocks until the relay has it)
+step s + tau it fetches the merge of s (the relay's base after its regional merge, or
+new global parameters at a multiple of H_g; the fetch blocks until the relay has it)
 and applies it with IslandCore.apply_merge.  The merge step never depends on
 timing.  After the last step the final global parameters are fetched and
 loaded (no steps follow, so there is no overlap progress to keep).

@@ -7,8 +7,8 @@ RPCs (proto/hypertrain/v1/hypertrain.proto, service Relay):
   size) and handed to the region's ``RelayNode`` (common/rounds/node.py), which decides
   (codec, shape, run, round, step, membership, signature), keeps it under its digest in
   ``<state-dir>/published/`` and tapes it before the push is answered.
-- FetchMerge: blocks until the merge of a sync step exists (the regional mean, or the
-  aggregator's new global parameters), then streams it as fp32.
+- FetchMerge: blocks until the merge of a sync step exists (the relay's regional base after
+  it, or the aggregator's new global parameters), then streams it as fp32.
 - Status.
 
 At every global sync step the node's forward waits in its outbox; a background thread

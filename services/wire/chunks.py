@@ -208,7 +208,9 @@ def merge_chunks(
 ) -> Iterator[MergePart]:
     """The parts of one merge transfer: the header, then views of the tensor's fp32 bytes.
 
-    The tensor must not change until the stream is consumed (slices are views of it).
+    Slices are views of the tensor: one that changes while the stream is read (a relay's
+    live base, moved by its next merge) arrives with bytes that fail the header's digest,
+    and the receiver asks again.
     """
     if header.numel != tensor.numel():
         raise ValueError(f"header.numel {header.numel} != tensor numel {tensor.numel()}")
