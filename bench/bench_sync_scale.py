@@ -79,6 +79,7 @@ from bench_transport import tcp_once  # this folder is on sys.path when run as a
 
 from hypertrain.common.config import RunConfig, TopologyConfig
 from hypertrain.common.model import ModelConfig
+from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.keys import daemon_key_names, init_keys
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, parse_logfmt, python_module
@@ -321,7 +322,7 @@ class Cluster:
         relays: dict[str, list[Child]] = {}
         for r in sorted(self.cfg.topology.regions):
             for i in range(count):
-                name = relay_key(r if count == 1 else f"{r}/{i}")
+                name = relay_key(relay_member(r, i, count))
                 relays.setdefault(r, []).append(
                     self.spawn(
                         name,

@@ -151,6 +151,7 @@ def segmented_mean(
     numel = math.prod(shape)
     opened: list[list[tuple[Any, Any]]] = []
     position = 0
+    whole = len(segments) == 1  # one segment may also carry the tensor's own shape
     for seg in segments:  # validate every input before anything is written
         if seg.start != position or seg.numel < 0 or not seg.inputs:
             raise HypertrainError(
@@ -158,7 +159,6 @@ def segmented_mean(
                 f"{len(seg.inputs)} inputs does not continue at {position}"
             )
         position += seg.numel
-        whole = len(segments) == 1
         ops = []
         for member in sorted(seg.inputs):
             header = read_header(seg.inputs[member])
@@ -196,18 +196,16 @@ def segmented_mean(
             if visit is not None:
                 visit(at, acc)
     members: list[str] = []
-    blobs: list[Blob] = []
+    input_digests: list[str] = []
     for seg in segments:
         for key in sorted(seg.inputs):
-            members.append(key if seg.names is None else seg.names[key])
-            blobs.append(seg.inputs[key])
-    input_digests = []
-    for m, b in zip(members, blobs, strict=True):
-        if digests is not None and m in digests:
-            input_digests.append(digests[m])
-        else:
-            input_digests.append(blob_digest(b))
-            drop_pages(b)
+            member = key if seg.names is None else seg.names[key]
+            members.append(member)
+            if digests is not None and member in digests:
+                input_digests.append(digests[member])
+            else:
+                input_digests.append(blob_digest(seg.inputs[key]))
+                drop_pages(seg.inputs[key])
     return Commitment(
         codec=codec.spec.to_dict(),
         members=tuple(members),

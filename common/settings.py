@@ -26,8 +26,9 @@ from typing import Any, ClassVar, Self
 from hypertrain.common.config import KNOWN_TABLES, TopologyConfig, load_tables
 from hypertrain.common.config import kind_of as _kind
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.shards import parse_shard
+from hypertrain.common.shards import parse_shard, relay_member
 from hypertrain.common.trust.keys import TRUSTED_KEYS_FILE
+from hypertrain.common.trust.ledger import relay_key
 
 _LISTEN_EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:0, 0.0.0.0:7070 or [::1]:7070"
 _WANTED = {str: "a string", int: "an integer", Path: "a path (a string)"}
@@ -211,9 +212,8 @@ class RelaySettings(DaemonSettings):
 
     def _default_state_dir(self) -> str:
         """``relay-<region>``, or ``relay-<region>-<i>`` for shard i of S > 1."""
-        if self.shard is None or parse_shard(self.shard)[1] == 1:
-            return f"relay-{self.region}"
-        return f"relay-{self.region}-{parse_shard(self.shard)[0]}"
+        i, count = (0, 1) if self.shard is None else parse_shard(self.shard)
+        return relay_key(relay_member(str(self.region), i, count))
 
     def shard_index(self, topology: TopologyConfig) -> int:
         """Which shard of its region's relay this process is (0 when not sharded);

@@ -66,7 +66,7 @@ class Shards:
     def member(self, region: str, i: int) -> str:
         """The member id of shard ``i`` of ``region``'s relay (its region when S = 1)."""
         self.bounds(i)
-        return region if self.count == 1 else f"{region}/{i}"
+        return relay_member(region, i, self.count)
 
     def members(self, regions: tuple[str, ...] | list[str]) -> tuple[str, ...]:
         """Every relay member id (``relay_members``)."""
@@ -88,12 +88,16 @@ class Shards:
         return f"{i}/{self.count}" if self.count > 1 else ""
 
 
+def relay_member(region: str, i: int, count: int) -> str:
+    """The member id of shard ``i`` of ``count`` of ``region``'s relay: the region itself
+    when it is not sharded, else ``region/i`` (the one place this rule is written)."""
+    return region if count == 1 else f"{region}/{i}"
+
+
 def relay_members(regions: tuple[str, ...] | list[str], count: int) -> tuple[str, ...]:
     """The member ids of the relays of ``regions`` with ``count`` shards each, shard by
     shard, each shard's regions in sorted order (the order the aggregator sums them)."""
-    if count == 1:
-        return tuple(sorted(regions))
-    return tuple(f"{r}/{i}" for i in range(count) for r in sorted(regions))
+    return tuple(relay_member(r, i, count) for i in range(count) for r in sorted(regions))
 
 
 def shard_unit(regional_codec: str, global_codec: str) -> int:

@@ -30,6 +30,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.runflags import run_config_from_args
+from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.keys import daemon_key_names, init_keys
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, python_module, torchrun
@@ -135,7 +136,7 @@ def start_cluster(
     count = cfg.topology.relay_shards
     for region in sorted(cfg.topology.regions):
         for i in range(count):  # one relay per region, or its shards (--relay-shards)
-            name = relay_key(region if count == 1 else f"{region}/{i}")
+            name = relay_key(relay_member(region, i, count))
             relays.setdefault(region, []).append(
                 spawn(
                     name,

@@ -94,10 +94,7 @@ class ErrorFeedback:
         (``Codec.encode_unit``) the residual is the same bits too.  ``shape``: the shape
         the single part is reported as (``encode``)."""
         flat = flat_input(delta)
-        if flat.numel() != math.prod(self.shape):
-            raise CodecError(
-                f"delta has {flat.numel()} values, error feedback holds {math.prod(self.shape)}"
-            )
+        self._check_numel(flat.numel())
         position = 0
         for a, b in parts:
             if a != position or b < a or a % self.codec.encode_unit:
@@ -135,6 +132,12 @@ class ErrorFeedback:
             self._residual = acc.view(self.shape)
         return [blob for blob, _ in encoded]
 
+    def _check_numel(self, numel: int) -> None:
+        if numel != math.prod(self.shape):
+            raise CodecError(
+                f"delta has {numel} values, error feedback holds {math.prod(self.shape)}"
+            )
+
     def encode_framed(self, frame: Buffer, shape: tuple[int, ...]) -> memoryview:
         """``encode`` of a delta held as fp32 values in ``frame`` behind the codec's header
         room (``Codec.header_length``), framed there without a copy (``Codec.frame_in_place``);
@@ -143,10 +146,7 @@ class ErrorFeedback:
         if not (self.codec.lossless and self.codec.values_in_place) or self._residual is not None:
             raise CodecError(f"{self.codec.spec}: in-place framing needs lossless fp32 values")
         numel = math.prod(shape)
-        if numel != math.prod(self.shape):
-            raise CodecError(
-                f"delta has {numel} values, error feedback holds {math.prod(self.shape)}"
-            )
+        self._check_numel(numel)
         values = tensor_view(frame, torch.float32, self.codec.header_length(shape), numel)
         values.add_(0.0)  # beta * (+0.0) + delta, as encode computes it (-0.0 becomes +0.0)
         blob = self.codec.frame_in_place(frame, shape)

@@ -167,7 +167,7 @@ class Auditor:
             self._check_reaches_latest_checkpoint(path, folder, report.entries)
         layout, theta0 = initial_parameters(cfg)
         agg = AggregatorMachine(cfg, theta0, self.trusted)
-        self.shards = shards = cfg.shards(theta0.numel())
+        shards = cfg.shards(theta0.numel())
         relays = {}
         for m in lay.relays:
             region, i = shards.split(m)
@@ -231,17 +231,18 @@ class Auditor:
             if not wants:
                 return
             step = min(wants.values())
-            merge = agg.advance(until_step=step)
-            assert merge is not None
+            if agg.advance(until_step=step) is None:
+                raise AuditError(f"{agg_tape}: no global merge of step {step}")
             for member, want in wants.items():
                 if want != step:
                     continue
                 tape, rr, _ = relays[member]
-                a, b = self.shards.bounds(self.shards.split(member)[1])
-                part = merge.payload.view(-1)[a:b] if self.shards.sharded else merge.payload
-                digest = "" if self.shards.sharded else merge.payload_digest
+                part = agg.machine.merge_for(step, member)  # a shard's range, as it fetches
+                assert part is not None
                 try:
-                    rr.apply_global(GlobalArrived(step, part, merge.commitment, digest))
+                    rr.apply_global(
+                        GlobalArrived(step, part.payload, part.commitment, part.payload_digest)
+                    )
                 except ReplayError as err:
                     raise self._fail(tape, err) from None
 

@@ -85,11 +85,13 @@ def check_key_name(name: str) -> str:
 def daemon_key_names(topology: TopologyConfig) -> list[str]:
     """Key names of a run's daemons: aggregator, relay-<region> (with relay shards:
     relay-<region>-<i> for each shard i), island-<island id>."""
+    # Imported here: they pull in torch, as the caller's config already has.
+    from hypertrain.common.shards import relay_member
+    from hypertrain.common.trust.ledger import relay_key
+
     names = ["aggregator"]
     s = topology.relay_shards
-    names += [
-        f"relay-{r}" if s == 1 else f"relay-{r}-{i}" for r in topology.regions for i in range(s)
-    ]
+    names += [relay_key(relay_member(r, i, s)) for r in topology.regions for i in range(s)]
     names += [f"island-{i}" for i in topology.island_ids()]
     return names
 

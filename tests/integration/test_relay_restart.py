@@ -21,6 +21,7 @@ import pytest
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
+from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.audit import audit_run
 from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
 from hypertrain.common.trust.ledger import relay_key
@@ -122,7 +123,7 @@ def _trial(tmp_path: Path, reference_digest: str, fault: str, cfg: RunConfig = C
         )
         agg_address = agg.wait_listening()
         names = {  # relay process name -> (region, shard)
-            relay_key(region if count == 1 else f"{region}/{i}"): (region, i)
+            relay_key(relay_member(region, i, count)): (region, i)
             for region in sorted(cfg.topology.regions)
             for i in range(count)
         }
