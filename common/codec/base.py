@@ -69,6 +69,17 @@ def tensor_view(buf: Buffer, dtype: torch.dtype, offset: int, count: int) -> tor
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Does ``t`` (fp32) hold no NaN and no inf?  One read-only pass: the least and the
+    largest value, which are NaN if any value is (``aminmax`` propagates NaN) and inf if
+    any value is.  Measured at 1e8 values on 2 cores: 33 GB/s, where
+    ``isfinite(t).all()`` (a bool tensor written, then reduced) ran at 1.3-3 GB/s."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
 def alloc_raw(size: int) -> memoryview:
     """A writable buffer for a raw payload, already faulted in.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hypertrain.common.codec.base import SLICE, Buffer, Codec, Mode, tensor_view
+from hypertrain.common.codec.base import SLICE, Buffer, Codec, Mode, all_finite, tensor_view
 from hypertrain.common.errors import CodecError
 
 
@@ -29,15 +29,13 @@ class Fp32Codec(Codec):
         for start in range(0, flat.numel(), SLICE):
             part = flat[start : start + SLICE]
             # Checked per slice while it is in cache, before it is copied out.
-            if not bool(torch.isfinite(part).all()):
+            if not all_finite(part):
                 raise CodecError("fp32 encode: input holds NaN or inf")
             dst[start : start + SLICE].copy_(part)
 
     def _prepare(self, raw: Buffer, numel: int) -> Buffer:
-        src = tensor_view(raw, torch.float32, 0, numel)
-        for start in range(0, numel, SLICE):
-            if not bool(torch.isfinite(src[start : start + SLICE]).all()):
-                raise CodecError("fp32 payload holds NaN or inf")
+        if not all_finite(tensor_view(raw, torch.float32, 0, numel)):
+            raise CodecError("fp32 payload holds NaN or inf")
         return raw
 
     def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:

@@ -341,3 +341,29 @@ def _decode_error(blob: bytes) -> str:
     except CodecError as e:
         return type(e).__name__
     return "decoded"
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 33, 257, 1000])
+def test_all_finite_finds_one_bad_value_at_every_position(n: int) -> None:
+    """The one-pass check behind fp32 encode and decode (aminmax) sees a single NaN (of
+    either sign, quiet or signalling payload), +inf or -inf wherever it sits: vector
+    lanes, tails, first and last; the largest finite magnitudes pass."""
+    from hypertrain.common.codec.base import all_finite
+
+    base = torch.randn(n)
+    base[0] = 3.4028234663852886e38  # the largest finite fp32, and its negative
+    base[-1] = -3.4028234663852886e38
+    assert all_finite(base)
+    assert all_finite(torch.empty(0))
+    nans = [
+        torch.tensor([b], dtype=torch.int32).view(torch.float32).item()
+        for b in (0x7FC00000, -0x00400000, 0x7F800001, 0x7FBFFFFF)  # quiet, -quiet, signalling
+    ]
+    for bad in [*nans, float("inf"), float("-inf")]:
+        for i in range(n):
+            x = base.clone()
+            x[i] = bad
+            assert not all_finite(x), (bad, i)
+            for spec in ("fp32", "fp32+zstd"):
+                with pytest.raises(CodecError, match="NaN or inf"):
+                    make_codec(spec).encode(x)
