@@ -18,6 +18,7 @@ from hypertrain.wire.daemon import (
     start_metrics,
 )
 from hypertrain.wire.metrics import Metrics
+from hypertrain.wire.options import tune_allocator
 from hypertrain.wire.server import (
     Shutdown,
     add_servicer,
@@ -29,6 +30,7 @@ from hypertrain.wire.server import (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tune_allocator()  # before any thread allocates (wire/options.py)
     p = daemon_parser("aggregator", "Hold the global state; apply the outer optimizer.")
     args = p.parse_args(argv)
     try:

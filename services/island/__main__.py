@@ -26,10 +26,12 @@ from hypertrain.wire.daemon import (
 )
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
+from hypertrain.wire.options import tune_allocator
 from hypertrain.wire.peers import relay_peer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tune_allocator()  # before any thread allocates (wire/options.py)
     p = daemon_parser("island", "Train one model replica; sync through the region's relay.")
     p.add_argument("--region", help="the island's region (e.g. eu)")
     p.add_argument("--index", type=int, help="the island's index in its region (default 0)")

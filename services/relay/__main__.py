@@ -19,6 +19,7 @@ from hypertrain.wire.daemon import (
 )
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
+from hypertrain.wire.options import tune_allocator
 from hypertrain.wire.peers import aggregator_peer
 from hypertrain.wire.server import (
     Shutdown,
@@ -31,6 +32,7 @@ from hypertrain.wire.server import (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tune_allocator()  # before any thread allocates (wire/options.py)
     p = daemon_parser("relay", "Serve the islands of one region; forward to the aggregator.")
     p.add_argument("--region", help="the region this relay serves (e.g. eu)")
     p.add_argument("--aggregator", help="HOST:PORT of the aggregator")

@@ -22,6 +22,14 @@ One list, used on both ends, so that message limits and keepalive agree.
   (mmap only from 32 MiB up), and up to 16 MiB of freed heap is kept for the next
   chunks (64 MiB measured the same and costs a relay more resident memory).  Measured (bench/bench_transport.py, 256 MiB, 2 cores): the relay's
   receive path 0.275 -> 0.32 of TCP, a download into a kept buffer 0.32 -> 0.355.
+  One malloc arena for all threads (``ARENAS``): by default glibc gives each thread that
+  allocates an arena of its own (up to 8 per core), and each arena keeps freed chunks
+  of its own; a relay's gRPC, hashing and copying threads held about 100 MiB more than
+  its data that way, at every point of a round (bench/bench_sync_scale.py --part A,
+  P = 1e8: the relay's largest anonymous memory 1046 -> 958-969 MiB, its resting memory
+  between rounds 633-674 -> 572-596 MiB; sync and transport speeds within their noise).
+  The limit holds only for arenas not created yet, so each daemon calls
+  ``tune_allocator`` first thing in its ``main``.
 """
 
 from __future__ import annotations
@@ -64,9 +72,10 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 CHANNEL_OPTIONS: list[tuple[str, int]] = list(_COMMON)
 
 #: glibc ``mallopt`` parameters (malloc.h) and the values ``tune_allocator`` sets.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 16 << 20
+ARENAS = 1
 _tuned: bool | None = None
 _tune_lock = threading.Lock()
 
@@ -88,7 +97,8 @@ def tune_allocator() -> bool:
             mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
             mallopt.restype = ctypes.c_int
             _tuned = bool(
-                mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                mallopt(_M_ARENA_MAX, ARENAS)
+                and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
             )
         return _tuned

@@ -584,6 +584,51 @@ def test_allocator_tuning_is_applied_once_per_process() -> None:
     assert tune_allocator() is True
 
 
+_ARENAS_PROBE = """
+import ctypes, sys, tempfile, threading
+from hypertrain.wire.options import tune_allocator
+if sys.argv[1] == "tuned":
+    tune_allocator()  # what each daemon's main does first
+gate = threading.Barrier(9)
+def alloc():
+    held = [bytes(1 << 20) for _ in range(4)]  # chunk-sized, from malloc
+    gate.wait()  # all eight threads hold theirs at once
+    gate.wait()
+threads = [threading.Thread(target=alloc) for _ in range(8)]
+[t.start() for t in threads]
+gate.wait()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+    fp = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    print(open(f.name).read().count("<heap nr="))
+gate.wait()
+[t.join() for t in threads]
+"""
+
+
+def test_tuned_processes_keep_one_malloc_arena_for_all_threads() -> None:
+    """Threads that allocate at once get arenas of their own unless the limit is set
+    before they first allocate, as each daemon's main does (wire/options.py: each arena
+    keeps freed chunks of its own, about 100 MiB of a relay's memory)."""
+    import subprocess
+    import sys
+
+    def heaps(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _ARENAS_PROBE, mode], capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.strip())
+
+    assert heaps("default") > 1  # the probe sees arenas multiply without the limit
+    assert heaps("tuned") == 1
+
+
 @pytest.mark.parametrize("piece", [4093, LEAF - 1, LEAF, LEAF + 1, 3 * LEAF])
 def test_tensor_hasher_fed_in_any_pieces_equals_tensor_digest(piece: int) -> None:
     from hypertrain.wire.tensorhash import TensorHasher
