@@ -29,6 +29,7 @@ import torch
 
 from hypertrain.common.aggregate import Blob, Commitment, Segment, segmented_mean, streamed_mean
 from hypertrain.common.codec import ErrorFeedback, make_codec
+from hypertrain.common.codec.base import tensor_view
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
@@ -100,6 +101,10 @@ class IslandState:
         """The current parameters as one flat fp32 vector (a copy)."""
         raise NotImplementedError
 
+    def params_into(self, out: torch.Tensor) -> None:
+        """Write the current parameters into ``out`` (a flat fp32 vector of ``numel``)."""
+        out.copy_(self.params())
+
     def load_params(self, flat: torch.Tensor) -> None:
         """Set the current parameters from a flat fp32 vector."""
         raise NotImplementedError
@@ -119,16 +124,35 @@ class IslandState:
 
         ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
         only takes the snapshot and returns no bytes."""
-        theta = self.params()  # a fresh copy: the delta is computed in its memory
+        frame: bytearray | None = None
+        if encode and not self.shards.sharded and self.feedback.frames_in_place:
+            # fp32: the delta is computed behind the header room of the blob that is sent
+            # (ErrorFeedback.encode_framed), so a sync holds one copy of the model, not two
+            # (the parameters' copy, then the encoded blob).
+            head = self.codec.header_length((self.numel,))
+            frame = bytearray(head + 4 * self.numel)
+            theta = tensor_view(frame, torch.float32, head, self.numel)
+            self.params_into(theta)
+        else:
+            theta = self.params()  # a fresh copy: the delta is computed in its memory
         if self.schedule.tau:
             self.snapshots[self.step] = theta.clone()
         if not encode:
             return []
         delta = torch.sub(self.base, theta, out=theta)
         self.last_delta_norm = float(torch.linalg.vector_norm(delta))
+        if frame is not None:
+            del theta, delta
+            self.feedback.encode_framed(frame, (self.numel,))
+            return [frame]
         if not self.shards.sharded:
-            return [self.feedback.encode(delta, consume=True)]
-        return self.feedback.encode_parts(delta, self.shards.all_bounds(), consume=True)
+            blobs = [self.feedback.encode(delta, consume=True)]
+        else:
+            blobs = self.feedback.encode_parts(delta, self.shards.all_bounds(), consume=True)
+        # The new residual lives in the delta's memory now; the old one's is let go here,
+        # not held beside it until the next sync (a whole model while the island trains).
+        self.feedback.released = None
+        return blobs
 
     def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
         """Apply the merge of ``sync_step``; must be called at its pinned step
@@ -262,6 +286,9 @@ class IslandCore(IslandState):
 
     def params(self) -> torch.Tensor:
         return self.layout.flatten(self.model)
+
+    def params_into(self, out: torch.Tensor) -> None:
+        self.layout.flatten(self.model, out=out)
 
     def params_equal_base(self) -> bool:
         base = self.layout.unflatten(self.base)

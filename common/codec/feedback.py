@@ -138,12 +138,17 @@ class ErrorFeedback:
                 f"delta has {numel} values, error feedback holds {math.prod(self.shape)}"
             )
 
+    @property
+    def frames_in_place(self) -> bool:
+        """Can a delta be encoded where it lies, behind header room (``encode_framed``)?"""
+        return self.codec.lossless and self.codec.values_in_place and self._residual is None
+
     def encode_framed(self, frame: Buffer, shape: tuple[int, ...]) -> memoryview:
         """``encode`` of a delta held as fp32 values in ``frame`` behind the codec's header
         room (``Codec.header_length``), framed there without a copy (``Codec.frame_in_place``);
         for a lossless codec whose payload is the values (fp32), whose residual is always
         zero.  The same bytes as ``encode`` of those values; ``frame`` is consumed."""
-        if not (self.codec.lossless and self.codec.values_in_place) or self._residual is not None:
+        if not self.frames_in_place:
             raise CodecError(f"{self.codec.spec}: in-place framing needs lossless fp32 values")
         numel = math.prod(shape)
         self._check_numel(numel)

@@ -237,7 +237,10 @@ class Island:
         self.blocked_s += time.perf_counter() - t0
         self._saved()
         rounds.finish(theta)
-        digest = state_digest(self.core.layout.unflatten(self.core.params()))
+        del theta  # in the base and the model now
+        # finish() loaded the parameters from the base: its digest is theirs, with no
+        # copy of the model made to compute it.
+        digest = state_digest(self.core.layout.unflatten(self.core.base))
         if self.ranks is not None:
             self.ranks.check_equal(digest)
         wall = time.perf_counter() - t_start

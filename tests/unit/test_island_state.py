@@ -101,3 +101,65 @@ def test_live_state_aliases_the_optimizer_moments_and_round_trips() -> None:
     core.train_step()
     other.train_step()
     assert torch.equal(other.params(), core.params())
+
+
+def test_fp32_sync_frames_the_delta_where_it_was_computed_with_the_same_bytes() -> None:
+    """An fp32 island computes its delta behind the blob's header room and sends that
+    buffer (one copy of the model per sync, not two); the bytes are those of encoding
+    ``base - theta``, and with tau > 0 the parameters are snapshotted first.
+    The same island with int8 takes the usual path."""
+    from hypertrain.common.codec import make_codec
+
+    for tau in (0, 1):
+        cfg = RunConfig().with_overrides(
+            **{
+                "steps": 4,
+                "topology.h_r": 2,
+                "topology.h_g": 2,
+                "topology.tau": tau,
+                "regional_codec": "fp32",
+            }
+        )
+        _, theta0 = initial_parameters(cfg)
+        stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+        core = IslandCore(cfg, "eu-0", stream, theta0)
+        core.train_step()
+        core.train_step()
+        core.base.view(-1)[:3] = core.params()[:3]  # equal values: deltas of +0.0
+        expected = make_codec("fp32").encode(torch.sub(core.base, core.params()))
+        (blob,) = core.sync()
+        assert isinstance(blob, bytearray)
+        assert bytes(blob) == bytes(expected)
+        assert core.feedback.is_zero
+        if tau:
+            assert torch.equal(core.snapshots[2], core.params())
+    int8 = RunConfig().with_overrides(**{"steps": 2, "topology.h_r": 2, "topology.h_g": 2})
+    _, theta0 = initial_parameters(int8)
+    stream = SampleStream(open_dataset(int8), int8.model_config().seq_len, int8.global_batch, 0)
+    core = IslandCore(int8, "eu-0", stream, theta0)
+    core.train_step()
+    expected_int8 = make_codec(int8.regional_codec).encode(torch.sub(core.base, core.params()))
+    assert bytes(core.sync()[0]) == bytes(expected_int8)
+
+
+def test_lossy_sync_lets_the_old_residual_go() -> None:
+    """With error feedback the new residual is computed in the delta's memory; the old
+    residual's buffer must not stay referenced (a whole model held while training)."""
+    import gc
+    import weakref
+
+    cfg = RunConfig(model="toy").with_overrides(
+        **{"steps": 4, "topology.h_r": 1, "topology.h_g": 2, "regional_codec": "int8"}
+    )
+    island = _toy(cfg)
+    island.train_step()
+    island.sync()
+    first = island.feedback.residual
+    assert first is not None
+    gone = weakref.ref(first)
+    del first
+    island.train_step()
+    island.sync()
+    assert island.feedback.released is None
+    gc.collect()
+    assert gone() is None
