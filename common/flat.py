@@ -12,12 +12,16 @@ Invariants: parameters are ordered by name (byte-wise); each occupies
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hypertrain.common.errors import ConfigError
+
+RELEASE_BYTES = 64 << 20
+"""How many bytes of consumed parameters ``flatten`` frees between ``release`` calls."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +54,31 @@ class ParamLayout:
         return [params[n] for n in self.names]
 
     def flatten(
-        self, model: nn.Module, out: torch.Tensor | None = None, consume: bool = False
+        self,
+        model: nn.Module,
+        out: torch.Tensor | None = None,
+        consume: bool = False,
+        release: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Copy the model's parameters into a flat fp32 vector (``out`` if given).
 
         ``consume``: free each parameter once copied (the model is left without them), so
-        the model and the vector are never both whole in memory."""
+        the model and the vector are never both whole in memory.  ``release``: called
+        after every ``RELEASE_BYTES`` of parameters freed, to give their memory back to
+        the system (a freed tensor below malloc's mmap threshold stays in the heap, so
+        without it the vector and the freed parameters were both resident at the end)."""
         flat = torch.empty(self.numel, dtype=torch.float32) if out is None else out
+        freed = 0
         for p, off in zip(self._params(model), self.offsets, strict=True):
             flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
             if consume:
+                freed += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype)
+                if release is not None and freed >= RELEASE_BYTES:
+                    release()
+                    freed = 0
+        if release is not None and freed:
+            release()
         return flat
 
     @torch.no_grad()

@@ -40,15 +40,19 @@ from hypertrain.common.outer import make_outer
 from hypertrain.common.schedule import Schedule, overlap_merge
 
 
-def initial_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
-    """The run's starting global parameters (a pure function of model and seed)."""
+def initial_parameters(
+    cfg: RunConfig, release: Callable[[], None] | None = None
+) -> tuple[ParamLayout, torch.Tensor]:
+    """The run's starting global parameters (a pure function of model and seed).
+    ``release``: gives freed memory back to the system (``ParamLayout.flatten``)."""
     if cfg.model == TOY_MODEL:
         from hypertrain.common.toy import toy_layout, toy_parameters
 
         return toy_layout(), toy_parameters(cfg)
     model = build_model(cfg.model_config(), seed=cfg.seed)
     layout = ParamLayout.of(model)
-    return layout, layout.flatten(model, consume=True)  # never the model and the copy whole
+    # never the model and the copy whole
+    return layout, layout.flatten(model, consume=True, release=release)
 
 
 class RankGroup(Protocol):

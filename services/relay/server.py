@@ -183,6 +183,7 @@ class RelayService:
         del delta
         with self.board.cond:
             self.node.forward_sent(step)
+        trim_heap()  # before a model-sized download: the push's chunks, freed on gRPC's threads
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(size)
         got = self.aggregator.fetch(self.member, step, "global")
         with self.board.cond:  # islands fetch it now, while the relay writes it down

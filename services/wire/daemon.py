@@ -131,10 +131,11 @@ _FAULT: list[Any] = []
 
 def starting_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
     """The run's initial parameters (``roles.initial_parameters``), with the heap given
-    back afterwards: the model built to draw them is freed, but its tensors sat in the
-    heap below the flat copy, and glibc keeps such pages (measured at P = 1e8: a relay
-    held 1.1 m more for the whole run without this)."""
-    layout, theta0 = initial_parameters(cfg)
+    back while they are copied out of the model built to draw them: its tensors sit in
+    the heap, and glibc keeps freed pages there (measured at P = 1e8: a relay held 1.1 m
+    more for the whole run without a trim, and trimming only at the end still held the
+    model and the flat copy together, 2 m, at start)."""
+    layout, theta0 = initial_parameters(cfg, release=trim_heap)
     trim_heap()
     return layout, theta0
 

@@ -38,6 +38,31 @@ def test_flat_round_trip_and_layout_order() -> None:
     assert views["wte.weight"].shape == (256, 64)
 
 
+def test_consuming_flatten_releases_memory_as_it_goes_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``flatten(consume=True, release=...)`` frees each parameter once copied and calls
+    ``release`` after every ``RELEASE_BYTES`` freed and at the end (a daemon gives the heap
+    back there), and the vector is the one a plain flatten gives."""
+    import hypertrain.common.flat as flat_module
+
+    cfg = ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=16, vocab_size=256)
+    expected = ParamLayout.of(build_model(cfg, seed=3)).flatten(build_model(cfg, seed=3))
+    model = build_model(cfg, seed=3)
+    layout = ParamLayout.of(model)
+    monkeypatch.setattr(flat_module, "RELEASE_BYTES", 64 << 10)
+    calls: list[int] = []
+
+    def release() -> None:  # what is still held when release is called
+        calls.append(sum(p.numel() for p in model.parameters()))
+
+    got = layout.flatten(model, consume=True, release=release)
+    assert torch.equal(got, expected)
+    assert len(calls) >= expected.numel() * 4 // (64 << 10)
+    assert calls == sorted(calls, reverse=True) and calls[-1] == 0  # all freed at the end
+    assert all(p.numel() == 0 for p in model.parameters())
+
+
 def test_a_bound_model_reads_the_flat_vector_itself() -> None:
     """``bind`` (the aggregator's evaluation): parameters become views of the vector, so
     the model gives the same logits as a loaded copy without holding one."""
