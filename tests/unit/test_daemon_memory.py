@@ -8,14 +8,32 @@ from hypertrain.wire.daemon import memory_fields
 
 
 def test_memory_fields_follow_what_the_process_holds() -> None:
-    before = memory_fields()
-    assert set(before) == {"rss_mib", "anon_mib", "peak_mib"}
-    assert 0 < before["anon_mib"] <= before["rss_mib"] <= before["peak_mib"]
-    held = np.ones(96 << 20, dtype=np.uint8)  # 96 MiB, every page touched
-    after = memory_fields()
-    assert after["anon_mib"] - before["anon_mib"] >= 90
-    assert after["peak_mib"] >= after["rss_mib"] >= before["rss_mib"] + 90
-    del held
+    """96 MiB touched shows in the fields.  In the full suite, threads left by earlier
+    tests in this process may free memory at the same moment (the whole process is
+    measured), so the growth is looked for in up to three tries, each after a
+    collection and a heap trim."""
+    import gc
+
+    from hypertrain.wire.options import trim_heap
+
+    grown: list[tuple[dict[str, int], dict[str, int]]] = []
+    for _ in range(3):
+        gc.collect()
+        trim_heap()
+        before = memory_fields()
+        assert set(before) == {"rss_mib", "anon_mib", "peak_mib"}
+        assert 0 < before["anon_mib"] <= before["rss_mib"] <= before["peak_mib"]
+        held = np.ones(96 << 20, dtype=np.uint8)  # 96 MiB, every page touched
+        after = memory_fields()
+        del held
+        assert after["peak_mib"] >= after["rss_mib"]
+        grown.append((before, after))
+        if (
+            after["anon_mib"] - before["anon_mib"] >= 90
+            and after["rss_mib"] >= before["rss_mib"] + 90
+        ):
+            return
+    raise AssertionError(f"96 MiB held, the fields did not grow by it: {grown}")
 
 
 def test_lines_from_many_threads_stay_whole(capsys) -> None:  # type: ignore[no-untyped-def]
