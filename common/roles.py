@@ -332,7 +332,7 @@ class RegionCore:
         self._base_is_theta = True  # the base equals theta, not yet written into _base
         self.feedback = ErrorFeedback(self.global_codec, theta0.numel(), beta=cfg.ef_beta)
         self._frame: mmap.mmap | None = None  # the base's memory with the forward's header room
-        self._in_frame = self.global_codec.values_in_place and self.global_codec.lossless
+        self._in_frame = self.feedback.frames_in_place
         """fp32 forwards: the base lives behind header room, and the forward is framed
         around the delta computed there (``encode_global_delta``), never copied."""
 
@@ -409,7 +409,7 @@ class RegionCore:
         aggregator it holds theta, the encoded delta and (lossy codecs) the residual."""
         base = self.base
         torch.sub(self.theta, base, out=base)
-        if self._frame is not None and self.feedback.is_zero:  # fp32: framed where it is
+        if self._frame is not None and self.feedback.frames_in_place:  # fp32: framed here
             del base
             blob: bytes | bytearray | memoryview = self.feedback.encode_framed(
                 memoryview(self._frame), (self.theta.numel(),)
