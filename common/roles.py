@@ -29,7 +29,7 @@ import torch
 
 from hypertrain.common.aggregate import Blob, Commitment, Segment, segmented_mean, streamed_mean
 from hypertrain.common.codec import ErrorFeedback, make_codec
-from hypertrain.common.codec.base import tensor_view
+from hypertrain.common.codec.base import alloc_raw, tensor_view
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
@@ -121,20 +121,20 @@ class IslandState:
         pass
 
     # -- the sync rules (docs/design.md §2, §3) ----------------------------------------------
-    def sync(self, encode: bool = True) -> list[bytes | bytearray]:
+    def sync(self, encode: bool = True) -> list[Blob]:
         """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
         with error feedback, one blob per relay shard (one when the region's relay is not
         sharded).  With tau > 0 it also snapshots theta for the overlap rule.
 
         ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
         only takes the snapshot and returns no bytes."""
-        frame: bytearray | None = None
+        frame: memoryview | None = None
         if encode and not self.shards.sharded and self.feedback.frames_in_place:
             # fp32: the delta is computed behind the header room of the blob that is sent
             # (ErrorFeedback.encode_framed), so a sync holds one copy of the model, not two
             # (the parameters' copy, then the encoded blob).
             head = self.codec.header_length((self.numel,))
-            frame = bytearray(head + 4 * self.numel)
+            frame = alloc_raw(head + 4 * self.numel)
             theta = tensor_view(frame, torch.float32, head, self.numel)
             self.params_into(theta)
         else:
@@ -348,6 +348,8 @@ class RegionCore:
                 self._frame = mmap.mmap(
                     -1, head + 4 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                 )
+                # One fault per 2 MiB, not per 4 KiB, where the kernel allows it.
+                self._frame.madvise(mmap.MADV_HUGEPAGE)
                 self._base = torch.frombuffer(
                     self._frame, dtype=torch.float32, offset=head, count=n
                 )

@@ -71,7 +71,7 @@ class ErrorFeedback:
         """Is the residual all +0.0 (held as no tensor)?"""
         return self._residual is None
 
-    def encode(self, delta: torch.Tensor, consume: bool = False) -> bytes | bytearray:
+    def encode(self, delta: torch.Tensor, consume: bool = False) -> Buffer:
         """Fold ``delta`` into the residual, encode it, keep what was not sent.
 
         ``consume``: ``delta``'s memory may be used as the work buffer (the new residual
@@ -86,7 +86,7 @@ class ErrorFeedback:
         parts: Sequence[tuple[int, int]],
         consume: bool = False,
         shape: tuple[int, ...] | None = None,
-    ) -> list[bytes | bytearray]:
+    ) -> list[Buffer]:
         """``encode``, with the accumulated values cut into ``parts`` (ranges ``[a, b)``
         tiling the tensor in order) and each range encoded as a 1-D blob of its own: what
         an island sends to each relay shard.  Every value goes through the same

@@ -20,7 +20,7 @@ payload::
     ..      P     parameters, ASCII, canonical ``k=v,k=v`` (``CodecSpec.params_string``)
     ..      0-7   zero padding to a multiple of 8
 
-Checksum: CRC-32 (zlib) of the header with the checksum field zeroed, continued
+Checksum: CRC-32 (zlib's polynomial) of the header with the checksum field zeroed, continued
 over the CRC-32s of the payload's 4 MiB segments (each as uint32 LE).  The
 segmented form lets large payloads be checked on all cores; the segment size
 is fixed, so the value does not depend on the thread count.
@@ -36,10 +36,13 @@ from __future__ import annotations
 import math
 import os
 import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+# zlib-ng's CRC-32 is zlib's (same polynomial, same values) computed with carry-less
+# multiplication: measured here at 25-31 GB/s against 6 GB/s for the system zlib's.
+from zlib_ng.zlib_ng import crc32
 
 from hypertrain.common.codec.layout import raw_length
 from hypertrain.common.codec.spec import CodecSpec, parse_codec_spec
@@ -67,7 +70,7 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _threads() -> ThreadPoolExecutor:
-    # zlib.crc32 releases the GIL on large buffers, so segments run in parallel.
+    # crc32 releases the GIL on large buffers, so segments run in parallel.
     # The pool is per process: a forked child inherits the object but not its
     # threads (work submitted there would never run), so it builds its own.
     global _pool
@@ -83,10 +86,10 @@ def checksum(
     view = memoryview(payload).cast("B")
     starts = range(0, len(view), CHECKSUM_SEGMENT)
     if len(starts) > 1:
-        crcs = list(_threads().map(lambda s: zlib.crc32(view[s : s + CHECKSUM_SEGMENT]), starts))
+        crcs = list(_threads().map(lambda s: crc32(view[s : s + CHECKSUM_SEGMENT]), starts))
     else:
-        crcs = [zlib.crc32(view)]
-    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs), zlib.crc32(header))
+        crcs = [crc32(view)]
+    return crc32(struct.pack(f"<{len(crcs)}I", *crcs), crc32(header))
 
 
 @dataclass(frozen=True, slots=True)

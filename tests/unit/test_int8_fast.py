@@ -81,8 +81,8 @@ def pinned_input(numel: int, block: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(x)
 
 
-def sha(data: bytes | bytearray | torch.Tensor) -> str:
-    raw = data if isinstance(data, bytes | bytearray) else data.contiguous().numpy().tobytes()
+def sha(data: bytes | bytearray | memoryview | torch.Tensor) -> str:
+    raw = data if not isinstance(data, torch.Tensor) else data.contiguous().numpy().tobytes()
     return hashlib.sha256(raw).hexdigest()
 
 
