@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,58 @@ TOY_MODEL = "toy"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MembershipConfig:
+    """When a sync step may commit without every member (docs/design.md §4.10).
+
+    A level (a region's relay, or the aggregator) commits a sync step when every current
+    member has delivered; or, once the cutoff of that step was reached, with the members
+    that delivered, if they meet the level's quorum.  The cutoff is an event: the daemons
+    raise it ``*_cutoff_s`` seconds after the step's first delivery, the fault simulation
+    schedules it, and it is taped, so a replay needs no clock.  Omitted from the canonical
+    config while every field has its default (no cutoff: every member is waited for)."""
+
+    regional_cutoff_s: float = 0.0
+    """Seconds from a regional sync step's first delivery to its cutoff; 0: no cutoff."""
+    global_cutoff_s: float = 0.0
+    """Seconds from a global sync step's first delivery to its cutoff; 0: no cutoff."""
+    regional_quorum: int | float = 0.5
+    """Islands of a region needed to commit at a cutoff: an int is a count, a float in
+    (0, 1] a fraction of the region's members (rounded up, at least 1)."""
+    global_quorum: int | float = 0.5
+    """Regions needed to commit a global round at a cutoff (count or fraction, as above);
+    a region with relay shards counts only when every one of its shards delivered."""
+
+    def __post_init__(self) -> None:
+        for name in ("regional_cutoff_s", "global_cutoff_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (0 <= value < float("inf"))
+            ):
+                raise ConfigError(f"membership: {name} must be a number of seconds >= 0")
+        for name in ("regional_quorum", "global_quorum"):
+            q = getattr(self, name)
+            if isinstance(q, bool) or not isinstance(q, int | float):
+                raise ConfigError(f"membership: {name} must be a count or a fraction, got {q!r}")
+            if isinstance(q, int) and q < 1:
+                raise ConfigError(f"membership: {name} as a count must be >= 1, got {q}")
+            if isinstance(q, float) and not 0 < q <= 1:
+                raise ConfigError(f"membership: {name} as a fraction must be in (0, 1], got {q}")
+
+    def cutoff_s(self, level: str) -> float:
+        """The cutoff of a ``"regional"`` or ``"global"`` sync step, in seconds (0: none)."""
+        return self.regional_cutoff_s if level == "regional" else self.global_cutoff_s
+
+    def quorum(self, level: str, units: int) -> int:
+        """Units (islands of a region, or regions) a ``level`` needs to commit at a cutoff,
+        out of ``units``: never more than ``units``, never less than 1."""
+        q = self.regional_quorum if level == "regional" else self.global_quorum
+        need = q if isinstance(q, int) else math.ceil(q * units - 1e-9)
+        return max(1, min(units, need))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """Everything that changes the numbers of a run."""
 
@@ -125,6 +178,8 @@ class RunConfig:
     threads: int = 1
     """Intra-op threads per island.  CPU GEMM results depend on the thread
     count, so it is part of the config: equal threads give equal bits."""
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    """Cutoffs and quorums (absent from ``to_dict`` while all default)."""
 
     def __post_init__(self) -> None:
         if self.model_shape is None:
@@ -158,6 +213,14 @@ class RunConfig:
                 parse_codec_spec(getattr(self, name))
             except HypertrainError as e:
                 raise ConfigError(f"run: {name}: {e}") from None
+        cutoffs = self.membership.regional_cutoff_s or self.membership.global_cutoff_s
+        if cutoffs and self.topology.relay_shards > 1:
+            # A region's shards can be left behind unevenly (one shard's forward used, its
+            # other's refused as stale) and then wait on each other: not supported yet.
+            raise ConfigError(
+                "run: membership cutoffs do not work with relay_shards > 1 yet; "
+                "use one relay per region, or no cutoff"
+            )
         if self.outer.name == "sparseloco" and not self.global_codec.startswith("sparseloco"):
             raise ConfigError(
                 "run: the sparseloco outer optimizer needs a sparseloco global_codec "
@@ -182,6 +245,8 @@ class RunConfig:
                 d["inner"] = InnerConfig(**d["inner"])
             if "outer" in d:
                 d["outer"] = OuterConfig(**d["outer"])
+            if "membership" in d:
+                d["membership"] = MembershipConfig(**d["membership"])
             if isinstance(d.get("model_shape"), dict):
                 d["model_shape"] = ModelConfig(**d["model_shape"])
             return cls(**d)
@@ -205,7 +270,7 @@ class RunConfig:
             *parents, leaf = key.split(".")
             node = d
             for p in parents:
-                node = node[p]
+                node = node.setdefault(p, {})  # a section to_dict leaves out when default
             node[leaf] = value
         return RunConfig.from_dict(d)
 
@@ -216,6 +281,8 @@ class RunConfig:
             del d["model_shape"]
         if self.topology.relay_shards == 1:  # configs from before shards keep their digest
             del d["topology"]["relay_shards"]
+        if self.membership == MembershipConfig():  # ... and from before cutoffs
+            del d["membership"]
         return d
 
     def shards(self, numel: int) -> Shards:

@@ -184,6 +184,23 @@ class IslandState:
         )
         self.load_params(merged)
 
+    def heal(self, theta: torch.Tensor, sync_step: int) -> None:
+        """Rejoin from the global merge of ``sync_step`` after being left behind (the steps
+        this island was at went ahead without it): parameters and base are ``theta``, the
+        step is ``sync_step`` (the steps up to it are skipped, their data unseen), no
+        overlap snapshot is pending, and the error-feedback residual is zero (it was the
+        part of deltas relative to a base the run no longer has).  The inner optimizer's
+        state is kept (docs/design.md §4.10)."""
+        if sync_step < self.step:
+            raise HypertrainError(
+                f"island {self.island_id}: cannot rejoin at step {sync_step}, it is at {self.step}"
+            )
+        self.base.copy_(theta)
+        self.load_params(self.base)
+        self.snapshots.clear()
+        self.feedback.load_state_dict({"residual": None, "beta": self.feedback.beta})
+        self.step = sync_step
+
     def finish(self, theta: torch.Tensor) -> None:
         """End of the run: take the final global parameters (no steps follow, no overlap)."""
         self.base.copy_(theta)
@@ -466,9 +483,10 @@ class GlobalCore:
         again (the merge relays fetch, the checkpoint being written and the evaluation may
         all still read it), and no whole mean is held.  Nothing changes unless every input
         is valid."""
-        if set(inputs) != set(self.members):
+        if not inputs or set(self.members_of(self.regions_of(inputs))) != set(inputs):
             raise HypertrainError(
-                f"global step: inputs from {sorted(inputs)} != {sorted(self.members)}"
+                f"global step: inputs from {sorted(inputs)} are not every relay of some "
+                f"regions (relays: {sorted(self.members)})"
             )
         old, new = self.theta.view(-1), torch.empty_like(self.theta)
         flat = new.view(-1)
@@ -489,12 +507,23 @@ class GlobalCore:
         self.theta = new
         return commitment
 
+    def regions_of(self, inputs: Mapping[str, Blob]) -> tuple[str, ...]:
+        """The regions that sent inputs (in the topology's order)."""
+        sent = {self.shards.split(m)[0] for m in inputs}
+        return tuple(r for r in self.cfg.topology.regions if r in sent)
+
+    def members_of(self, regions: tuple[str, ...]) -> tuple[str, ...]:
+        """The relay members (regions, or their shards) of ``regions``."""
+        return self.shards.members(regions)
+
     def segments(self, inputs: Mapping[str, Blob]) -> list[Segment]:
         """The inputs of a round (by member id) as the ranges their mean is summed in: one
         per relay shard, each holding the regions' parts for its range keyed by region, so
-        the sum runs in the sorted region order of an unsharded run."""
+        the sum runs in the sorted region order of an unsharded run.  A round that went
+        ahead without some regions (after its cutoff) has the others only."""
         segments = []
+        regions = self.regions_of(inputs)
         for i, (a, b) in enumerate(self.shards.all_bounds()):
-            names = {r: self.shards.member(r, i) for r in self.cfg.topology.regions}
+            names = {r: self.shards.member(r, i) for r in regions}
             segments.append(Segment(a, b - a, {r: inputs[m] for r, m in names.items()}, names))
         return segments

@@ -14,6 +14,15 @@ from typing import Any
 
 from hypertrain.common.config import RunConfig
 
+
+def _count_or_fraction(text: str) -> int | float:
+    """``3`` is a count, ``0.5`` (or ``1.0``) a fraction (common/config.py MembershipConfig)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 # Flags of `run` that override RunConfig fields: flag -> (dotted field, type).
 RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--run-id": ("run_id", str),
@@ -36,6 +45,10 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--data": ("data", str),
     "--threads": ("threads", int),
     "--holdout-windows": ("holdout_windows", int),
+    "--regional-cutoff": ("membership.regional_cutoff_s", float),
+    "--global-cutoff": ("membership.global_cutoff_s", float),
+    "--regional-quorum": ("membership.regional_quorum", _count_or_fraction),
+    "--global-quorum": ("membership.global_quorum", _count_or_fraction),
 }
 
 

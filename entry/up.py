@@ -101,8 +101,12 @@ def start_cluster(
     progress: Progress,
     extra_env: dict[str, str] | None = None,
     island_ranks: Mapping[str, int] | None = None,
+    env_of: Mapping[str, dict[str, str]] | None = None,
 ) -> list[Child]:
     """Start aggregator, relays and islands; returns them in start order.
+
+    ``env_of``: more environment for the child of that name (``island-eu-1``: a fault
+    point that one island only passes).
 
     ``island_ranks`` maps island ids to a number of data-parallel ranks: those
     islands run under ``torchrun --standalone --nproc-per-node K`` (gloo on the CPU).
@@ -119,7 +123,8 @@ def start_cluster(
         key = keys / f"{name}.key"
         flags = ("--config", str(conf), "--metrics-port", "0", "--signing-key", str(key), *args)
         argv = python_module(module, *flags) if ranks == 1 else torchrun(ranks, module, *flags)
-        child = Child(name, argv, logs / f"{name}.log", progress.on_event, env, nice=nice)
+        own = env | (env_of or {}).get(name, {})
+        child = Child(name, argv, logs / f"{name}.log", progress.on_event, own, nice=nice)
         children.append(child)
         return child
 

@@ -13,6 +13,8 @@ asks it what to do:
   calls ``finish``.
 - ``join(parts)``: with relay shards, a merge is fetched from every shard and joined
   here into the whole vector ``apply`` / ``finish`` take.
+- ``heal(sync_step, payload)``: a fetch was answered with a newer global merge than the
+  one asked for (the island was left behind): rejoin from it.
 
 The island daemon, the in-process cluster and the fault simulation all drive islands
 through this class, so none of them re-derives the schedule.
@@ -130,6 +132,20 @@ class IslandRounds:
                 f"{[p.sync_step for p in left]} pending"
             )
         self.core.finish(theta)
+
+    def heal(self, sync_step: int, payload: torch.Tensor) -> None:
+        """The relay answered a fetch with the global merge of a later ``sync_step`` than the
+        one asked for: this island was left behind; it rejoins there
+        (``IslandState.heal``), with nothing pending, and is a member again from the next
+        sync step (at the run's last step, ``payload`` is the final state)."""
+        if not self.schedule.is_sync_step(sync_step, "global") or sync_step < self.core.step:
+            raise HypertrainError(
+                f"island {self.core.island_id}: cannot rejoin at step {sync_step} from step "
+                f"{self.core.step}"
+            )
+        self.pending.flush()
+        self.core.heal(payload, sync_step)
+        self.last_sync = None
 
     def resume(self) -> None:
         """After loading a rejoin state (saved right after a global merge): nothing pending."""

@@ -24,6 +24,7 @@ their folder kept; ``restart`` rebuilds them from it exactly as a restarted daem
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from hypertrain.common.roles import IslandState
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import (
     PRECONDITION,
+    ArmCutoff,
     Committed,
     Decision,
     Delta,
@@ -332,7 +334,9 @@ class IslandActor(_Client):
         relay = self.cluster.relays[self.relay_names[shard]]
 
         def on_reply(d: Decision) -> bool:
-            if d.accepted:
+            # Stale: the step closed without this island at its cutoff; like the daemon,
+            # it takes the step's merge instead (its delta is not aggregated).
+            if d.accepted or d.stale:
                 self.unacked.discard(shard)
                 if not self.unacked:
                     self.push_step = None
@@ -379,11 +383,18 @@ class IslandActor(_Client):
                 return False
             if isinstance(got, Decision):
                 raise _refused(self.name, f"fetch of step {step}", got)
-            if got.sync_step == step:
+            if got.sync_step >= step:  # the merge asked for, or a newer global one
                 self.parts[shard] = got
             if len(self.parts) == len(self.relay_names):
                 parts, self.parts = [self.parts[i] for i in range(len(self.relay_names))], {}
-                self._merged(parts[0], self.rounds.join(parts))
+                if len({(p.sync_step, p.kind) for p in parts}) > 1:
+                    # Shards answered different merges (one already holds a newer round
+                    # only): ask them all again a little later.
+                    self.later(RETRY, lambda: self._fetch(step, kind))
+                elif parts[0].sync_step != step:
+                    self._healed(parts[0], self.rounds.join(parts))
+                else:
+                    self._merged(parts[0], self.rounds.join(parts))
             return True
 
         self.ask(
@@ -407,6 +418,20 @@ class IslandActor(_Client):
         obs.applied(self.name, pm.kind, pm.sync_step, self.core.base)
         if pm.kind == "global":
             self._save()
+        self._next()
+
+    def _healed(self, merge: Committed, payload: torch.Tensor) -> None:
+        """Left behind: the relay answered with a newer global merge; rejoin from it."""
+        obs = self.cluster.observer
+        self.waiting = []
+        self.final_wait = False
+        self.rounds.heal(merge.sync_step, payload)
+        obs.applied(self.name, "global", merge.sync_step, self.core.base)
+        if self.rounds.finished:  # it rejoined at the run's end: the final merge
+            self.done = True
+            obs.finished(self.name, self.core.params())
+            return
+        self._save()
         self._next()
 
     def _save(self) -> None:
@@ -446,6 +471,7 @@ class RelayActor(_Client):
         self.endpoint = _Served(self, self.node)
         self.forwarding = False
         self.node.recover()
+        self.endpoint.rearm()
         self.kick()
 
     def _drop(self) -> None:
@@ -466,7 +492,7 @@ class RelayActor(_Client):
         delta = self.node.forward_delta(fwd, self.key)
 
         def pushed(d: Decision) -> bool:
-            if d.accepted:
+            if d.accepted or d.stale:  # stale: the round went ahead without this region
                 self._fetch_global(fwd.sync_step)
                 return True
             if d.code == PRECONDITION:
@@ -483,8 +509,10 @@ class RelayActor(_Client):
                 return False
             if isinstance(got, Decision):
                 raise _refused(self.name, f"fetch of the global merge of step {step}", got)
+            # A newer round than the forwarded one: the region was left behind; the
+            # machine rejoins it there.
             self.node.on_global(
-                GlobalArrived(step, got.payload, got.commitment, got.payload_digest)
+                GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest)
             )
             self.forwarding = False
             self.kick()
@@ -537,6 +565,7 @@ class AggregatorActor(Actor):
         self.node = AggregatorNode(c.cfg, self.theta0, store, c.trusted)
         self.endpoint = _Served(self, self.node)
         self.node.recover()
+        self.endpoint.rearm()
 
     def _drop(self) -> None:
         if self.node.store is not None and self.node.store.tape is not None:
@@ -556,11 +585,32 @@ class _Served(LocalUpstream):
         obs = self.actor.cluster.observer
         obs.pushed(self.actor.name, delta, decision)
         if decision.accepted and not decision.duplicate:
-            for e in effects:
-                obs.committed(self.actor.name, e)
+            self._effects(effects)
         if isinstance(self.actor, RelayActor):
             self.actor.kick()
         return decision
+
+    def _effects(self, effects: list[Effect]) -> None:
+        obs = self.actor.cluster.observer
+        for e in effects:
+            if isinstance(e, ArmCutoff):  # the cutoff clock, in virtual time
+                self.actor.later(e.seconds, functools.partial(self.cutoff, e.sync_step))
+            else:
+                obs.committed(self.actor.name, e)
+
+    def cutoff(self, step: int) -> None:
+        """The cutoff of ``step`` (this incarnation's clock): the node decides and tapes."""
+        decision, effects = self.node.cutoff(step)
+        if decision.accepted and not decision.duplicate:
+            self._effects(effects)
+        if isinstance(self.actor, RelayActor):
+            self.actor.kick()
+
+    def rearm(self) -> None:
+        """After a (re)start: the clock of an open step that replayed deliveries."""
+        arm = self.node.machine.level.armed()
+        if arm is not None:
+            self._effects([arm])
 
     def fetch(
         self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
@@ -590,6 +640,8 @@ class Cluster:
     observer: Observer = field(default_factory=Observer)
     crash_hook: Callable[[str], CrashHook] = field(default=lambda name: no_crash)
     """For each node name, the crash hook its store calls (the fault simulation's)."""
+    gone: set[str] = field(default_factory=set)
+    """Islands that left for good: the run is complete without them."""
 
     def __post_init__(self) -> None:
         topo = self.cfg.topology
@@ -635,9 +687,10 @@ class Cluster:
 
     @property
     def complete(self) -> bool:
-        """Every island holds the final state and every relay reported it to the aggregator."""
+        """Every island (but those gone) holds the final state and every relay reported it
+        to the aggregator."""
         return (
-            all(i.done for i in self.islands.values())
+            all(i.done for n, i in self.islands.items() if n not in self.gone)
             and self.aggregator.alive
             and (self.aggregator.node.all_final())
         )

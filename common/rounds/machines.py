@@ -8,10 +8,15 @@ files or clocks in here.  ``replay.py`` rebuilds a machine from its tape by feed
 same events again; the nodes (``node.py``) add durability; the daemons and the
 in-process cluster only deliver events.
 
-Round rules (the same at both levels; docs/design.md §4):
-- Membership is decided by step, never by wall-clock: the members of a sync step are
-  all configured senders (islands of the region; regions of the run), and the step
-  commits when the last of them has delivered.
+Round rules (the same at both levels; docs/design.md §4, §4.10):
+- Membership is decided by step and by events, never by reading a clock: the members of
+  a sync step are all configured senders (islands of the region; regions of the run), and
+  the step commits when the last of them has delivered; or, after the driver's cutoff
+  event for the step (``on_cutoff``, taped), as soon as the members that delivered meet
+  the level's quorum (``MembershipConfig.quorum``).  The mean is then over the members
+  present, in the same fixed order; the absent are named in the merge record.
+- A delta for a step that closed without its sender is refused (PRECONDITION, marked
+  ``stale``) and taped as a rejection with its digest; it is never aggregated.
 - Only the open sync step accepts deltas.  An identical resend of an accepted delta
   (same step, sender and digest) is answered as a duplicate and counted once; different
   bytes for an accepted (step, sender) are refused.
@@ -51,6 +56,7 @@ from hypertrain.common.trust.ledger import (
     transfer_message,
 )
 from hypertrain.common.trust.schema import (
+    CutoffEntry,
     ForwardEntry,
     GlobalAppliedEntry,
     GlobalMergeEntry,
@@ -165,6 +171,9 @@ class Decision:
     code: str
     reason: str
     duplicate: bool = False
+    stale: bool = False
+    """Refused because its step closed without this sender at a cutoff: resending cannot
+    help; the sender takes the step's merge instead (transports say so to the sender)."""
 
     @property
     def accepted(self) -> bool:
@@ -238,7 +247,29 @@ class Applied:
     record: GlobalAppliedEntry
 
 
-Effect = Publish | Committed | Forward | Applied
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """Effect: the cutoff of the open sync step was reached (taped before any merge it
+    allowed)."""
+
+    record: CutoffEntry
+    waiting: bool = False
+    """Below the quorum: nothing committed; the step commits when the quorum is in."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArmCutoff:
+    """Effect: the first delta of an open sync step was taken and the level has a cutoff:
+    the driver raises ``on_cutoff(sync_step)`` ``seconds`` from now (a wall-clock timer in
+    the daemons, virtual time in the in-process cluster).  Nothing is taped for it: the
+    ``cutoff`` entry is, when the event comes."""
+
+    sync_step: int
+    seconds: float
+    record: None = None
+
+
+Effect = Publish | Committed | Forward | Applied | Cut | ArmCutoff
 
 
 @dataclass
@@ -260,6 +291,78 @@ class _Level:
     numel_of: Callable[[str], int] | None = None  # sender id -> values it sends (else numel)
     shard: str = ""  # the relay shard "i/S" island deltas must be for ("" : not sharded)
     deliveries: int = 0  # planted bug count_duplicate_twice only
+    region: str = ""  # the region of a relay's level
+    unit_of: Callable[[str], str] = str
+    """Member -> the unit a quorum counts (a relay shard ``eu/1`` -> its region ``eu``)."""
+    cut: bool = False
+    """The open step's cutoff was reached: it commits once the quorum has delivered."""
+    absent_at: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Closed sync step -> the members it went ahead without."""
+    members_at: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Closed sync step with absences -> the members whose inputs it aggregated."""
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+    """(first, last) sync steps this level never committed: a relay left behind by the
+    global rounds rejoins at ``last`` (``skip_to``)."""
+
+    @property
+    def scope(self) -> str:
+        """What this level is, in refusals: "region eu" or "the global round"."""
+        return "the global round" if self.level == "global" else f"region {self.region}"
+
+    def _units(self) -> dict[str, list[str]]:
+        units: dict[str, list[str]] = {}
+        for m in self.members:
+            units.setdefault(self.unit_of(m), []).append(m)
+        return units
+
+    @property
+    def quorum(self) -> int:
+        """Units needed to commit the open step after its cutoff."""
+        return self.cfg.membership.quorum(self.level, len(self._units()))
+
+    def present(self) -> tuple[str, ...]:
+        """Members of the open step whose whole unit delivered (in member order)."""
+        return tuple(
+            m for ms in self._units().values() if all(x in self.inputs for x in ms) for m in ms
+        )
+
+    def complete(self) -> bool:
+        """May the open step commit now?"""
+        if planted.on("count_duplicate_twice"):
+            return self.deliveries >= len(self.members)
+        if len(self.inputs) == len(self.members):
+            return True
+        present = {self.unit_of(m) for m in self.present()}
+        return self.cut and len(present) >= self.quorum
+
+    def armed(self) -> ArmCutoff | None:
+        """The cutoff clock the open step needs (it has deliveries, and is neither complete
+        nor cut off yet), when the level has a cutoff: after its first delivery, and after a
+        restart that replayed some."""
+        seconds = self.cfg.membership.cutoff_s(self.level)
+        if seconds <= 0 or self.cut or not self.inputs or self.complete():
+            return None
+        return ArmCutoff(self.open_step, seconds)
+
+    def cutoff(self, step: int) -> tuple[Decision, CutoffEntry | None]:
+        """The driver says the cutoff of ``step`` was reached: the record to tape, or a
+        refusal (not the open step) or a duplicate (already cut) with None."""
+        if step != self.open_step:
+            return Decision(
+                PRECONDITION, f"cutoff for step {step}, but the open step is {self.open_step}"
+            ), None
+        if self.cut:
+            return Decision(OK, f"step {step} was already cut off", duplicate=True), None
+        self.cut = True
+        present = tuple(m for m in self.members if m in self.inputs)
+        record = CutoffEntry(
+            round=self.schedule.round_of(step),
+            sync_step=step,
+            present=present,
+            absent=tuple(m for m in self.members if m not in self.inputs),
+            quorum=self.quorum,
+        )
+        return Decision(OK, f"cutoff of step {step} with {len(present)} delivered"), record
 
     def check(self, d: Delta, replayed: bool = False) -> Decision | None:
         """None if ``d`` may be taken into the open step; otherwise the refusal.
@@ -305,6 +408,20 @@ class _Level:
                 )
             return Decision(CONFLICT, f"{d.sender} already delivered different bytes for step {s}")
         if s < self.open_step:
+            if d.sender in self.absent_at.get(s, ()):
+                return Decision(
+                    PRECONDITION,
+                    f"sync step {s} of {self.scope} closed without {d.sender} at its cutoff",
+                    stale=True,
+                )
+            rejoined = next((b for a, b in self.skipped if a <= s <= b), None)
+            if rejoined is not None:
+                return Decision(
+                    PRECONDITION,
+                    f"sync step {s} of {self.scope} was skipped: it rejoined the run at "
+                    f"step {rejoined}",
+                    stale=True,
+                )
             return Decision(PRECONDITION, f"step {s} is closed (open step is {self.open_step})")
         if s > self.open_step:
             return Decision(PRECONDITION, f"step {s} is ahead of the open step {self.open_step}")
@@ -346,17 +463,25 @@ class _Level:
         self.accepted[(d.sync_step, d.sender)] = d.digest
         if planted.on("count_duplicate_twice"):
             self.deliveries += 1
-            return self.deliveries >= len(self.members)
-        return len(self.inputs) == len(self.members)
+        return self.complete()
 
-    def close(self) -> tuple[dict[str, Blob], dict[str, str]]:
-        """Close the open step: its inputs' bytes and their (transport-verified) digests."""
-        blobs = {m: d.data for m, d in self.inputs.items()}
-        digests = {m: d.digest for m, d in self.inputs.items() if d.digest_checked}
+    def close(self) -> tuple[dict[str, Blob], dict[str, str], tuple[str, ...]]:
+        """Close the open step: the bytes of the inputs it aggregates (those of the members
+        present: a relay shard's input counts only with its whole region), their
+        (transport-verified) digests, and the members absent."""
+        present = set(self.present())
+        used = {m: d for m, d in self.inputs.items() if m in present}
+        blobs = {m: d.data for m, d in used.items()}
+        digests = {m: d.digest for m, d in used.items() if d.digest_checked}
+        absent = tuple(m for m in self.members if m not in present)
+        if absent:
+            self.absent_at[self.open_step] = absent
+            self.members_at[self.open_step] = tuple(m for m in self.members if m in present)
         self.inputs = {}
         self.deliveries = 0
+        self.cut = False
         self.open_step = self.schedule.next_sync_step(self.level, self.open_step)
-        return blobs, digests
+        return blobs, digests, absent
 
     def remember(self, records: Iterable[Record]) -> None:
         """Every (step, sender) -> digest accepted in ``records`` (taped inputs), so a member
@@ -364,6 +489,41 @@ class _Level:
         for r in records:
             if isinstance(r, InputEntry):
                 self.accepted[(r.sync_step, r.sender)] = r.digest
+            elif isinstance(r, RegionalMergeEntry | GlobalMergeEntry) and r.absent:
+                self.absent_at[r.sync_step] = r.absent
+                self.members_at[r.sync_step] = tuple(m for m, _ in r.members)
+            elif isinstance(r, GlobalAppliedEntry) and r.rejoined_from is not None:
+                first = self.schedule.next_sync_step(self.level, r.rejoined_from)
+                self.skipped.append((first, r.sync_step))
+
+    def skip_to(self, step: int) -> None:
+        """The steps from the open one up to ``step`` will never commit here: deltas for
+        them are stale; the open step is the first after ``step``."""
+        if self.inputs:
+            raise HypertrainError(f"{self.role}: cannot skip a step that has deliveries")
+        if step >= self.open_step:
+            self.skipped.append((self.open_step, step))
+        self.cut = False
+        self.open_step = self.schedule.next_sync_step(self.level, step)
+
+    def members_of(self, step: int) -> tuple[str, ...]:
+        """The members whose inputs the closed ``step`` aggregated."""
+        return self.members_at.get(step, self.members)
+
+
+def _take_cutoff(
+    level: _Level, step: int, commit: Callable[[int], list[Effect]]
+) -> tuple[Decision, list[Effect]]:
+    """A cutoff event at ``level``: the decision, and the effects (the ``Cut``, then what
+    ``commit`` makes of the step when the quorum delivered); nothing when refused."""
+    decision, record = level.cutoff(step)
+    if record is None:
+        return decision, []
+    ready = level.complete()
+    effects: list[Effect] = [Cut(record, waiting=not ready)]
+    if ready:
+        effects.extend(commit(step))
+    return decision, effects
 
 
 def _keep_newest(merges: dict[int, Committed], merge: Committed) -> None:
@@ -449,6 +609,7 @@ class RelayMachine:
             trusted=trusted,
             signer_of=island_key,
             shard=shards.label(shard),
+            region=region,
         )
         self.global_pending: int | None = None  # sync step forwarded, theta not yet back
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
@@ -475,11 +636,18 @@ class RelayMachine:
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
             effects.extend(self._commit(d.sync_step))
+        elif len(self.level.inputs) == 1 and (arm := self.level.armed()) is not None:
+            effects.append(arm)
         return Decision(OK, f"accepted delta from {d.sender} for step {d.sync_step}"), effects
+
+    def on_cutoff(self, step: int) -> tuple[Decision, list[Effect]]:
+        """The cutoff of sync step ``step`` was reached (the driver's clock, or a taped
+        ``cutoff`` entry replayed): tape it, and commit now if the quorum delivered."""
+        return _take_cutoff(self.level, step, self._commit)
 
     def _commit(self, step: int) -> list[Effect]:
         sched = self.schedule
-        blobs, digests = self.level.close()
+        blobs, digests, absent = self.level.close()
         pre = self._base_digest or flat_digest(self.core.base_view())
         # The mean is only folded into the base, never held whole: islands take the new
         # base after a regional sync, and the global merge after a global one.
@@ -499,6 +667,7 @@ class RelayMachine:
             commitment=commitment.digest,
             pre_base=pre,
             post_base=post,
+            absent=absent or None,
         )
         regional = Committed(
             "regional",
@@ -547,7 +716,8 @@ class RelayMachine:
     def on_global(self, event: GlobalArrived) -> list[Effect]:
         """The aggregator's theta_{g+1} for the global round of ``event.sync_step`` arrived."""
         s = event.sync_step
-        if s != self.global_pending:
+        pending = self.global_pending
+        if pending is None or s < pending:
             raise HypertrainError(f"relay {self.member}: unexpected global update for step {s}")
         if event.theta.shape != self.core.theta.shape:
             owner = "the model has" if self.member == self.region else "this shard owns"
@@ -557,6 +727,12 @@ class RelayMachine:
             )
         self.core.adopt_global(event.theta)
         self.global_pending = None
+        if s > pending:
+            # The global rounds went on without this region (its forward of ``pending``
+            # came after their cutoff): it rejoins at round ``s``, skipping the steps in
+            # between; its islands, whose deltas for them are stale, take this merge too.
+            # The error feedback keeps what the unused forward did not carry.
+            self.level.skip_to(s)
         # The transport verified the digest of what arrived (the gRPC download checks the
         # header's tensor digest; in one process it is the aggregator's own record).
         self._base_digest = event.digest or flat_digest(self.core.theta)
@@ -567,6 +743,7 @@ class RelayMachine:
             sync_step=s,
             merge_step=merge.merge_step,
             theta=self._base_digest,
+            rejoined_from=pending if s > pending else None,
         )
         return [Applied(merge, record)]
 
@@ -659,6 +836,7 @@ class AggregatorMachine:
             trusted=trusted,
             signer_of=relay_key,
             numel_of=self._numel_of,
+            unit_of=lambda member: self.shards.split(member)[0],
         )
         self.merges: dict[int, Committed] = {}
         self._parts: dict[tuple[int, int], Committed] = {}  # (sync_step, shard) -> its part
@@ -683,13 +861,19 @@ class AggregatorMachine:
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
             effects.append(self._commit(d.sync_step))
+        elif len(self.level.inputs) == 1 and (arm := self.level.armed()) is not None:
+            effects.append(arm)
         return Decision(
             OK, f"accepted regional delta from {d.sender} for step {d.sync_step}"
         ), effects
 
+    def on_cutoff(self, step: int) -> tuple[Decision, list[Effect]]:
+        """The cutoff of global sync step ``step`` was reached (see ``RelayMachine``)."""
+        return _take_cutoff(self.level, step, lambda s: [self._commit(s)])
+
     def _commit(self, step: int) -> Committed:
         sched, core = self.schedule, self.core
-        blobs, digests = self.level.close()
+        blobs, digests, absent = self.level.close()
         pre = self._theta_digest or flat_digest(core.theta)
         pre_outer = self._outer_digest or outer_state_digest(core.outer.state_view())
         commitment = core.step(blobs, digests)
@@ -709,6 +893,7 @@ class AggregatorMachine:
             post_state=post,
             pre_outer=pre_outer,
             post_outer=post_outer,
+            absent=absent or None,
         )
         merge = Committed(
             "global",

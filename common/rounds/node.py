@@ -48,6 +48,7 @@ from hypertrain.common.rounds.machines import (
     AggregatorSnapshot,
     Applied,
     Committed,
+    Cut,
     Decision,
     Delta,
     Effect,
@@ -103,9 +104,25 @@ class _Node:
         self, decision: Decision, delta: Delta, effects: list[Effect], publisher: Publisher | None
     ) -> None:
         if not decision.accepted:
-            self.reject(decision.code, decision.reason, delta)
+            # A stale delta was whole and signed: its digest is kept as evidence.
+            self.reject(
+                decision.code, decision.reason, delta, delta.digest if decision.stale else None
+            )
         elif not decision.duplicate:
             self._accept(effects, publisher)
+
+    def _before_event(self) -> None:
+        """What must be durable before the machine takes another event."""
+
+    def cutoff(self, step: int) -> tuple[Decision, list[Effect]]:
+        """The driver's clock says the cutoff of sync step ``step`` was reached: the machine
+        decides, and the ``cutoff`` entry and any merge it allowed are taped before this
+        returns.  Refused (not the open step) or a duplicate: nothing changes."""
+        self._before_event()
+        decision, effects = self.machine.on_cutoff(step)
+        if decision.accepted and not decision.duplicate:
+            self._accept(effects, None)
+        return decision, effects
 
     def _accept(self, effects: list[Effect], publisher: Publisher | None) -> None:
         """Make an accepted delta and what it completed durable, in order."""
@@ -132,9 +149,12 @@ class _Node:
     def settle(self) -> None:
         """Finish what was made fetchable before it was durable (nothing here)."""
 
-    def reject(self, code: str, reason: str, delta: Delta | None) -> None:
-        """Tape a refused push (evidence; changes nothing).  After ``close`` it is only
-        refused (the daemon logs it), not taped."""
+    def reject(
+        self, code: str, reason: str, delta: Delta | None, digest: str | None = None
+    ) -> None:
+        """Tape a refused push (evidence; changes nothing); ``digest``: the refused bytes'
+        sha256, for a delta that was whole and signed.  After ``close`` it is only refused
+        (the daemon logs it), not taped."""
         self.settle()
         if self.store is None or self.store.closed:
             return
@@ -144,13 +164,22 @@ class _Node:
             sender=delta.sender if delta else None,
             sync_step=delta.sync_step if delta else None,
             round=delta.round if delta else None,
+            digest=digest,
         )
         self.store.record(rec)
 
     def fetch(
         self, run_id: str, requester: str, sync_step: int, kind: str | None = None
     ) -> Decision | Committed | None:
-        """The merge of ``sync_step`` for ``requester``; a refusal; or None: not yet."""
+        """The merge of ``sync_step`` for ``requester``; a refusal; None: not yet; or, to a
+        member left behind, a newer global merge (``newer``)."""
+        got = self._lookup(run_id, requester, sync_step, kind)
+        return self.newer(sync_step, requester) if got is None else got
+
+    def _lookup(
+        self, run_id: str, requester: str, sync_step: int, kind: str | None
+    ) -> Decision | Committed | None:
+        """The merge of ``sync_step`` itself, a refusal, or None."""
         if run_id != self.cfg.run_id:
             return Decision(INVALID, f"wrong run {run_id!r}")
         if requester not in self.machine.members:
@@ -161,6 +190,17 @@ class _Node:
         if kind is not None and merge.kind != kind:
             return Decision(INVALID, f"the merge of step {sync_step} is {merge.kind}, not {kind}")
         return merge
+
+    def newer(self, sync_step: int, requester: str) -> Committed | None:
+        """The newest global merge held, when it is newer than ``sync_step``: what a member
+        left behind (its step went ahead without it, and the merge it asks for is no
+        longer kept) takes instead, to rejoin from there (``IslandRounds.heal``,
+        ``RelayMachine.on_global``).  None: nothing newer (the merge is not committed yet)."""
+        merges = self.machine.merges
+        newest = max((s for s, m in merges.items() if m.kind == "global"), default=None)
+        if newest is None or newest <= sync_step:
+            return None
+        return self.machine.merge_for(newest, requester)
 
     def fetched_final(self, requester: str) -> bool:
         """Record that ``requester`` holds the run's final merge; True once every member does.
@@ -178,7 +218,9 @@ class _Node:
         return self.all_final()
 
     def all_final(self) -> bool:
-        return self.finals >= set(self.machine.members)
+        """Does every member the run ended with hold the final merge?  Members absent from
+        the last sync step (gone, or left behind at its cutoff) are not waited for."""
+        return self.finals >= set(self.machine.level.members_of(self.cfg.steps))
 
     @property
     def done(self) -> bool:
@@ -231,8 +273,13 @@ class RelayNode(_Node):
         self._decided(decision, delta, effects, publisher)
         return decision, effects
 
+    def _before_event(self) -> None:
+        self.settle()
+
     def _carry_out(self, effect: Effect) -> None:
-        if isinstance(effect, Committed):
+        if isinstance(effect, Cut):
+            self._record(effect)
+        elif isinstance(effect, Committed):
             self._crash("relay_before_merge_entry")
             self._record(effect)
         elif isinstance(effect, Forward):
@@ -263,7 +310,8 @@ class RelayNode(_Node):
             self.outbox = dataclasses.replace(self.outbox, data=b"")
 
     def on_global(self, event: GlobalArrived, defer: bool = False) -> Committed:
-        """The aggregator's new parameters for the forwarded round arrived: apply them,
+        """The aggregator's new parameters for the forwarded round (or a later one: the
+        rounds went on without this region, ``RelayMachine.on_global``) arrived: apply them,
         checkpoint, tape.
 
         ``defer``: only apply them (the merge is fetchable at once) and leave the checkpoint
@@ -272,7 +320,7 @@ class RelayNode(_Node):
         any push, rejection or close settles first, so the tape order is the same.  A crash
         before the entry is taped loses nothing: the restarted relay sends its forward
         again and the aggregator, which keeps its last round, answers it the same."""
-        if self.outbox is None or event.sync_step != self.outbox.sync_step:
+        if self.outbox is None or event.sync_step < self.outbox.sync_step:
             raise HypertrainError(
                 f"relay {self.member}: a global update for step {event.sync_step} "
                 "that this relay did not ask for"
@@ -336,10 +384,10 @@ class RelayNode(_Node):
             },
         )
 
-    def fetch(
-        self, run_id: str, requester: str, sync_step: int, kind: str | None = None
+    def _lookup(
+        self, run_id: str, requester: str, sync_step: int, kind: str | None
     ) -> Decision | Committed | None:
-        got = super().fetch(run_id, requester, sync_step, kind)
+        got = super()._lookup(run_id, requester, sync_step, kind)
         if got is None and kind != "global":
             return self._recomputed(sync_step)
         return got
@@ -361,7 +409,7 @@ class RelayNode(_Node):
         g = s.round_of(sync_step)
         start = s.global_step_of(g - 1) if g else 0
         steps = range(start + s.h_r, sync_step + 1, s.h_r)
-        digests = [{i: m.level.accepted.get((t, i)) for i in m.members} for t in steps]
+        digests = [{i: m.level.accepted.get((t, i)) for i in m.level.members_of(t)} for t in steps]
         if any(d is None for ds in digests for d in ds.values()):
             return None
         theta = self._round_start(g)
@@ -535,7 +583,14 @@ class AggregatorNode(_Node):
         self._decided(decision, delta, effects, publisher)
         return decision, effects
 
+    def _before_event(self) -> None:
+        if self.store is not None:
+            self.store.settle()
+
     def _carry_out(self, effect: Effect) -> None:
+        if isinstance(effect, Cut):
+            self._record(effect)
+            return
         if not isinstance(effect, Committed):
             return
         self._crash("before_tape")

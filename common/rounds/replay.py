@@ -17,6 +17,9 @@ other replay.
   the caller supplies them (``apply_global``) from the aggregator's replay (the audit).
   A restart never needs them: a relay checkpoints each global update before taping it
   and resumes after its last checkpoint (node.py).
+- A ``cutoff`` entry is an event too: the machine takes the cutoff of that step (no
+  clock is read) and must produce exactly that record, and then the merge it allowed.
+  So a merge without some members replays only behind the cutoff that allowed it.
 - ``rejection`` and ``checkpoint`` entries change nothing and are skipped.
 - Effects produced but not on the tape (a crash came between an input and its merge
   record) are left in ``pending``: a restarted daemon tapes and carries them out.
@@ -39,6 +42,7 @@ from hypertrain.common.rounds.machines import (
     OK,
     AggregatorMachine,
     Applied,
+    ArmCutoff,
     Committed,
     Decision,
     Delta,
@@ -49,6 +53,7 @@ from hypertrain.common.rounds.machines import (
     RelayMachine,
 )
 from hypertrain.common.trust.schema import (
+    CutoffEntry,
     GlobalAppliedEntry,
     InputEntry,
     Record,
@@ -157,6 +162,16 @@ class _Replay:
             raise ReplayError(e, self._changed(delta))
         raise ReplayError(e, f"cannot replay this input: {reason}")
 
+    def _cutoff(
+        self, e: Entry, rec: CutoffEntry, event: Callable[[int], tuple[Decision, list[Effect]]]
+    ) -> None:
+        """A taped cutoff: the machine takes it, and its own record must be the taped one."""
+        decision, effects = event(rec.sync_step)
+        if not decision.accepted or decision.duplicate:
+            raise ReplayError(e, f"cannot replay this cutoff: {decision.reason}")
+        self.pending.extend(x for x in effects if not isinstance(x, ArmCutoff))
+        self._match(e, rec)
+
     def _changed(self, d: Delta) -> str:
         rec = d.record()
         return f"changed input: {self.blobs.where(rec)} no longer has sha256 {d.digest}"
@@ -213,7 +228,7 @@ class RelayReplay(_Replay):
             if isinstance(rec, GlobalAppliedEntry):
                 if self.pending:
                     raise ReplayError(e, f"expected a {self.pending[0].record.KIND} entry here")  # type: ignore[union-attr]
-                if m.global_pending != rec.sync_step:
+                if m.global_pending is None or rec.sync_step < m.global_pending:
                     raise ReplayError(e, "a global update without the forward of its round")
                 return rec.sync_step
             self.pos += 1
@@ -221,7 +236,9 @@ class RelayReplay(_Replay):
                 delta = self._input(e, rec, m.cfg.run_id)
                 decision, effects = self._feed(e, delta, m.on_delta)
                 self._accepted(e, delta, decision.code, decision.reason, decision.duplicate)
-                self.pending.extend(x for x in effects if not isinstance(x, Publish))
+                self.pending.extend(x for x in effects if not isinstance(x, Publish | ArmCutoff))
+            elif isinstance(rec, CutoffEntry):
+                self._cutoff(e, rec, m.on_cutoff)
             elif rec is not None and rec.KIND in ("regional_merge", "forward"):
                 effect = self._match(e, rec)
                 if isinstance(effect, Forward):
@@ -275,7 +292,9 @@ class AggregatorReplay(_Replay):
                 decision, effects = self._feed(e, delta, m.on_regional)
                 self._accepted(e, delta, decision.code, decision.reason, decision.duplicate)
                 self.received[(rec.sync_step, rec.sender)] = rec
-                self.pending.extend(x for x in effects if not isinstance(x, Publish))
+                self.pending.extend(x for x in effects if not isinstance(x, Publish | ArmCutoff))
+            elif isinstance(rec, CutoffEntry):
+                self._cutoff(e, rec, m.on_cutoff)  # its global_merge entry comes next
             elif rec is not None and rec.KIND == "global_merge":
                 merge = self._match(e, rec)
                 assert isinstance(merge, Committed)

@@ -22,11 +22,20 @@ differing field):
   [[island, sha256], ...], mean (output digest), commitment, pre_base, post_base.
 - ``forward`` (relay, at a global sync step): round, sync_step, codec, digest, size,
   pre_residual, post_residual (the relay's global-codec error feedback).
-- ``global_applied`` (relay): round, sync_step, merge_step, theta (digest).
+- ``global_applied`` (relay): round, sync_step, merge_step, theta (digest), and
+  ``rejoined_from`` when the region had been left behind and skips to this round.
 - ``global_merge`` (aggregator): round, sync_step, tau, merge_step, codec, outer,
   members [[region, sha256], ...], mean, commitment, pre_state, post_state, pre_outer,
   post_outer.
+- ``cutoff`` (relay, aggregator): the cutoff of an open sync step was reached: round,
+  sync_step, present (members that had delivered), absent (those that had not), quorum
+  (units needed to commit without them).  A merge with absent members follows a cutoff.
 - ``checkpoint``: written by ``TapeWriter.checkpoint`` itself (size, root).
+
+A ``regional_merge`` or ``global_merge`` that went ahead without some members names them
+in ``absent`` (omitted when every member delivered, so such entries are byte for byte
+those of a run without cutoffs); a ``rejection`` may carry the refused delta's ``digest``
+(a stale delta, kept as evidence, never aggregated).
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ from hypertrain.common.trust.tape_format import CHECKPOINT, Entry
 
 Members = tuple[tuple[str, str], ...]
 """Ordered (member, sha256 of its encoded input) pairs of an aggregate."""
+Names = tuple[str, ...]
+"""Ordered member ids."""
 
 
 class SchemaError(TapeError):
@@ -56,6 +67,9 @@ def _check(kind: str, name: str, value: Any, typ: Any) -> Any:
             for p in value
         )
         value = tuple((p[0], p[1]) for p in value) if ok else value
+    elif typ is Names:
+        ok = isinstance(value, list) and all(isinstance(x, str) for x in value)
+        value = tuple(value) if ok else value
     else:
         ok = isinstance(value, typ)
     if not ok:
@@ -92,7 +106,11 @@ class _Record:
             v = getattr(self, f.name)
             if v is None and f.name in self.OPTIONAL:
                 continue
-            out[f.name] = [list(p) for p in v] if f.type == "Members" else v
+            if f.type == "Members":
+                v = [list(p) for p in v]
+            elif f.type in ("Names", "Names | None"):
+                v = list(v)
+            out[f.name] = v
         return out
 
     def first_difference(self, other: _Record) -> str | None:
@@ -110,6 +128,8 @@ _TYPES: dict[str, Any] = {
     "dict[str, Any]": dict,
     "int | None": int,
     "str | None": str,
+    "Names": Names,
+    "Names | None": Names,
 }
 
 
@@ -136,12 +156,27 @@ class RejectionEntry(_Record):
     """A refused push: why, and who it claimed to be from (when that was readable)."""
 
     KIND: ClassVar[str] = "rejection"
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"sender", "sync_step", "round"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"sender", "sync_step", "round", "digest"})
     code: str
     reason: str
     sender: str | None = None
     sync_step: int | None = None
     round: int | None = None
+    digest: str | None = None
+    """sha256 of a refused delta that was whole and signed (a stale one), as evidence."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutoffEntry(_Record):
+    """The cutoff of an open sync step: who had delivered, and the quorum to commit."""
+
+    KIND: ClassVar[str] = "cutoff"
+    round: int
+    sync_step: int
+    present: Names
+    absent: Names
+    quorum: int
+    """Units (islands; regions at the aggregator) needed to commit without the absent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +184,7 @@ class RegionalMergeEntry(_Record):
     """A relay's committed regional mean and how its base moved."""
 
     KIND: ClassVar[str] = "regional_merge"
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"absent"})
     round: int
     sync_step: int
     tau: int
@@ -159,6 +195,8 @@ class RegionalMergeEntry(_Record):
     commitment: str
     pre_base: str
     post_base: str
+    absent: Names | None = None
+    """Members that had not delivered when the step committed after its cutoff."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,10 +218,14 @@ class GlobalAppliedEntry(_Record):
     """A relay took the aggregator's new global parameters (their digest)."""
 
     KIND: ClassVar[str] = "global_applied"
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"rejoined_from"})
     round: int
     sync_step: int
     merge_step: int
     theta: str
+    rejoined_from: int | None = None
+    """The global sync step this relay forwarded, when the aggregator's rounds had gone
+    on without its region past it: the relay (and its islands) skip to ``sync_step``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +233,7 @@ class GlobalMergeEntry(_Record):
     """The aggregator's commit record of one outer step."""
 
     KIND: ClassVar[str] = "global_merge"
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"absent"})
     round: int
     sync_step: int
     tau: int
@@ -204,6 +247,8 @@ class GlobalMergeEntry(_Record):
     post_state: str
     pre_outer: str
     post_outer: str
+    absent: Names | None = None
+    """Members (relays) that had not delivered when the round committed after its cutoff."""
 
 
 Record: TypeAlias = (
@@ -213,6 +258,7 @@ Record: TypeAlias = (
     | ForwardEntry
     | GlobalAppliedEntry
     | GlobalMergeEntry
+    | CutoffEntry
 )
 KINDS: dict[str, type[_Record]] = {
     c.KIND: c
@@ -223,6 +269,7 @@ KINDS: dict[str, type[_Record]] = {
         ForwardEntry,
         GlobalAppliedEntry,
         GlobalMergeEntry,
+        CutoffEntry,
     )
 }
 

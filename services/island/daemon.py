@@ -42,7 +42,8 @@ from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.rounds.store import atomic_save
 from hypertrain.common.trust.keys import SigningKey
 from hypertrain.island.ranks import TorchRanks
-from hypertrain.wire.daemon import log_event, memory_fields, starting_parameters
+from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
+from hypertrain.wire.errors import StaleDelta
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
@@ -121,6 +122,8 @@ class Island:
         self.blocked_s = 0.0
         self.bytes_sent = 0
         self.syncs = 0
+        self.stale = 0  # deltas refused as stale (their step closed without this island)
+        self.heals = 0  # rejoined from a later global merge after being left behind
         self.metrics = metrics or Metrics("island")
         self.tokens_per_step = cfg.batch_per_island * mcfg.seq_len
         self._labels = {"region": self.core.region, "island": island_id}
@@ -137,34 +140,49 @@ class Island:
         relays = self.relays
         assert relays is not None
 
+        fault_point("island_before_push")
+
         def push(i: int) -> None:
             delta = deltas[i]
             if self.key is not None:
                 delta = delta.signed(self.key.sign(delta.transfer_message()))
-            relays[i].push(delta)
+            try:
+                relays[i].push(delta)
+            except StaleDelta as e:
+                # The step closed without this island at its cutoff: its delta is not
+                # aggregated, and the island takes the step's merge like every member.
+                # Its error-feedback residual stays as the encode left it.
+                self.stale += 1
+                self.metrics.stale_deltas.labels(**self._labels).inc()
+                self._log("stale", role="island", island=self.island_id, step=delta.sync_step,
+                          message=e.message)  # fmt: skip
 
         self._on_shards(push)
 
-    def _fetch(self, step: int, kind: str) -> torch.Tensor:
+    def _fetch(self, step: int, kind: str) -> tuple[torch.Tensor, int]:
         """The merge of ``step``: from the relay (every relay shard's part, joined) on
-        rank 0, then on every rank."""
+        rank 0, then on every rank; and the sync step it is the merge of (a later global
+        one when this island was left behind: ``IslandRounds.heal``)."""
         relays = self.relays
         if relays is None:  # a rank other than 0: rank 0 fetches and broadcasts it
             assert self.ranks is not None
-            return self.ranks.broadcast(self.received)
+            got = int(self.ranks.broadcast(torch.zeros(1, dtype=torch.int64))[0])
+            return self.ranks.broadcast(self.received), got
         if self.calls is None:
-            payload = self.rounds.join([relays[0].fetch(self.island_id, step, kind)])
+            merge = relays[0].fetch(self.island_id, step, kind)
+            payload, got = self.rounds.join([merge]), merge.sync_step
         else:  # every shard's part straight into its range of one vector
             whole = torch.empty(self.numel, dtype=torch.float32)
             bounds = self.core.shards.all_bounds()
             parts = self._on_shards(
                 lambda i: relays[i].fetch(self.island_id, step, kind, whole[slice(*bounds[i])])
             )
-            payload = self.rounds.join(parts, out=whole)
+            payload, got = self.rounds.join(parts, out=whole), parts[0].sync_step
             del parts, whole
         if self.ranks is not None:
+            self.ranks.broadcast(torch.tensor([got], dtype=torch.int64))
             self.ranks.broadcast(payload)
-        return payload
+        return payload, got
 
     def _stopping(self) -> bool:
         """Stop before the next step?  On a multi-rank island all ranks agree."""
@@ -178,11 +196,12 @@ class Island:
         t_start = t_interval = time.perf_counter()
         losses: list[float] = []
         m, labels = self.metrics, self._labels
-        first = self._resume() + 1
-        for step in range(first, cfg.steps + 1):
+        self._resume()
+        while self.core.step < cfg.steps:
             if self._stopping():
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
+            step = self.core.step
             t_trained = time.perf_counter()
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)
@@ -205,9 +224,14 @@ class Island:
                 t0 = time.perf_counter()
                 push.result()
                 t1 = time.perf_counter()
-                payload = self._fetch(merge.sync_step, merge.kind)
+                payload, got = self._fetch(merge.sync_step, merge.kind)
                 t2 = time.perf_counter()
                 self.blocked_s += t2 - t0
+                if got != merge.sync_step:
+                    self._heal(got, payload, merge.sync_step)
+                    del payload
+                    losses.clear()
+                    break
                 rounds.apply(merge, payload)
                 del payload  # applied (copied into the model and the base): free it
                 self._merged(merge.sync_step, t2 - t0, time.perf_counter() - t1)
@@ -230,14 +254,14 @@ class Island:
                 )
                 losses.clear()
         final = rounds.final_due()
-        assert final is not None
         t0 = time.perf_counter()
         push.result()
-        theta = self._fetch(final, "global")
-        self.blocked_s += time.perf_counter() - t0
-        self._saved()
-        rounds.finish(theta)
-        del theta  # in the base and the model now
+        if final is not None:  # else it rejoined at the last step: the final state is in
+            theta, got = self._fetch(final, "global")
+            self.blocked_s += time.perf_counter() - t0
+            self._saved()
+            rounds.finish(theta)
+            del theta  # in the base and the model now
         # finish() loaded the parameters from the base: its digest is theirs, with no
         # copy of the model made to compute it.
         digest = state_digest(self.core.layout.unflatten(self.core.base))
@@ -251,6 +275,8 @@ class Island:
             digest=digest,
             bytes_per_sync=self.bytes_sent // max(self.syncs, 1),
             syncs=self.syncs,
+            stale=self.stale,
+            heals=self.heals,
             blocked_s=round(self.blocked_s, 4),
             wall_s=round(wall, 3),
             blocked_share=round(self.blocked_s / wall, 5),
@@ -262,6 +288,17 @@ class Island:
     def _log(self, event: str, **fields: object) -> None:
         if self.lead:  # one island, one voice
             log_event(event, **fields)
+
+    def _heal(self, sync_step: int, payload: torch.Tensor, wanted: int) -> None:
+        """Left behind: the relay answered the fetch of ``wanted`` with the global merge of
+        the later ``sync_step``; rejoin there (``IslandRounds.heal``) and save that state."""
+        self._saved()
+        self.rounds.heal(sync_step, payload)
+        self.heals += 1
+        self.metrics.heals.labels(**self._labels).inc()
+        self._log("healed", role="island", island=self.island_id, wanted=wanted, step=sync_step)
+        if not self.rounds.finished:
+            self._save()
 
     def _save(self) -> None:
         """After a global merge: the state this island rejoins from after a crash.

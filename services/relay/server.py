@@ -29,18 +29,18 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
-from hypertrain.common.rounds.machines import Committed, Effect, Forward, GlobalArrived
+from hypertrain.common.rounds.machines import Committed, Cut, Effect, Forward, GlobalArrived
 from hypertrain.common.rounds.node import RelayNode
 from hypertrain.common.rounds.store import NodeStore, atomic_write
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
-from hypertrain.wire.errors import WireError
+from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
-from hypertrain.wire.rounds import Intake, MergeBoard
+from hypertrain.wire.rounds import Intake, MergeBoard, log_cutoff
 from hypertrain.wire.server import Shutdown, maps_errors
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
@@ -101,23 +101,26 @@ class RelayService:
         )
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("relay")
-        self.intake = Intake(self.node, self.board, self.metrics, region)
+        self.intake = Intake(self.node, self.board, self.metrics, region, self._on_effect)
         self.wake = threading.Event()
         self._closing = False
         self._recover()
+        self.intake.rearm()
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
         self.forwarder.start()
 
     # -- RPCs -----------------------------------------------------------------------
     @maps_errors
     def PushDelta(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
-        return self.intake.push(chunks, self._on_effect)
+        return self.intake.push(chunks)
 
     def _on_effect(self, effect: Effect) -> None:
         if isinstance(effect, Committed):
             self._log_commit(effect)
         elif isinstance(effect, Forward):
             self.wake.set()
+        elif isinstance(effect, Cut):
+            log_cutoff("relay", effect, region=self.region, **self.where)
 
     @maps_errors
     def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -179,7 +182,14 @@ class RelayService:
         step, size = fwd.sync_step, len(fwd.data)
         delta = self.node.forward_delta(fwd, self.key)
         del fwd
-        self.aggregator.push(delta)
+        try:
+            self.aggregator.push(delta)
+        except StaleDelta as e:
+            # The global round went ahead without this region at its cutoff: the forward
+            # is not aggregated; the relay takes the round's global merge all the same.
+            self.metrics.rejected.labels("relay", self.region, "stale").inc()
+            log_event("stale", role="relay", region=self.region, **self.where, step=step,
+                      message=e.message)  # fmt: skip
         del delta
         with self.board.cond:
             self.node.forward_sent(step)
@@ -187,8 +197,11 @@ class RelayService:
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(size)
         got = self.aggregator.fetch(self.member, step, "global")
         with self.board.cond:  # islands fetch it now, while the relay writes it down
+            # A later round than ``step`` when the rounds went on without this region: the
+            # node rejoins it there (RelayMachine.on_global).
             merge = self.node.on_global(
-                GlobalArrived(step, got.payload, got.commitment, got.payload_digest), defer=True
+                GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest),
+                defer=True,
             )
             self.board.cond.notify_all()
         del got
@@ -244,6 +257,7 @@ class RelayService:
         log_event("recovered", role="relay", region=self.region, **self.where, **node.recovered)
 
     def _log_commit(self, c: Committed) -> None:
+        absent = getattr(c.record, "absent", None)
         log_event(
             "round",
             role="relay",
@@ -252,6 +266,7 @@ class RelayService:
             round=c.round,
             step=c.sync_step,
             members=",".join(c.commitment.members),
+            **({"absent": ",".join(absent)} if absent else {}),
             bytes=c.input_bytes,
             commit=c.commitment.digest[:16],
             **memory_fields(),

@@ -36,14 +36,28 @@ import grpc
 
 from hypertrain.common.errors import HypertrainError
 
+#: Trailing metadata key of a FAILED_PRECONDITION that says "your step closed without
+#: you at its cutoff": resending cannot help; take the step's merge instead.
+STALE_KEY = "hypertrain-stale"
+
 
 class WireError(Exception):
-    """A transfer or call failed with a definite gRPC status; ``message`` names the problem."""
+    """A transfer or call failed with a definite gRPC status; ``message`` names the problem.
+    ``stale``: a delta refused because its sync step closed without its sender (sent to
+    the caller as ``STALE_KEY`` trailing metadata beside FAILED_PRECONDITION)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, stale: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.stale = stale
+
+
+class StaleDelta(WireError):
+    """The peer refused a delta as stale (see ``WireError.stale``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message, stale=True)
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"

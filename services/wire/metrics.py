@@ -150,6 +150,33 @@ class Metrics:
             ["role", "region", "reason"],
             registry=r,
         )
+        self.stale_deltas = Counter(
+            "hypertrain_stale_deltas_total",
+            "Deltas this island sent after their sync step closed without it (not aggregated)",
+            isl,
+            registry=r,
+        )
+        self.heals = Counter(
+            "hypertrain_heals_total",
+            "Times this island, left behind, rejoined from a later global merge",
+            isl,
+            registry=r,
+        )
+        self.cutoffs = Counter(
+            "hypertrain_cutoffs_total", "Sync steps whose cutoff was reached", dur, registry=r
+        )
+        self.absent = Gauge(
+            "hypertrain_round_absent_members",
+            "Members absent from the last committed round (it went ahead at its cutoff)",
+            dur,
+            registry=r,
+        )
+        self.quorum_waiting = Gauge(
+            "hypertrain_quorum_waiting",
+            "1 while a sync step is past its cutoff without its quorum (nothing commits)",
+            dur,
+            registry=r,
+        )
         self.tape_entries = Counter(
             "hypertrain_tape_entries_total", "Entries appended to the tape", dur, registry=r
         )

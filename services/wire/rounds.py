@@ -7,6 +7,10 @@ gRPC transport, in front of a node (common/rounds/node.py).
   corrupt) is taped as a rejection by the node too.
 - :class:`MergeBoard`: the lock every node call runs under, and the condition blocked
   fetches wait on.
+- The cutoff clock (in ``Intake``): when the node's machine asks for one (an
+  ``ArmCutoff`` effect: the first delivery of a step, at a level with a cutoff), a timer
+  raises ``node.cutoff(step)`` that many seconds later, under the same lock; the node
+  tapes it and commits if the quorum delivered.  A step that completed first ignores it.
 
 Everything after the transfer runs under the board's lock, so a node sees one call at a
 time, exactly as the in-process transport delivers them.
@@ -24,10 +28,19 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
-from hypertrain.common.rounds.machines import Committed, Decision, Delta, Effect, Publish
+from hypertrain.common.rounds.machines import (
+    ArmCutoff,
+    Committed,
+    Cut,
+    Decision,
+    Delta,
+    Effect,
+    Publish,
+)
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import discard, publish, receive_delta
+from hypertrain.wire.daemon import log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
@@ -56,9 +69,25 @@ def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
     )
 
 
+def log_cutoff(role: str, cut: Cut, **where: object) -> None:
+    """The log line of a cutoff: who had delivered, who had not, and the quorum."""
+    rec = cut.record
+    log_event(
+        "cutoff",
+        role=role,
+        **where,
+        round=rec.round,
+        step=rec.sync_step,
+        present=",".join(rec.present),
+        absent=",".join(rec.absent),
+        quorum=rec.quorum,
+        waiting=cut.waiting,
+    )
+
+
 def refusal(decision: Decision) -> WireError:
     """The status a refused call is answered with."""
-    return WireError(STATUS[decision.code], decision.reason)
+    return WireError(STATUS[decision.code], decision.reason, stale=decision.stale)
 
 
 class MergeBoard:
@@ -133,9 +162,17 @@ class Intake:
         board: MergeBoard,
         metrics: Metrics,
         region: str = "",
+        on_effect: Callable[[Effect], None] = lambda e: None,
+        after_cutoff: Callable[[], None] = lambda: None,
     ) -> None:
-        """``region``: the relay's region ("" at the aggregator), a metrics label."""
+        """``region``: the relay's region ("" at the aggregator), a metrics label.
+        ``on_effect``: told each effect a push or a cutoff made durable (under the lock);
+        ``after_cutoff``: called after a cutoff event was handled (outside the lock)."""
         self.node = node
+        self.on_effect = on_effect
+        self.after_cutoff = after_cutoff
+        self.timers: dict[int, threading.Timer] = {}
+        self._closed = False
         store = node.store
         self.spool = store.spool if store is not None else None
         self.published = store.published if store is not None else None
@@ -156,9 +193,7 @@ class Intake:
             if cp is not None:
                 self.metrics.tape_checkpoint.labels(*self.labels).set(cp.size)
 
-    def push(
-        self, chunks: Iterator[Any], on_effect: Callable[[Effect], None] = lambda e: None
-    ) -> pb.PushAck:
+    def push(self, chunks: Iterator[Any]) -> pb.PushAck:
         try:
             rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
         except WireError as e:
@@ -193,27 +228,80 @@ class Intake:
                     self.metrics.rejected.labels(*self.labels, decision.code).inc()
                     raise refusal(decision)
                 return pb.PushAck(digest=rx.digest, duplicate=True)
-            m, (role, region) = self.metrics, self.labels
-            for effect in effects:
-                self._taped(effect)
-                if isinstance(effect, Publish):
-                    m.received_bytes.labels(role, self.level, region).inc(h.size)
-                    m.delta_size.labels(role, self.level, region).observe(h.size)
-                    continue
-                if isinstance(effect, Committed):
-                    m.aggregate_seconds.labels(role, region).observe(time.perf_counter() - t0)
-                    m.rounds.labels(role, region, effect.level).inc()
-                    m.members.labels(role, region).set(len(effect.commitment.members))
-                    m.last_step.labels(role, region).set(effect.sync_step)
-                    m.last_round.labels(role, region).set(effect.round)
-                on_effect(effect)
+            self._handle(effects, t0)
             self.board.cond.notify_all()
         # Validating the input (decompressing, decoding its positions) allocated and freed
         # on this gRPC thread's own heap: give that memory back before the next transfer.
         trim_heap()
         return pb.PushAck(digest=rx.digest)
 
-    def close(self) -> None:
-        """On shutdown: a final signed tape checkpoint, then no more entries."""
+    def _handle(self, effects: list[Effect], t0: float) -> None:
+        """Metrics, cutoff timers and ``on_effect`` for effects the node made durable."""
+        m, (role, region) = self.metrics, self.labels
+        for effect in effects:
+            if isinstance(effect, ArmCutoff):
+                self._arm(effect)
+                continue
+            self._taped(effect)
+            if isinstance(effect, Publish):
+                size = len(effect.delta.data)
+                m.received_bytes.labels(role, self.level, region).inc(size)
+                m.delta_size.labels(role, self.level, region).observe(size)
+                continue
+            if isinstance(effect, Cut):
+                m.cutoffs.labels(role, region).inc()
+                m.quorum_waiting.labels(role, region).set(int(effect.waiting))
+            if isinstance(effect, Committed):
+                absent = getattr(effect.record, "absent", None) or ()
+                m.absent.labels(role, region).set(len(absent))
+                m.quorum_waiting.labels(role, region).set(0)
+                m.aggregate_seconds.labels(role, region).observe(time.perf_counter() - t0)
+                m.rounds.labels(role, region, effect.level).inc()
+                m.members.labels(role, region).set(len(effect.commitment.members))
+                m.last_step.labels(role, region).set(effect.sync_step)
+                m.last_round.labels(role, region).set(effect.round)
+            self.on_effect(effect)
+
+    # -- the cutoff clock ----------------------------------------------------------------
+    def rearm(self) -> None:
+        """After a restart: the open step's clock, if replayed deliveries need one (it runs
+        its whole length again from now; the cutoff entry, when it comes, is what counts)."""
         with self.board.cond:
+            arm = self.node.machine.level.armed()
+            if arm is not None:
+                self._arm(arm)
+
+    def _arm(self, arm: ArmCutoff) -> None:
+        if self._closed or arm.sync_step in self.timers:
+            return
+        timer = threading.Timer(arm.seconds, self._fire, (arm.sync_step,))
+        timer.daemon = True
+        timer.name = f"cutoff-{arm.sync_step}"
+        self.timers[arm.sync_step] = timer
+        timer.start()
+
+    def _fire(self, step: int) -> None:
+        try:
+            with self.board.cond:
+                self.timers.pop(step, None)
+                if self._closed:
+                    return
+                t0 = time.perf_counter()
+                decision, effects = self.node.cutoff(step)
+                if decision.accepted and not decision.duplicate:
+                    self._handle(effects, t0)
+                self.board.cond.notify_all()
+            self.after_cutoff()
+        except Exception as e:  # the tape could not be written: the node cannot go on
+            self.board.shutdown.request(f"cutoff of step {step} failed: {e}")
+            raise
+
+    def close(self) -> None:
+        """On shutdown: no more cutoffs, a final signed tape checkpoint, then no more
+        entries."""
+        with self.board.cond:
+            self._closed = True
+            for timer in self.timers.values():
+                timer.cancel()
+            self.timers.clear()
             self.node.close()

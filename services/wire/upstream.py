@@ -33,7 +33,7 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.transport import Unavailable, Upstream
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import fetch_merge, push_delta
-from hypertrain.wire.errors import WireError
+from hypertrain.wire.errors import STALE_KEY, StaleDelta, WireError
 from hypertrain.wire.peers import FETCH_DEADLINE_S, Peer
 from hypertrain.wire.protocol_codes import STATUS
 
@@ -49,6 +49,16 @@ def _code(e: grpc.RpcError | WireError) -> tuple[grpc.StatusCode, str]:
         return e.code, e.message
     call: object = e
     return call.code(), call.details()  # type: ignore[attr-defined]
+
+
+def _stale(e: grpc.RpcError | WireError) -> bool:
+    """Did the peer mark this refusal stale (``errors.STALE_KEY``)?"""
+    if isinstance(e, WireError):
+        return e.stale
+    trailing = getattr(e, "trailing_metadata", None)
+    if not callable(trailing):
+        return False
+    return any(k == STALE_KEY for k, _ in trailing() or ())
 
 
 class GrpcUpstream:
@@ -69,7 +79,7 @@ class GrpcUpstream:
         if code == grpc.StatusCode.UNAVAILABLE:
             raise Unavailable(f"{what}: {self.peer.service} {self.peer.address}: {detail}")
         if code in _CODES:
-            return Decision(_CODES[code], detail)
+            return Decision(_CODES[code], detail, stale=_stale(e))
         raise WireError(code, f"{what}: {self.peer.service} {self.peer.address} said: {detail}")
 
     def _call(self, what: str, fn: Callable[[], T]) -> T | Decision:
@@ -119,7 +129,8 @@ class GrpcUpstream:
             if _code(e)[0] == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None  # held while not committed, then "ask again"
             return self._answer(what, e)
-        if header.sync_step != sync_step or header.kind != kind:
+        newer = header.kind == "global" and header.sync_step > sync_step  # left behind
+        if not newer and (header.sync_step != sync_step or header.kind != kind):
             raise WireError(
                 grpc.StatusCode.INTERNAL,
                 f"{what}: the peer sent the {header.kind} merge of step {header.sync_step}",
@@ -175,6 +186,8 @@ class Patient:
                 if isinstance(got, Decision):
                     if got.accepted:
                         return None
+                    if got.stale:  # asking again cannot help
+                        raise StaleDelta(f"{what}: {self.name} said: {got.reason}")
                     if got.code not in (PRECONDITION, CORRUPT):  # CORRUPT: a resend may fix it
                         raise WireError(
                             STATUS.get(got.code, grpc.StatusCode.PERMISSION_DENIED),

@@ -35,6 +35,17 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
     # schedule drawn next from ``rng`` are those of the seed before shards existed.
     units = TOY_NUMEL // shard_unit(codec, "fp32") if model == TOY_MODEL else 3
     shards = min(random.Random(f"relay-shards-{seed}").choice((1, 1, 2, 3)), max(1, units))
+    # Cutoffs (virtual seconds) and quorums, likewise from a generator of their own: half
+    # the schedules wait for every member, as before cutoffs existed.
+    member_rng = random.Random(f"membership-{seed}")
+    membership: dict[str, object] = {}
+    if member_rng.random() < 0.5 and shards == 1:  # cutoffs need one relay per region
+        membership = {
+            "regional_cutoff_s": member_rng.choice((3.0, 10.0, 30.0)),
+            "global_cutoff_s": member_rng.choice((3.0, 10.0, 30.0)),
+            "regional_quorum": member_rng.choice((0.5, 1, 1.0)),
+            "global_quorum": member_rng.choice((0.5, 1, 1.0)),
+        }
     return RunConfig.from_dict(
         {
             "run_id": f"chaos-{seed}",
@@ -55,6 +66,7 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
                 "relay_shards": shards,
             },
             "outer": {"name": outer},
+            "membership": membership,
         }
     )
 

@@ -5,8 +5,9 @@ After every event (a message delivered, a step trained, a node crashed or restar
 1. No accepted delta is lost: every push a node answered "accepted" is known to that
    node, with the same digest, for as long as it is up, restarts included.
 2. None is counted twice: every committed aggregate has each configured member exactly
-   once; a sync step of a level is committed once (a replay may commit it again only
-   identically).
+   once, present or named absent; members are absent only from a step whose cutoff the
+   node took first; a sync step of a level is committed once (a replay may commit it
+   again only identically).
 3. Every committed aggregate is recomputable from its committed inputs: the published
    blobs of its members give the same fixed-order mean and commitment.
 4. Every island that applies the merge of sync step s holds the same base as every
@@ -14,8 +15,8 @@ After every event (a message delivered, a step trained, a node crashed or restar
 5. Every island ends on the same final parameters.
 
 At the end of the schedule (runner.py): the run completed; the final digest equals the
-fault-free run's (no member is ever excluded in this version of the protocol); and the
-run's tapes pass the audit.
+fault-free run's when no step went ahead without a member (else every island still ends
+on one digest, invariant 5); and the run's tapes pass the audit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from hypertrain.common.aggregate import segmented_mean, streamed_mean
 from hypertrain.common.roles import GlobalCore
 from hypertrain.common.rounds.local import Cluster, Observer
-from hypertrain.common.rounds.machines import Committed, Decision, Delta, Effect
+from hypertrain.common.rounds.machines import Committed, Cut, Decision, Delta, Effect
 from hypertrain.common.shards import Shards
 from hypertrain.common.trust.ledger import flat_digest
 
@@ -54,6 +55,8 @@ class Checker(Observer):
         self.bases: dict[tuple[str, int], str] = {}  # (region or "*", step) -> base digest
         self.finals: dict[str, str] = {}
         self.dirty: set[str] = set()  # nodes to check in full after this event
+        self.cuts: set[tuple[str, int]] = set()  # (node, sync step) whose cutoff was taken
+        self.absences = 0  # commits that went ahead without some member
 
     def attach(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -72,15 +75,27 @@ class Checker(Observer):
         self._check_known(node, key)
 
     def committed(self, node: str, effect: Effect) -> None:
+        if isinstance(effect, Cut):
+            self.cuts.add((node, effect.record.sync_step))
+            return
         if not isinstance(effect, Committed) or effect.record is None:
             return
         c = effect.commitment
+        absent = tuple(getattr(effect.record, "absent", None) or ())
         want = tuple(sorted(self.members[node]))
-        if tuple(sorted(c.members)) != want or len(c.members) != len(want):
+        counted = [*c.members, *absent]
+        if tuple(sorted(counted)) != want or len(counted) != len(want):
             raise Violation(
-                f"{node} committed step {effect.sync_step} with members {list(c.members)}, "
-                f"not each of {list(want)} once"
+                f"{node} committed step {effect.sync_step} with members {list(c.members)} "
+                f"and absent {list(absent)}, not each of {list(want)} once"
             )
+        if absent:
+            self.absences += 1
+            if (node, effect.sync_step) not in self.cuts:
+                raise Violation(
+                    f"{node} went ahead without {list(absent)} at step {effect.sync_step} "
+                    "before its cutoff"
+                )
         key = (node, effect.sync_step)
         seen = self.commits.setdefault(key, c.digest)
         if seen != c.digest:

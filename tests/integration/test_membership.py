@@ -1,0 +1,175 @@
+"""Islands that die or stall, with the real daemons: a sync step goes ahead without them at
+its cutoff, a late delta is refused as stale and its island takes the merge instead, and
+the tapes name every absence and audit clean."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.trust.audit import audit_run
+from hypertrain.common.trust.keys import TrustedKeys
+from hypertrain.common.trust.schema import RegionalMergeEntry, RejectionEntry
+from hypertrain.common.trust.tape import verify_tape
+from hypertrain.procs import parse_logfmt
+from hypertrain.up import start_cluster, supervise
+
+CUTOFF_S = 3.0
+CFG = RunConfig.from_dict(
+    {
+        "steps": 30,
+        "holdout_windows": 16,
+        "regional_codec": "int8",
+        "topology": {"regions": ["eu", "us"], "islands_per_region": 2, "h_r": 5, "h_g": 10},
+        "membership": {"regional_cutoff_s": CUTOFF_S, "global_cutoff_s": 30.0},
+    }
+)
+
+
+def _events(log: Path, event: str) -> list[dict[str, str]]:
+    """The log lines of ``event`` (logfmt: every value a string)."""
+    if not log.exists():
+        return []
+    lines = (parse_logfmt(line) for line in log.read_text().splitlines())
+    return [e for e in lines if e.get("event") == event]
+
+
+def _wait_for(what: str, check, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+def _stall(island: object, logs: Path, until: str, check, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP ``island`` once it applied the global merge of step 10, SIGCONT it once
+    ``check()`` holds (``until`` says what that is)."""
+    name = island.name  # type: ignore[attr-defined]
+    _wait_for(
+        f"global merge of step 10 at {name}",
+        lambda: any(e["step"] == "10" for e in _events(logs / f"{name}.log", "sync")),
+    )
+    pid = island.proc.pid  # type: ignore[attr-defined]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _wait_for(until, check, timeout_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _relay_entries(run_dir: Path, region: str) -> list:
+    trusted = TrustedKeys.load(run_dir / "keys" / "trusted_keys.json")
+    return verify_tape(run_dir / f"relay-{region}" / "tape", trusted).entries
+
+
+def _audit(run_dir: Path) -> str:
+    trusted = TrustedKeys.load(run_dir / "keys" / "trusted_keys.json")
+    return audit_run(run_dir, trusted).final_digest
+
+
+def test_an_island_killed_for_good_and_its_region_goes_on(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = cluster_factory(CFG)
+    run_dir = cluster.run_dir
+    children = start_cluster(
+        CFG,
+        run_dir,
+        cluster.progress,
+        env_of={"island-eu-1": {"HYPERTRAIN_FAULT": "island_before_push:2"}},
+    )
+    cluster.children.extend(children)
+    dead = next(c for c in children if c.name == "island-eu-1")
+    others = [c for c in children if c is not dead]
+    failed = supervise(others, deadline_s=300)
+    assert failed is None, failed.failure_message()
+    assert dead.proc.wait(timeout=10) == -signal.SIGKILL
+    progress = cluster.progress
+    assert sorted(progress.done) == ["eu-0", "us-0", "us-1"]
+    digests = {e["digest"] for e in progress.done.values()}
+    assert digests == {progress.final_digest}, digests
+    entries = _relay_entries(run_dir, "eu")
+    merges = [RegionalMergeEntry.from_body(e.body) for e in entries if e.kind == "regional_merge"]
+    assert [(m.sync_step, m.absent) for m in merges] == [(5, None)] + [
+        (s, ("eu-1",)) for s in range(10, 31, 5)
+    ]
+    assert sum(e.kind == "cutoff" for e in entries) == 5
+    # Each step without eu-1 committed about CUTOFF_S after its first delivery.
+    cutoffs = _events(run_dir / "logs" / "relay-eu.log", "cutoff")
+    assert [int(c["step"]) for c in cutoffs] == list(range(10, 31, 5))
+    assert all(c["absent"] == "eu-1" and c["waiting"] == "False" for c in cutoffs)
+    assert _audit(run_dir) == progress.final_digest
+
+
+def test_a_stalled_island_is_refused_as_stale_and_takes_the_merge(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = cluster_factory(CFG)
+    run_dir = cluster.run_dir
+    cluster.children.extend(start_cluster(CFG, run_dir, cluster.progress))
+    island = next(c for c in cluster.children if c.name == "island-eu-1")
+    logs = run_dir / "logs"
+    # Stopped after the global merge of step 10, so that it misses step 15.
+    _stall(
+        island,
+        logs,
+        "commit of step 15 without eu-1",
+        lambda: any(
+            e["step"] == "15" and e.get("absent") == "eu-1"
+            for e in _events(logs / "relay-eu.log", "round")
+        ),
+    )
+    failed = supervise(cluster.children, deadline_s=300)
+    assert failed is None, failed.failure_message()
+    progress = cluster.progress
+    assert sorted(progress.done) == ["eu-0", "eu-1", "us-0", "us-1"]
+    digests = {e["digest"] for e in progress.done.values()}
+    assert digests == {progress.final_digest}, digests
+    assert int(progress.done["eu-1"]["stale"]) >= 1
+    stale = _events(logs / "island-eu-1.log", "stale")
+    assert stale[0]["step"] == "15"
+    assert "sync step 15 of region eu closed without eu-1 at its cutoff" in stale[0]["message"]
+    entries = _relay_entries(run_dir, "eu")
+    evidence = [
+        RejectionEntry.from_body(e.body)
+        for e in entries
+        if e.kind == "rejection" and e.body.get("sync_step") == 15
+    ]
+    assert evidence and evidence[0].sender == "eu-1" and evidence[0].digest
+    assert evidence[0].code == "failed_precondition"
+    assert _audit(run_dir) == progress.final_digest
+
+
+def test_an_island_stalled_past_a_global_round_rejoins_from_a_later_one(
+    cluster_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Stopped from step 10 until its region committed step 30: the global merge of step 20
+    it asks for is gone, so the relay answers with that of step 30, and the island heals
+    there and trains the last round with the others."""
+    cfg = CFG.with_overrides(steps=40)
+    cluster = cluster_factory(cfg)
+    run_dir = cluster.run_dir
+    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress))
+    island = next(c for c in cluster.children if c.name == "island-eu-1")
+    logs = run_dir / "logs"
+    _stall(
+        island,
+        logs,
+        "global round of step 30 at relay eu",
+        lambda: any(e["step"] == "30" for e in _events(logs / "relay-eu.log", "global")),
+        timeout_s=240,
+    )
+    failed = supervise(cluster.children, deadline_s=300)
+    assert failed is None, failed.failure_message()
+    progress = cluster.progress
+    assert sorted(progress.done) == ["eu-0", "eu-1", "us-0", "us-1"]
+    assert {e["digest"] for e in progress.done.values()} == {progress.final_digest}
+    healed = _events(logs / "island-eu-1.log", "healed")
+    assert [(e["wanted"], e["step"]) for e in healed] == [("20", "30")]
+    assert progress.done["eu-1"]["heals"] == "1"
+    entries = _relay_entries(run_dir, "eu")
+    last = RegionalMergeEntry.from_body(
+        next(e for e in reversed(entries) if e.kind == "regional_merge").body
+    )
+    assert last.sync_step == 40 and last.absent is None  # a member again at the end
+    assert _audit(run_dir) == progress.final_digest
