@@ -37,7 +37,7 @@ from hypertrain.common.digest import state_digest
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.model import build_model, evaluate
 from hypertrain.common.reference import open_dataset
-from hypertrain.common.rounds.machines import Committed, Cut, Effect
+from hypertrain.common.rounds.machines import Committed
 from hypertrain.common.rounds.node import AggregatorNode
 from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
@@ -46,7 +46,7 @@ from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
-from hypertrain.wire.rounds import Intake, MergeBoard, log_cutoff, refusal
+from hypertrain.wire.rounds import Intake, MergeBoard, refusal
 from hypertrain.wire.server import Shutdown, maps_errors
 
 _DONE_REASON = "run complete: every relay has applied the final state"
@@ -163,9 +163,7 @@ class AggregatorService:
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("aggregator")
-        self.intake = Intake(
-            self.node, self.board, self.metrics, on_effect=self._on_effect, after_cutoff=self._after
-        )
+        self.intake = Intake(self.node, self.board, self.metrics, after_cutoff=self._after)
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         # Logs each round (its state digest takes 0.2 s at P = 1e8) after the relay's push
         # is answered, not before: one thread, so rounds are logged in order.
@@ -191,10 +189,6 @@ class AggregatorService:
         ack = self.intake.push(chunks)
         self._after()
         return ack
-
-    def _on_effect(self, effect: Effect) -> None:
-        if isinstance(effect, Cut):
-            log_cutoff("aggregator", effect)
 
     def _after(self) -> None:
         """After a push or a cutoff: log and evaluate the rounds it completed."""

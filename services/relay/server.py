@@ -29,7 +29,7 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
-from hypertrain.common.rounds.machines import Committed, Cut, Effect, Forward, GlobalArrived
+from hypertrain.common.rounds.machines import Committed, Effect, Forward, GlobalArrived
 from hypertrain.common.rounds.node import RelayNode
 from hypertrain.common.rounds.store import NodeStore, atomic_write
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
@@ -40,7 +40,7 @@ from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
-from hypertrain.wire.rounds import Intake, MergeBoard, log_cutoff
+from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
@@ -101,7 +101,14 @@ class RelayService:
         )
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("relay")
-        self.intake = Intake(self.node, self.board, self.metrics, region, self._on_effect)
+        self.intake = Intake(
+            self.node,
+            self.board,
+            self.metrics,
+            region,
+            self._on_effect,
+            where={"region": region, **self.where},
+        )
         self.wake = threading.Event()
         self._closing = False
         self._recover()
@@ -119,8 +126,6 @@ class RelayService:
             self._log_commit(effect)
         elif isinstance(effect, Forward):
             self.wake.set()
-        elif isinstance(effect, Cut):
-            log_cutoff("relay", effect, region=self.region, **self.where)
 
     @maps_errors
     def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:

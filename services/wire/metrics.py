@@ -165,6 +165,13 @@ class Metrics:
         self.cutoffs = Counter(
             "hypertrain_cutoffs_total", "Sync steps whose cutoff was reached", dur, registry=r
         )
+        self.cutoff_to_commit = Histogram(
+            "hypertrain_cutoff_to_commit_seconds",
+            "From a step's cutoff to its commit (0 when the quorum was in at the cutoff)",
+            dur,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.absent = Gauge(
             "hypertrain_round_absent_members",
             "Members absent from the last committed round (it went ahead at its cutoff)",

@@ -69,8 +69,9 @@ def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
     )
 
 
-def log_cutoff(role: str, cut: Cut, **where: object) -> None:
-    """The log line of a cutoff: who had delivered, who had not, and the quorum."""
+def log_cutoff(role: str, cut: Cut, since_first_s: float | None, **where: object) -> None:
+    """The log line of a cutoff: who had delivered, who had not, the quorum, and how long
+    after the step's first delivery it came (None: the clock was started by a restart)."""
     rec = cut.record
     log_event(
         "cutoff",
@@ -82,6 +83,7 @@ def log_cutoff(role: str, cut: Cut, **where: object) -> None:
         absent=",".join(rec.absent),
         quorum=rec.quorum,
         waiting=cut.waiting,
+        **({} if since_first_s is None else {"since_first_s": round(since_first_s, 3)}),
     )
 
 
@@ -164,6 +166,7 @@ class Intake:
         region: str = "",
         on_effect: Callable[[Effect], None] = lambda e: None,
         after_cutoff: Callable[[], None] = lambda: None,
+        where: dict[str, object] | None = None,
     ) -> None:
         """``region``: the relay's region ("" at the aggregator), a metrics label.
         ``on_effect``: told each effect a push or a cutoff made durable (under the lock);
@@ -172,6 +175,10 @@ class Intake:
         self.on_effect = on_effect
         self.after_cutoff = after_cutoff
         self.timers: dict[int, threading.Timer] = {}
+        self.where = where or {}
+        """What log lines say of this daemon besides its role (region, shard)."""
+        self.armed_at: dict[int, float] = {}  # sync step -> when its clock started
+        self.cut_at: dict[int, float] = {}  # sync step -> when its cutoff was taken
         self._closed = False
         store = node.store
         self.spool = store.spool if store is not None else None
@@ -249,12 +256,20 @@ class Intake:
                 m.delta_size.labels(role, self.level, region).observe(size)
                 continue
             if isinstance(effect, Cut):
+                step, now = effect.record.sync_step, time.monotonic()
+                self.cut_at[step] = now
+                armed = self.armed_at.pop(step, None)
+                log_cutoff(role, effect, None if armed is None else now - armed, **self.where)
                 m.cutoffs.labels(role, region).inc()
                 m.quorum_waiting.labels(role, region).set(int(effect.waiting))
             if isinstance(effect, Committed):
                 absent = getattr(effect.record, "absent", None) or ()
                 m.absent.labels(role, region).set(len(absent))
                 m.quorum_waiting.labels(role, region).set(0)
+                self.armed_at.pop(effect.sync_step, None)
+                cut = self.cut_at.pop(effect.sync_step, None)
+                if cut is not None:
+                    m.cutoff_to_commit.labels(role, region).observe(time.monotonic() - cut)
                 m.aggregate_seconds.labels(role, region).observe(time.perf_counter() - t0)
                 m.rounds.labels(role, region, effect.level).inc()
                 m.members.labels(role, region).set(len(effect.commitment.members))
@@ -274,6 +289,7 @@ class Intake:
     def _arm(self, arm: ArmCutoff) -> None:
         if self._closed or arm.sync_step in self.timers:
             return
+        self.armed_at[arm.sync_step] = time.monotonic()
         timer = threading.Timer(arm.seconds, self._fire, (arm.sync_step,))
         timer.daemon = True
         timer.name = f"cutoff-{arm.sync_step}"
