@@ -267,6 +267,9 @@ class Intake:
                 m.absent.labels(role, region).set(len(absent))
                 m.quorum_waiting.labels(role, region).set(0)
                 self.armed_at.pop(effect.sync_step, None)
+                timer = self.timers.pop(effect.sync_step, None)
+                if timer is not None:  # the step completed before its cutoff
+                    timer.cancel()
                 cut = self.cut_at.pop(effect.sync_step, None)
                 if cut is not None:
                     m.cutoff_to_commit.labels(role, region).observe(time.monotonic() - cut)
