@@ -620,7 +620,7 @@ class _Served(LocalUpstream):
             # The answer travels as bytes would: a relay's regional payload is its live
             # base, which its next merge moves, possibly before a late answer arrives.
             got = dataclasses.replace(got, payload=got.payload.clone())
-        if isinstance(got, Committed) and self.node.machine.schedule.is_final(sync_step):
+        if isinstance(got, Committed) and self.node.machine.schedule.is_final(got.sync_step):
             self.node.fetched_final(requester)
         return got
 

@@ -566,6 +566,8 @@ class RelaySnapshot:
     """The relay's global-codec error feedback (None: all zeros)."""
     commitment: Commitment
     """The aggregator's commitment to ``theta`` (served to islands with it)."""
+    rejoined_from: int | None = None
+    """The forwarded step, when this update was a later round the relay rejoined at."""
 
 
 class RelayMachine:

@@ -38,7 +38,7 @@ import torch
 
 from hypertrain.common import planted
 from hypertrain.common.aggregate import Commitment
-from hypertrain.common.config import RunConfig
+from hypertrain.common.config import MembershipConfig, RunConfig
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.roles import RegionCore, initial_parameters
 from hypertrain.common.rounds.machines import (
@@ -174,7 +174,9 @@ class _Node:
         """The merge of ``sync_step`` for ``requester``; a refusal; None: not yet; or, to a
         member left behind, a newer global merge (``newer``)."""
         got = self._lookup(run_id, requester, sync_step, kind)
-        return self.newer(sync_step, requester) if got is None else got
+        if got is None and self.cfg.membership != MembershipConfig():
+            return self.newer(sync_step, requester)  # only cutoffs leave members behind
+        return got
 
     def _lookup(
         self, run_id: str, requester: str, sync_step: int, kind: str | None
@@ -381,6 +383,13 @@ class RelayNode(_Node):
                 "commitment": json.dumps(snap.commitment.to_dict(), sort_keys=True),
                 "tape_seq": seq,
                 "tape_head": head,
+                # what the global_applied entry says of a rejoin (a crash before that
+                # entry is taped writes it again from here)
+                **(
+                    {}
+                    if applied.record.rejoined_from is None
+                    else {"rejoined_from": applied.record.rejoined_from}
+                ),
             },
         )
 
@@ -482,7 +491,9 @@ class RelayNode(_Node):
                 self.machine.restore(snap, records(entries))
                 merge = self.machine.merge_for(snap.sync_step)
                 assert merge is not None
-                self._record(Applied(merge, _applied_record(self.machine, snap)))
+                applied = _applied_record(self.machine, snap)
+                self._record(Applied(merge, applied))
+                self.machine.level.remember([applied])  # a rejoin's skipped steps
                 entries = store.entries()
             else:
                 self.machine.restore(snap, records(entries[:start]))
@@ -538,6 +549,7 @@ class RelayNode(_Node):
             ck["theta"],
             ck["residual"],
             Commitment.from_dict(json.loads(ck["commitment"])),
+            ck.get("rejoined_from"),
         )
         return snap, int(ck["tape_seq"]), str(ck["tape_head"])
 
@@ -550,6 +562,7 @@ def _applied_record(machine: RelayMachine, snap: RelaySnapshot) -> GlobalApplied
         sync_step=snap.sync_step,
         merge_step=s.merge_step(snap.sync_step),
         theta=flat_digest(snap.theta),
+        rejoined_from=snap.rejoined_from,
     )
 
 

@@ -166,7 +166,10 @@ class _Replay:
         self, e: Entry, rec: CutoffEntry, event: Callable[[int], tuple[Decision, list[Effect]]]
     ) -> None:
         """A taped cutoff: the machine takes it, and its own record must be the taped one."""
-        decision, effects = event(rec.sync_step)
+        try:
+            decision, effects = event(rec.sync_step)
+        except HypertrainError as err:  # the merge it allowed cannot be recomputed
+            raise ReplayError(e, f"cannot replay this cutoff: {err}") from None
         if not decision.accepted or decision.duplicate:
             raise ReplayError(e, f"cannot replay this cutoff: {decision.reason}")
         self.pending.extend(x for x in effects if not isinstance(x, ArmCutoff))

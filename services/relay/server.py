@@ -137,7 +137,8 @@ class RelayService:
         )
         header = self.board.header(merge)
         yield from merge_chunks(header, merge.payload)
-        if merge.kind == "global" and node.machine.schedule.is_final(request.sync_step):
+        # merge.sync_step: a member left behind may be answered with the final merge
+        if merge.kind == "global" and node.machine.schedule.is_final(merge.sync_step):
             with self.board.cond:
                 node.fetched_final(request.requester)
             self.board.check_final(node, _DONE_REASON)

@@ -353,3 +353,42 @@ def test_an_island_heals_to_the_later_global_merge() -> None:
     assert island.feedback.is_zero
     with pytest.raises(HypertrainError, match="cannot rejoin"):
         rounds.heal(6, later)  # not a global sync step, and behind
+
+
+def test_a_relay_that_rejoined_resumes_after_dying_before_its_entry(
+    tmp_path: Path, theta0: torch.Tensor
+) -> None:
+    """Killed between the checkpoint of a rejoin and its global_applied entry: restarted,
+    it tapes the same entry (rejoined_from included), so its tape stays whole, and it
+    still refuses deltas for the steps it skipped as stale."""
+    from hypertrain.common.aggregate import Commitment
+
+    cfg = CFG.with_overrides(steps=40)
+    key = SigningKey.generate("relay-eu")
+
+    class Died(Exception):
+        pass
+
+    def crash(point: str) -> None:
+        if point == "relay_after_checkpoint":
+            raise Died(point)
+
+    node = RelayNode(cfg, "eu", theta0, NodeStore(tmp_path, cfg.run_id, key, crash=crash))
+    n = theta0.numel()
+    for step in (5, 10):
+        for k in range(3):
+            node.push(_delta(cfg, n, f"eu-{k}", step, seed=step + k))
+    assert node.outbox is not None and node.outbox.sync_step == 10
+    with pytest.raises(Died):
+        node.on_global(GlobalArrived(20, theta0 + 1.0, Commitment({}, (), (), "")))
+    assert node.store is not None and node.store.tape is not None
+    node.store.tape.close()
+
+    again = RelayNode(cfg, "eu", theta0, NodeStore(tmp_path, cfg.run_id, key))
+    again.recover()
+    entries = verify_tape(tmp_path / "tape", TrustedKeys.of([key])).entries
+    applied = [e for e in entries if e.kind == "global_applied"]
+    assert [e.body.get("rejoined_from") for e in applied] == [10]
+    late = again.push(_delta(cfg, n, "eu-1", 15, seed=1))[0]
+    assert late.stale and "was skipped" in late.reason
+    assert again.machine.level.open_step == 25
