@@ -132,6 +132,11 @@ class MembershipConfig:
             if isinstance(q, float) and not 0 < q <= 1:
                 raise ConfigError(f"membership: {name} as a fraction must be in (0, 1], got {q}")
 
+    @property
+    def has_cutoffs(self) -> bool:
+        """Can a step of either level go ahead without some member (and leave it behind)?"""
+        return bool(self.regional_cutoff_s or self.global_cutoff_s)
+
     def cutoff_s(self, level: str) -> float:
         """The cutoff of a ``"regional"`` or ``"global"`` sync step, in seconds (0: none)."""
         return self.regional_cutoff_s if level == "regional" else self.global_cutoff_s
@@ -213,8 +218,7 @@ class RunConfig:
                 parse_codec_spec(getattr(self, name))
             except HypertrainError as e:
                 raise ConfigError(f"run: {name}: {e}") from None
-        cutoffs = self.membership.regional_cutoff_s or self.membership.global_cutoff_s
-        if cutoffs and self.topology.relay_shards > 1:
+        if self.membership.has_cutoffs and self.topology.relay_shards > 1:
             # A region's shards can be left behind unevenly (one shard's forward used, its
             # other's refused as stale) and then wait on each other: not supported yet.
             raise ConfigError(

@@ -195,14 +195,13 @@ class IslandState:
             raise HypertrainError(
                 f"island {self.island_id}: cannot rejoin at step {sync_step}, it is at {self.step}"
             )
-        self.base.copy_(theta)
-        self.load_params(self.base)
-        self.snapshots.clear()
+        self.finish(theta)  # base and parameters are theta, no overlap snapshot pending
         self.feedback.load_state_dict({"residual": None, "beta": self.feedback.beta})
         self.step = sync_step
 
     def finish(self, theta: torch.Tensor) -> None:
-        """End of the run: take the final global parameters (no steps follow, no overlap)."""
+        """End of the run: take the final global parameters (no steps follow, no overlap);
+        ``heal`` takes a later global merge the same way."""
         self.base.copy_(theta)
         self.snapshots.clear()
         self.load_params(self.base)

@@ -344,6 +344,10 @@ class _Level:
             return None
         return ArmCutoff(self.open_step, seconds)
 
+    def first_armed(self) -> ArmCutoff | None:
+        """``armed`` right after the open step's first delivery (None after any other)."""
+        return self.armed() if len(self.inputs) == 1 else None
+
     def cutoff(self, step: int) -> tuple[Decision, CutoffEntry | None]:
         """The driver says the cutoff of ``step`` was reached: the record to tape, or a
         refusal (not the open step) or a duplicate (already cut) with None."""
@@ -638,7 +642,7 @@ class RelayMachine:
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
             effects.extend(self._commit(d.sync_step))
-        elif len(self.level.inputs) == 1 and (arm := self.level.armed()) is not None:
+        elif (arm := self.level.first_armed()) is not None:
             effects.append(arm)
         return Decision(OK, f"accepted delta from {d.sender} for step {d.sync_step}"), effects
 
@@ -863,7 +867,7 @@ class AggregatorMachine:
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
             effects.append(self._commit(d.sync_step))
-        elif len(self.level.inputs) == 1 and (arm := self.level.armed()) is not None:
+        elif (arm := self.level.first_armed()) is not None:
             effects.append(arm)
         return Decision(
             OK, f"accepted regional delta from {d.sender} for step {d.sync_step}"

@@ -38,7 +38,7 @@ import torch
 
 from hypertrain.common import planted
 from hypertrain.common.aggregate import Commitment
-from hypertrain.common.config import MembershipConfig, RunConfig
+from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.roles import RegionCore, initial_parameters
 from hypertrain.common.rounds.machines import (
@@ -174,7 +174,7 @@ class _Node:
         """The merge of ``sync_step`` for ``requester``; a refusal; None: not yet; or, to a
         member left behind, a newer global merge (``newer``)."""
         got = self._lookup(run_id, requester, sync_step, kind)
-        if got is None and self.cfg.membership != MembershipConfig():
+        if got is None and self.cfg.membership.has_cutoffs:
             return self.newer(sync_step, requester)  # only cutoffs leave members behind
         return got
 
