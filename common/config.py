@@ -113,8 +113,18 @@ class MembershipConfig:
     global_quorum: int | float = 0.5
     """Regions needed to commit a global round at a cutoff (count or fraction, as above);
     a region with relay shards counts only when every one of its shards delivered."""
+    standby: tuple[str, ...] = ()
+    """Islands of the topology that are not members when the run starts: each may join
+    it later (its relay tapes the join; it starts from the merge the relay names).  Any
+    island may also leave (SIGTERM) and join again.  Omitted from the canonical config
+    while empty."""
 
     def __post_init__(self) -> None:
+        standby = self.standby
+        if not isinstance(standby, tuple) or not all(isinstance(i, str) for i in standby):
+            raise ConfigError(f"membership: standby must be a list of island ids, got {standby!r}")
+        if len(set(standby)) != len(standby):
+            raise ConfigError(f"membership: standby names an island twice: {list(standby)}")
         for name in ("regional_cutoff_s", "global_cutoff_s"):
             value = getattr(self, name)
             if (
@@ -131,6 +141,10 @@ class MembershipConfig:
                 raise ConfigError(f"membership: {name} as a count must be >= 1, got {q}")
             if isinstance(q, float) and not 0 < q <= 1:
                 raise ConfigError(f"membership: {name} as a fraction must be in (0, 1], got {q}")
+
+    def initial(self, islands: tuple[str, ...]) -> tuple[str, ...]:
+        """The members of a region whose islands are ``islands`` when the run starts."""
+        return tuple(i for i in islands if i not in self.standby)
 
     @property
     def has_cutoffs(self) -> bool:
@@ -218,6 +232,19 @@ class RunConfig:
                 parse_codec_spec(getattr(self, name))
             except HypertrainError as e:
                 raise ConfigError(f"run: {name}: {e}") from None
+        for island in self.membership.standby:
+            try:
+                self.topology.region_of(island)
+            except ConfigError:
+                raise ConfigError(
+                    f"membership: standby island {island!r} is not an island of this run "
+                    f"(islands: {', '.join(self.topology.island_ids())})"
+                ) from None
+        if self.membership.standby and self.topology.relay_shards > 1:
+            raise ConfigError(
+                "run: standby islands (joins at run time) do not work with relay_shards > 1 "
+                "yet; use one relay per region"
+            )
         if self.membership.has_cutoffs and self.topology.relay_shards > 1:
             # A region's shards can be left behind unevenly (one shard's forward used, its
             # other's refused as stale) and then wait on each other: not supported yet.
@@ -250,7 +277,10 @@ class RunConfig:
             if "outer" in d:
                 d["outer"] = OuterConfig(**d["outer"])
             if "membership" in d:
-                d["membership"] = MembershipConfig(**d["membership"])
+                mem = dict(d["membership"])
+                if "standby" in mem:
+                    mem["standby"] = tuple(mem["standby"])
+                d["membership"] = MembershipConfig(**mem)
             if isinstance(d.get("model_shape"), dict):
                 d["model_shape"] = ModelConfig(**d["model_shape"])
             return cls(**d)
@@ -287,6 +317,10 @@ class RunConfig:
             del d["topology"]["relay_shards"]
         if self.membership == MembershipConfig():  # ... and from before cutoffs
             del d["membership"]
+        elif not self.membership.standby:  # ... and from before joins
+            del d["membership"]["standby"]
+        else:
+            d["membership"]["standby"] = list(self.membership.standby)
         return d
 
     def shards(self, numel: int) -> Shards:

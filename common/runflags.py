@@ -23,6 +23,11 @@ def _count_or_fraction(text: str) -> int | float:
         return float(text)
 
 
+def _names(text: str) -> list[str]:
+    """``eu-2,us-2``: comma-separated island ids ("" for none)."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 # Flags of `run` that override RunConfig fields: flag -> (dotted field, type).
 RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--run-id": ("run_id", str),
@@ -49,6 +54,7 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--global-cutoff": ("membership.global_cutoff_s", float),
     "--regional-quorum": ("membership.regional_quorum", _count_or_fraction),
     "--global-quorum": ("membership.global_quorum", _count_or_fraction),
+    "--standby": ("membership.standby", _names),
 }
 
 

@@ -15,6 +15,8 @@ asks it what to do:
   here into the whole vector ``apply`` / ``finish`` take.
 - ``heal(sync_step, payload)``: a fetch was answered with a newer global merge than the
   one asked for (the island was left behind): rejoin from it.
+- ``join_from(start)``: the relay took this island's join (``RelayMachine.on_member``):
+  the merge it must fetch and ``heal`` to before it trains, or None.
 
 The island daemon, the in-process cluster and the fault simulation all drive islands
 through this class, so none of them re-derives the schedule.
@@ -133,12 +135,26 @@ class IslandRounds:
             )
         self.core.finish(theta)
 
+    def join_from(self, start: int | None) -> tuple[int, SyncKind] | None:
+        """After a join was taken with ``start`` (``Decision.start``): the merge (sync step
+        and kind) to fetch and ``heal`` to before training, or None when this island
+        already stands there or later (or ``start`` is None or 0: a member since the run
+        began continues from its own state; 0 is the initial parameters, which a new
+        island has)."""
+        if not start or start <= self.core.step:
+            return None
+        kind = self.schedule.sync_kind(start)
+        assert kind is not None
+        return start, kind
+
     def heal(self, sync_step: int, payload: torch.Tensor) -> None:
         """The relay answered a fetch with the global merge of a later ``sync_step`` than the
         one asked for: this island was left behind; it rejoins there
         (``IslandState.heal``), with nothing pending, and is a member again from the next
-        sync step (at the run's last step, ``payload`` is the final state)."""
-        if not self.schedule.is_sync_step(sync_step, "global") or sync_step < self.core.step:
+        sync step (at the run's last step, ``payload`` is the final state).  A joining
+        island takes the merge its join names the same way (a regional one when it joins
+        a region that no member holds)."""
+        if not self.schedule.is_sync_step(sync_step, "regional") or sync_step < self.core.step:
             raise HypertrainError(
                 f"island {self.core.island_id}: cannot rejoin at step {sync_step} from step "
                 f"{self.core.step}"

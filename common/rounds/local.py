@@ -39,6 +39,8 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import IslandState
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import (
+    JOIN,
+    LEAVE,
     PRECONDITION,
     ArmCutoff,
     Committed,
@@ -46,6 +48,7 @@ from hypertrain.common.rounds.machines import (
     Delta,
     Effect,
     GlobalArrived,
+    MemberRequest,
 )
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.common.rounds.store import Crash as CrashHook
@@ -291,6 +294,8 @@ class IslandActor(_Client):
         """The region's relay, or its shards in shard order."""
         self.sent_bytes = 0
         self.sends = 0
+        self.member = island_id in cluster.cfg.membership.initial((island_id,))
+        """Is it a member (else it joins when it starts: on standby, or it left)?"""
         self._start()
 
     def _start(self) -> None:
@@ -306,11 +311,69 @@ class IslandActor(_Client):
         self.waiting: list[PendingMerge[None]] = []
         self.final_wait = False
         self.done = False
+        self.healing: tuple[int, str] | None = None  # the merge a join named, being fetched
+        self.leaving = False
+        self.joining = not self.member  # asks when its training starts (``begin``)
 
     @property
     def ready(self) -> bool:
         """Can train its next step now?"""
-        return self.alive and not self.done and not self.waiting and not self.final_wait
+        return (
+            self.alive
+            and not self.done
+            and not self.waiting
+            and not self.final_wait
+            and not self.joining
+            and self.healing is None
+            and not self.leaving
+        )
+
+    def _member_call(self, change: str) -> None:
+        """Ask the region's relay to take this island in (``JOIN``: then fetch the merge
+        it names and heal to it) or to let it go (``LEAVE``: then stop, like a daemon that
+        got SIGTERM)."""
+        relay = self.cluster.relays[self.relay_names[0]]
+        request = MemberRequest(self.cluster.cfg.run_id, change, self.name, self.core.step)
+        if self.key is not None:
+            request = request.signed(self.key.sign(request.message()))
+
+        def on_reply(d: Decision) -> bool:
+            if d.code == PRECONDITION:
+                return False
+            if not d.accepted:
+                raise _refused(self.name, change, d)
+            if change == LEAVE:
+                self.member = False
+                self.cluster.gone.add(self.name)
+                self.crash()  # stops: its folder stays; a restart joins again
+                return True
+            self.member, self.joining = True, False
+            self.cluster.gone.discard(self.name)
+            start = self.rounds.join_from(d.start)
+            if start is not None:
+                self.waiting = []
+                self.healing = start
+                self._fetch(*start)
+            else:
+                self._next()
+            return True
+
+        self.ask("member", relay, lambda: relay.endpoint.member(request), on_reply, change)
+
+    def begin(self) -> None:
+        """Its training loop starts: a non-member asks to join first."""
+        if self.joining and not (self.calls.get("member") and self.calls["member"].busy):
+            self._member_call(JOIN)
+
+    def leave(self) -> None:
+        """Announce a leave once the push in flight is acknowledged (SIGTERM to a daemon)."""
+        if not self.alive or self.done or not self.member:
+            return
+        self.leaving = True
+        if self.push_step is not None:
+            self.later(RETRY, self.leave)
+            return
+        self._member_call(LEAVE)
 
     def train(self) -> float:
         return self.core.train_step()
@@ -391,7 +454,8 @@ class IslandActor(_Client):
                     # Shards answered different merges (one already holds a newer round
                     # only): ask them all again a little later.
                     self.later(RETRY, lambda: self._fetch(step, kind))
-                elif parts[0].sync_step != step:
+                elif parts[0].sync_step != step or self.healing is not None:
+                    self.healing = None
                     self._healed(parts[0], self.rounds.join(parts))
                 else:
                     self._merged(parts[0], self.rounds.join(parts))
@@ -421,12 +485,13 @@ class IslandActor(_Client):
         self._next()
 
     def _healed(self, merge: Committed, payload: torch.Tensor) -> None:
-        """Left behind: the relay answered with a newer global merge; rejoin from it."""
+        """Left behind (the relay answered with a newer global merge), or joining (the
+        merge its join named): rejoin from it."""
         obs = self.cluster.observer
         self.waiting = []
         self.final_wait = False
         self.rounds.heal(merge.sync_step, payload)
-        obs.applied(self.name, "global", merge.sync_step, self.core.base)
+        obs.applied(self.name, merge.kind, merge.sync_step, self.core.base)
         if self.rounds.finished:  # it rejoined at the run's end: the final merge
             self.done = True
             obs.finished(self.name, self.core.params())
@@ -699,6 +764,8 @@ class Cluster:
         """Let ``island`` train one step every ``step_time`` virtual seconds whenever it is
         not waiting (this incarnation: a crash ends the loop; call again after a restart)."""
 
+        island.begin()
+
         def run() -> None:
             if not island.ready:  # waiting for a merge: sleep until it is applied
                 if not island.done:
@@ -749,6 +816,11 @@ class Cluster:
 
     def run_lockstep(self) -> torch.Tensor:
         """The whole run in lockstep, fault-free; returns the final global parameters."""
+        if self.cfg.membership.standby:
+            raise HypertrainError(
+                "islands on standby join while the run goes on: run it event by event "
+                "(start_training and drive), not in lockstep"
+            )
         for _ in range(self.cfg.steps):
             self.step_together()
         return self.final_theta()

@@ -17,6 +17,12 @@ Round rules (the same at both levels; docs/design.md §4, §4.10):
   present, in the same fixed order; the absent are named in the merge record.
 - A delta for a step that closed without its sender is refused (PRECONDITION, marked
   ``stale``) and taped as a rejection with its digest; it is never aggregated.
+- A region's members change by events too (``RelayMachine.on_member``, taped as
+  ``member`` entries): an island of the region that is not a member (on standby, or it
+  left) joins from the first regional sync step after the next global one, starting from
+  that global merge (in a region with no members left: from the relay's newest merge);
+  a member leaves from the open step, or from the next one when it already delivered
+  the open step, and the open step commits at once if everyone left has delivered.
 - Only the open sync step accepts deltas.  An identical resend of an accepted delta
   (same step, sender and digest) is answered as a duplicate and counted once; different
   bytes for an accepted (step, sender) are refused.
@@ -51,6 +57,7 @@ from hypertrain.common.trust.keys import TrustedKeys
 from hypertrain.common.trust.ledger import (
     flat_digest,
     island_key,
+    member_message,
     outer_state_digest,
     relay_key,
     transfer_message,
@@ -61,6 +68,7 @@ from hypertrain.common.trust.schema import (
     GlobalAppliedEntry,
     GlobalMergeEntry,
     InputEntry,
+    MemberEntry,
     Record,
     RegionalMergeEntry,
     tape_safe,
@@ -174,6 +182,10 @@ class Decision:
     stale: bool = False
     """Refused because its step closed without this sender at a cutoff: resending cannot
     help; the sender takes the step's merge instead (transports say so to the sender)."""
+    start: int | None = None
+    """A join taken (or a member asking again): the sync step whose merge the island
+    starts from (0: the initial parameters); None for a member since the run began, which
+    continues from its own state."""
 
     @property
     def accepted(self) -> bool:
@@ -181,6 +193,33 @@ class Decision:
 
 
 # -- events -------------------------------------------------------------------------------
+JOIN, LEAVE = "join", "leave"
+
+
+@dataclass(frozen=True, slots=True)
+class MemberRequest:
+    """Event at a relay: an island of the region asks to join it, or to leave it."""
+
+    run_id: str
+    change: str
+    """``JOIN`` or ``LEAVE``."""
+    member: str
+    step: int
+    """The island's own step when it asked."""
+    signature: bytes = b""
+    """Ed25519 over ``ledger.member_message`` of the fields above, by the island's key."""
+
+    def message(self) -> bytes:
+        return member_message(self.run_id, self.change, self.member, self.step)
+
+    def signed(self, signature: bytes) -> MemberRequest:
+        return dataclasses.replace(self, signature=signature)
+
+    @classmethod
+    def from_record(cls, run_id: str, rec: MemberEntry) -> MemberRequest:
+        return cls(run_id, rec.change, rec.member, rec.step, bytes.fromhex(rec.signature))
+
+
 @dataclass(frozen=True, slots=True)
 class GlobalArrived:
     """Event at a relay: the aggregator's theta_{g+1} for the global round of ``sync_step``,
@@ -269,7 +308,14 @@ class ArmCutoff:
     record: None = None
 
 
-Effect = Publish | Committed | Forward | Applied | Cut | ArmCutoff
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """Effect: an island joined or left the region (taped before any merge it allowed)."""
+
+    record: MemberEntry
+
+
+Effect = Publish | Committed | Forward | Applied | Cut | ArmCutoff | Membership
 
 
 @dataclass
@@ -280,7 +326,9 @@ class _Level:
     schedule: Schedule
     level: SyncKind
     role: str
-    members: tuple[str, ...]
+    roster: tuple[str, ...]
+    """Every sender this level may ever have (the region's islands; the run's regions or
+    relay shards), in the fixed order of aggregation."""
     codec: Codec
     numel: int
     open_step: int
@@ -303,6 +351,40 @@ class _Level:
     skipped: list[tuple[int, int]] = field(default_factory=list)
     """(first, last) sync steps this level never committed: a relay left behind by the
     global rounds rejoins at ``last`` (``skip_to``)."""
+    initial: tuple[str, ...] | None = None
+    """The members when the run starts (None: the whole roster)."""
+    changes: list[MemberEntry] = field(default_factory=list)
+    """Joins and leaves in the order they were taped; each applies from its sync step."""
+    _cache: tuple[int, int, tuple[str, ...]] = (-1, -1, ())
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members of the open step."""
+        return self.members_for(self.open_step)
+
+    def members_for(self, step: int) -> tuple[str, ...]:
+        """The members of sync step ``step`` by the changes known now (roster order)."""
+        at, n, cached = self._cache
+        if at == step and n == len(self.changes):
+            return cached
+        current = set(self.roster if self.initial is None else self.initial)
+        for c in self.changes:
+            if c.sync_step <= step:
+                (current.add if c.change == JOIN else current.discard)(c.member)
+        members = tuple(m for m in self.roster if m in current)
+        self._cache = (step, len(self.changes), members)
+        return members
+
+    def last_change(self, member: str) -> MemberEntry | None:
+        return next((c for c in reversed(self.changes) if c.member == member), None)
+
+    def is_in(self, member: str) -> bool:
+        """A member now, or from a step to come (its last change is a join; none: it was
+        a member from the start)."""
+        last = self.last_change(member)
+        if last is None:
+            return member in (self.roster if self.initial is None else self.initial)
+        return last.change == JOIN
 
     @property
     def scope(self) -> str:
@@ -330,10 +412,11 @@ class _Level:
         """May the open step commit now?"""
         if planted.on("count_duplicate_twice"):
             return self.deliveries >= len(self.members)
-        if len(self.inputs) == len(self.members):
+        members = self.members
+        if self.inputs and all(m in self.inputs for m in members):
             return True
         present = {self.unit_of(m) for m in self.present()}
-        return self.cut and len(present) >= self.quorum
+        return self.cut and bool(present) and len(present) >= self.quorum
 
     def armed(self) -> ArmCutoff | None:
         """The cutoff clock the open step needs (it has deliveries, and is neither complete
@@ -379,9 +462,9 @@ class _Level:
             return Decision(
                 INVALID, f"wrong run: {d.run_id!r}, this {self.role} serves {cfg.run_id!r}"
             )
-        if d.sender not in self.members:
+        if d.sender not in self.roster:
             return Decision(
-                INVALID, f"{d.sender!r} is not a member here (members: {', '.join(self.members)})"
+                INVALID, f"{d.sender!r} is not a member here (members: {', '.join(self.roster)})"
             )
         if d.shard != self.shard:
             return Decision(
@@ -427,6 +510,18 @@ class _Level:
                     stale=True,
                 )
             return Decision(PRECONDITION, f"step {s} is closed (open step is {self.open_step})")
+        if d.sender not in self.members_for(s):
+            last = self.last_change(d.sender)
+            why = (
+                "it has not joined"
+                if last is None
+                else f"it left at step {last.sync_step}"
+                if last.change == LEAVE
+                else f"it is a member from step {last.sync_step}"
+            )
+            return Decision(
+                INVALID, f"{d.sender} is not a member of {self.scope} at step {s}: {why}"
+            )
         if s > self.open_step:
             return Decision(PRECONDITION, f"step {s} is ahead of the open step {self.open_step}")
         if self.trusted is not None:
@@ -493,6 +588,8 @@ class _Level:
         for r in records:
             if isinstance(r, InputEntry):
                 self.accepted[(r.sync_step, r.sender)] = r.digest
+            elif isinstance(r, MemberEntry):
+                self.changes.append(r)
             elif isinstance(r, RegionalMergeEntry | GlobalMergeEntry) and r.absent:
                 self.absent_at[r.sync_step] = r.absent
                 self.members_at[r.sync_step] = tuple(m for m, _ in r.members)
@@ -512,7 +609,7 @@ class _Level:
 
     def members_of(self, step: int) -> tuple[str, ...]:
         """The members whose inputs the closed ``step`` aggregated."""
-        return self.members_at.get(step, self.members)
+        return self.members_at.get(step, self.members_for(step))
 
 
 def _take_cutoff(
@@ -616,6 +713,7 @@ class RelayMachine:
             signer_of=island_key,
             shard=shards.label(shard),
             region=region,
+            initial=cfg.membership.initial(cfg.topology.islands_of(region)),
         )
         self.global_pending: int | None = None  # sync step forwarded, theta not yet back
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
@@ -650,6 +748,111 @@ class RelayMachine:
         """The cutoff of sync step ``step`` was reached (the driver's clock, or a taped
         ``cutoff`` entry replayed): tape it, and commit now if the quorum delivered."""
         return _take_cutoff(self.level, step, self._commit)
+
+    def on_member(self, req: MemberRequest) -> tuple[Decision, list[Effect]]:
+        """An island of the region asks to join it or to leave it (module docstring).
+
+        A join answers ``Decision.start``: the sync step whose merge the island starts
+        from (it fetches that merge and rejoins there, ``IslandRounds.heal``; 0: the
+        initial parameters), and it is a member from the next regional sync step.  Asking
+        again is a duplicate with the same answer; a member since the start gets
+        ``start=None``.  A leave of a non-member is a duplicate.  Nothing changes on a
+        refusal or a duplicate."""
+        lv, sched = self.level, self.schedule
+        refusal = self._member_refusal(req)
+        if refusal is not None:
+            return refusal, []
+        last = lv.last_change(req.member)
+        if req.change == JOIN:
+            if lv.is_in(req.member):
+                start = None if last is None else last.start
+                return Decision(
+                    OK, f"{req.member} is already a member of region {self.region}",
+                    duplicate=True, start=start,
+                ), []  # fmt: skip
+            start, first = self._join_terms()
+            if first > sched.steps:
+                return Decision(
+                    INVALID,
+                    f"{req.member} cannot join: the run ends at step {sched.steps}, "
+                    "after the last global round it could start from",
+                ), []
+        else:
+            if not lv.is_in(req.member):
+                return Decision(
+                    OK, f"{req.member} is not a member of region {self.region}", duplicate=True
+                ), []
+            if last is not None and last.start is not None and req.step < last.start:
+                return Decision(
+                    INVALID,
+                    f"a leave signed at step {req.step}, before {req.member} joined again "
+                    f"at step {last.start}",
+                ), []
+            start = None
+            delivered = req.member in lv.inputs
+            first = sched.next_sync_step("regional", lv.open_step) if delivered else lv.open_step
+        record = MemberEntry(
+            change=req.change,
+            member=req.member,
+            round=sched.round_of(first),
+            sync_step=first,
+            step=req.step,
+            signature=req.signature.hex(),
+            start=start,
+        )
+        lv.changes.append(record)
+        effects: list[Effect] = [Membership(record)]
+        if req.change == LEAVE and self.global_pending is None and lv.complete():
+            effects.extend(self._commit(lv.open_step))  # the rest had all delivered
+        what = (
+            f"{req.member} joins region {self.region} from step {first}, starting from the "
+            f"merge of step {start}"
+            if req.change == JOIN
+            else f"{req.member} leaves region {self.region} from step {first}"
+        )
+        return Decision(OK, what, start=start), effects
+
+    def _member_refusal(self, req: MemberRequest) -> Decision | None:
+        lv = self.level
+        if req.run_id != self.cfg.run_id:
+            return Decision(
+                INVALID, f"wrong run: {req.run_id!r}, this relay serves {self.cfg.run_id!r}"
+            )
+        if req.change not in (JOIN, LEAVE):
+            return Decision(INVALID, f"unknown membership change {req.change!r}")
+        if req.member not in lv.roster:
+            return Decision(
+                INVALID,
+                f"{req.member!r} is not an island of region {self.region} "
+                f"(islands: {', '.join(lv.roster)})",
+            )
+        if lv.trusted is not None:
+            if not req.signature:
+                return Decision(INVALID, f"unsigned {req.change} request from {req.member}")
+            key = island_key(req.member)
+            try:
+                good = lv.trusted.verify(key, req.message(), req.signature)
+            except UnknownKeyError:
+                return Decision(INVALID, f"no trusted key {key!r} for {req.member}")
+            if not good:
+                return Decision(INVALID, f"bad signature on the {req.change} of {req.member}")
+        if self.done:
+            return Decision(INVALID, f"the run is complete: nothing to {req.change}")
+        return None
+
+    def _join_terms(self) -> tuple[int, int]:
+        """(start, first) of a join now: the merge the joiner starts from and the first
+        regional sync step it is a member of (always the one after ``start``)."""
+        lv, sched = self.level, self.schedule
+        if self.global_pending is not None:  # the round's last step is in: take its merge
+            start = self.global_pending
+        elif not lv.members and not lv.inputs:
+            # No member left to carry the region to its next global round: start from the
+            # newest merge (the relay's base is that merge; nothing moved it since).
+            start = lv.open_step - sched.h_r
+        else:
+            start = sched.global_step_of(sched.round_of(lv.open_step))
+        return start, sched.next_sync_step("regional", start)
 
     def _commit(self, step: int) -> list[Effect]:
         sched = self.schedule

@@ -54,6 +54,8 @@ from hypertrain.common.rounds.machines import (
     Effect,
     Forward,
     GlobalArrived,
+    MemberRequest,
+    Membership,
     Publish,
     RelayMachine,
     RelaySnapshot,
@@ -184,7 +186,7 @@ class _Node:
         """The merge of ``sync_step`` itself, a refusal, or None."""
         if run_id != self.cfg.run_id:
             return Decision(INVALID, f"wrong run {run_id!r}")
-        if requester not in self.machine.members:
+        if requester not in self.machine.level.roster:
             return Decision(FORBIDDEN, f"{requester!r} is not a member of this {self.role}")
         merge = self.machine.merge_for(sync_step, requester)
         if merge is None:
@@ -275,11 +277,21 @@ class RelayNode(_Node):
         self._decided(decision, delta, effects, publisher)
         return decision, effects
 
+    def on_member(self, req: MemberRequest) -> tuple[Decision, list[Effect]]:
+        """An island asks to join or leave the region: the machine decides; a change and
+        any merge it completed are taped before this returns (a refusal is not taped: it
+        changes nothing and may come from anyone)."""
+        self.settle()
+        decision, effects = self.machine.on_member(req)
+        if decision.accepted and not decision.duplicate:
+            self._accept(effects, None)
+        return decision, effects
+
     def _before_event(self) -> None:
         self.settle()
 
     def _carry_out(self, effect: Effect) -> None:
-        if isinstance(effect, Cut):
+        if isinstance(effect, Cut | Membership):
             self._record(effect)
         elif isinstance(effect, Committed):
             self._crash("relay_before_merge_entry")

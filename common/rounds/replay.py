@@ -20,6 +20,9 @@ other replay.
 - A ``cutoff`` entry is an event too: the machine takes the cutoff of that step (no
   clock is read) and must produce exactly that record, and then the merge it allowed.
   So a merge without some members replays only behind the cutoff that allowed it.
+- A ``member`` entry (a relay's join or leave) is an event: the machine takes the
+  request it records (signature checked) and must produce exactly that record, then any
+  merge the change completed.
 - ``rejection`` and ``checkpoint`` entries change nothing and are skipped.
 - Effects produced but not on the tape (a crash came between an input and its merge
   record) are left in ``pending``: a restarted daemon tapes and carries them out.
@@ -49,6 +52,7 @@ from hypertrain.common.rounds.machines import (
     Effect,
     Forward,
     GlobalArrived,
+    MemberRequest,
     Publish,
     RelayMachine,
 )
@@ -56,6 +60,7 @@ from hypertrain.common.trust.schema import (
     CutoffEntry,
     GlobalAppliedEntry,
     InputEntry,
+    MemberEntry,
     Record,
     parse,
 )
@@ -242,6 +247,8 @@ class RelayReplay(_Replay):
                 self.pending.extend(x for x in effects if not isinstance(x, Publish | ArmCutoff))
             elif isinstance(rec, CutoffEntry):
                 self._cutoff(e, rec, m.on_cutoff)
+            elif isinstance(rec, MemberEntry):
+                self._member(e, rec)
             elif rec is not None and rec.KIND in ("regional_merge", "forward"):
                 effect = self._match(e, rec)
                 if isinstance(effect, Forward):
@@ -249,6 +256,20 @@ class RelayReplay(_Replay):
             elif rec is not None and rec.KIND != "rejection":
                 raise ReplayError(e, f"a {rec.KIND} entry does not belong on a relay's tape")
         return None
+
+    def _member(self, e: Entry, rec: MemberEntry) -> None:
+        """A taped join or leave: the machine takes the request it records, and its own
+        record (the steps it applies from) must be the taped one."""
+        try:
+            decision, effects = self.machine.on_member(
+                MemberRequest.from_record(self.machine.cfg.run_id, rec)
+            )
+        except (HypertrainError, ValueError) as err:  # a merge it completed cannot be redone
+            raise ReplayError(e, f"cannot replay this {rec.change}: {err}") from None
+        if not decision.accepted or decision.duplicate:
+            raise ReplayError(e, f"cannot replay this {rec.change}: {decision.reason}")
+        self.pending.extend(effects)
+        self._match(e, rec)
 
     def apply_global(self, event: GlobalArrived) -> Committed:
         """Consume the ``global_applied`` entry ``advance`` stopped at, with the aggregator's

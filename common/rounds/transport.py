@@ -6,7 +6,9 @@ a delta, fetch a merge, report the final state applied.  Every call answers at o
 - ``push`` returns the node's ``Decision`` (accepted, duplicate, or refused with a code
   and a reason; "not now" is ``PRECONDITION``);
 - ``fetch`` returns the committed merge, a refusal, or None: not committed yet;
-- ``report_applied`` returns None when taken, or a refusal.
+- ``report_applied`` returns None when taken, or a refusal;
+- ``member`` (an island to its relay) asks to join or leave the region; returns the
+  relay's ``Decision`` (a join's ``start`` says which merge to start from).
 
 A peer that cannot be reached raises ``Unavailable``.  Waiting (retry "not now", retry
 "unavailable", ask again for a merge that is not ready) is the caller's policy, not
@@ -35,6 +37,7 @@ from hypertrain.common.rounds.machines import (
     Committed,
     Decision,
     Delta,
+    MemberRequest,
 )
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 
@@ -55,6 +58,8 @@ class Upstream(Protocol):
         ...
 
     def report_applied(self, requester: str, step: int) -> Decision | None: ...
+
+    def member(self, request: MemberRequest) -> Decision: ...
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -101,3 +106,9 @@ class LocalUpstream:
         if isinstance(self.node, AggregatorNode):
             return self.node.applied(requester, step)
         return None
+
+    def member(self, request: MemberRequest) -> Decision:
+        if not isinstance(self.node, RelayNode):
+            return Decision(INVALID, "joins and leaves go to the region's relay")
+        decision, _ = self.node.on_member(request)
+        return decision

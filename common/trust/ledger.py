@@ -47,6 +47,18 @@ def transfer_message(
     ).encode()
 
 
+def member_message(run_id: str, change: str, member: str, step: int) -> bytes:
+    """The canonical bytes an island signs to join (``change`` "join") or leave ("leave")
+    its region; ``step``: its own step when it asks (a leave signed before a later join
+    is refused: see ``RelayMachine.on_member``)."""
+    return json.dumps(
+        {"hypertrain-member": 1, "run_id": run_id, "change": change, "member": member,
+         "step": step},
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()  # fmt: skip
+
+
 def island_key(island: str) -> str:
     return f"island-{island}"
 

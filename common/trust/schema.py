@@ -30,6 +30,11 @@ differing field):
 - ``cutoff`` (relay, aggregator): the cutoff of an open sync step was reached: round,
   sync_step, present (members that had delivered), absent (those that had not), quorum
   (units needed to commit without them).  A merge with absent members follows a cutoff.
+- ``member`` (relay): an island joined or left the region: change ("join" | "leave"),
+  member, round and sync_step (the first sync step the change applies to), start (a
+  join: the sync step whose merge the joiner starts from; 0: the initial parameters),
+  step (the island's own step when it asked), signature (hex, Ed25519 of
+  ``ledger.member_message``; "" when keys are not pinned).
 - ``checkpoint``: written by ``TapeWriter.checkpoint`` itself (size, root).
 
 A ``regional_merge`` or ``global_merge`` that went ahead without some members names them
@@ -180,6 +185,21 @@ class CutoffEntry(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class MemberEntry(_Record):
+    """A membership change of a region: an island joined or left (see the module text)."""
+
+    KIND: ClassVar[str] = "member"
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"start"})
+    change: str
+    member: str
+    round: int
+    sync_step: int
+    step: int
+    signature: str
+    start: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RegionalMergeEntry(_Record):
     """A relay's committed regional mean and how its base moved."""
 
@@ -259,6 +279,7 @@ Record: TypeAlias = (
     | GlobalAppliedEntry
     | GlobalMergeEntry
     | CutoffEntry
+    | MemberEntry
 )
 KINDS: dict[str, type[_Record]] = {
     c.KIND: c
@@ -270,6 +291,7 @@ KINDS: dict[str, type[_Record]] = {
         GlobalAppliedEntry,
         GlobalMergeEntry,
         CutoffEntry,
+        MemberEntry,
     )
 }
 

@@ -11,7 +11,13 @@ and applies it with IslandCore.apply_merge.  The merge step never depends on
 timing.  After the last step the final global parameters are fetched and
 loaded (no steps follow, so there is no overlap progress to keep).
 
-SIGTERM / Ctrl-C stop the island between steps, never inside a merge.
+SIGTERM / Ctrl-C stop the island between steps, never inside a merge; SIGTERM first
+announces a leave to the relay (one try), so the region does not wait for this island
+at its next sync step.  At start the island asks its relay to take it in: a member
+since the run began is told so and goes on from its own state; an island on standby,
+or one that left, joins and first heals to the merge the relay names
+(``RelayMachine.on_member``).  (With relay shards, joins and leaves are not supported
+yet: the island neither asks nor announces.)
 
 Under ``torchrun`` the island is K data-parallel ranks (``ranks.py``): rank 0 does
 all the talking (relay, tape signature, rejoin state, metrics, log lines) and
@@ -20,6 +26,7 @@ broadcasts each merge to the others; every rank applies it at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -38,12 +45,13 @@ from hypertrain.common.errors import ConfigError
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore
 from hypertrain.common.rounds.island import IslandRounds
-from hypertrain.common.rounds.machines import Delta
+from hypertrain.common.rounds.machines import JOIN, LEAVE, Delta, MemberRequest
 from hypertrain.common.rounds.store import atomic_save
+from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey
 from hypertrain.island.ranks import TorchRanks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
-from hypertrain.wire.errors import StaleDelta
+from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
@@ -124,6 +132,7 @@ class Island:
         self.syncs = 0
         self.stale = 0  # deltas refused as stale (their step closed without this island)
         self.heals = 0  # rejoined from a later global merge after being left behind
+        self.leave_on_stop = False  # SIGTERM: announce a leave before stopping
         self.metrics = metrics or Metrics("island")
         self.tokens_per_step = cfg.batch_per_island * mcfg.seq_len
         self._labels = {"region": self.core.region, "island": island_id}
@@ -197,8 +206,10 @@ class Island:
         losses: list[float] = []
         m, labels = self.metrics, self._labels
         self._resume()
+        self._join()
         while self.core.step < cfg.steps:
             if self._stopping():
+                self._leave(push)
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
             step = self.core.step
@@ -285,6 +296,46 @@ class Island:
         )
         return digest
 
+    def _member_request(self, change: str) -> MemberRequest:
+        req = MemberRequest(self.cfg.run_id, change, self.island_id, self.core.step)
+        return req if self.key is None else req.signed(self.key.sign(req.message()))
+
+    def _join(self) -> None:
+        """Ask the relay to take this island in; a new member heals to the merge it names
+        first (every rank: rank 0 asks and broadcasts the answer)."""
+        if self.core.shards.sharded:
+            return
+        start: int | None = None
+        if self.relays is not None:
+            decision = self.relays[0].member(self._member_request(JOIN))
+            start = decision.start
+            if not decision.duplicate:
+                self._log("joined", role="island", island=self.island_id, start=start,
+                          message=decision.reason)  # fmt: skip
+        if self.ranks is not None:
+            start = int(self.ranks.broadcast(torch.tensor([start or 0], dtype=torch.int64))[0])
+        due = self.rounds.join_from(start)
+        if due is not None:
+            payload, got = self._fetch(*due)
+            self._heal(got, payload, due[0])
+
+    def _leave(self, push: Future[None]) -> None:
+        """Stopping on SIGTERM: once the push in flight is done (or given up), tell the
+        relay this island leaves (one try: the relay may be gone too)."""
+        if not (self.leave_on_stop and self.lead and not self.core.shards.sharded):
+            return
+        assert self.relays is not None
+        with contextlib.suppress(WireError):  # given up at the stop: it goes on without it
+            push.result()
+        try:
+            decision = self.relays[0].upstream.member(self._member_request(LEAVE))
+        except (Unavailable, WireError) as e:
+            self._log("leave", role="island", island=self.island_id, announced=False,
+                      message=str(e))  # fmt: skip
+            return
+        self._log("leave", role="island", island=self.island_id, announced=decision.accepted,
+                  message=decision.reason)  # fmt: skip
+
     def _log(self, event: str, **fields: object) -> None:
         if self.lead:  # one island, one voice
             log_event(event, **fields)
@@ -357,6 +408,7 @@ class Island:
 
     def install_signals(self) -> None:
         def on_signal(signum: int, frame: FrameType | None) -> None:
+            self.leave_on_stop = self.leave_on_stop or signum == signal.SIGTERM
             self.stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,7 +29,13 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
-from hypertrain.common.rounds.machines import Committed, Effect, Forward, GlobalArrived
+from hypertrain.common.rounds.machines import (
+    Committed,
+    Effect,
+    Forward,
+    GlobalArrived,
+    MemberRequest,
+)
 from hypertrain.common.rounds.node import RelayNode
 from hypertrain.common.rounds.store import NodeStore, atomic_write
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
@@ -142,6 +148,20 @@ class RelayService:
             with self.board.cond:
                 node.fetched_final(request.requester)
             self.board.check_final(node, _DONE_REASON)
+
+    @maps_errors
+    def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
+        decision = self.intake.member(
+            MemberRequest(
+                request.run_id, request.change, request.member, request.step, request.signature
+            )
+        )
+        return pb.MemberReply(
+            duplicate=decision.duplicate,
+            has_start=decision.start is not None,
+            start=decision.start or 0,
+            message=decision.reason,
+        )
 
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

@@ -156,6 +156,18 @@ class Metrics:
             isl,
             registry=r,
         )
+        self.member_changes = Counter(
+            "hypertrain_member_changes_total",
+            "Islands that joined or left this relay's region at run time",
+            ["role", "region", "change"],
+            registry=r,
+        )
+        self.region_members = Gauge(
+            "hypertrain_region_members",
+            "Members of this relay's region after its last join or leave",
+            ["role", "region"],
+            registry=r,
+        )
         self.heals = Counter(
             "hypertrain_heals_total",
             "Times this island, left behind, rejoined from a later global merge",

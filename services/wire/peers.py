@@ -33,6 +33,7 @@ class Peer:
         self._push = stub.PushDelta if service == "Relay" else stub.PushRegional
         self._fetch = stub.FetchMerge if service == "Relay" else stub.FetchGlobal
         self._status = stub.Status
+        self._member = stub.Member if service == "Relay" else None
 
     def status(self, request: pb.StatusRequest | None = None) -> pb.StatusReply:
         reply: pb.StatusReply = self._status(request or pb.StatusRequest(), timeout=10)

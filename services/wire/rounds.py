@@ -35,6 +35,8 @@ from hypertrain.common.rounds.machines import (
     Decision,
     Delta,
     Effect,
+    MemberRequest,
+    Membership,
     Publish,
 )
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
@@ -242,6 +244,32 @@ class Intake:
         trim_heap()
         return pb.PushAck(digest=rx.digest)
 
+    def member(self, request: MemberRequest) -> Decision:
+        """An island's join or leave (a relay's intake): decided and taped under the lock;
+        a refusal is raised as its gRPC status (nothing taped: it changes nothing)."""
+        node = self.node
+        if not isinstance(node, RelayNode):
+            raise WireError(grpc.StatusCode.UNIMPLEMENTED, "joins and leaves go to a relay")
+        with self.board.cond:
+            t0 = time.perf_counter()
+            decision, effects = node.on_member(request)
+            if decision.accepted and not decision.duplicate:
+                self._handle(effects, t0)
+            self.board.cond.notify_all()
+        if not decision.accepted:
+            self.metrics.rejected.labels(*self.labels, decision.code).inc()
+            raise refusal(decision)
+        if not decision.duplicate:
+            log_event(
+                request.change,
+                role="relay",
+                island=request.member,
+                message=decision.reason,
+                **self.where,
+            )
+            self.after_cutoff()  # a leave may have completed a step (and a forward)
+        return decision
+
     def _handle(self, effects: list[Effect], t0: float) -> None:
         """Metrics, cutoff timers and ``on_effect`` for effects the node made durable."""
         m, (role, region) = self.metrics, self.labels
@@ -255,6 +283,11 @@ class Intake:
                 m.received_bytes.labels(role, self.level, region).inc(size)
                 m.delta_size.labels(role, self.level, region).observe(size)
                 continue
+            if isinstance(effect, Membership):
+                m.member_changes.labels(role, region, effect.record.change).inc()
+                m.region_members.labels(role, region).set(
+                    len(self.node.machine.level.members_for(effect.record.sync_step))
+                )
             if isinstance(effect, Cut):
                 step, now = effect.record.sync_step, time.monotonic()
                 self.cut_at[step] = now

@@ -29,6 +29,7 @@ from hypertrain.common.rounds.machines import (
     Committed,
     Decision,
     Delta,
+    MemberRequest,
 )
 from hypertrain.common.rounds.transport import Unavailable, Upstream
 from hypertrain.v1 import hypertrain_pb2 as pb
@@ -152,6 +153,24 @@ class GrpcUpstream:
         got = self._call(f"report of step {step} applied", lambda: self.peer.status(request))
         return got if isinstance(got, Decision) else None
 
+    def member(self, request: MemberRequest) -> Decision:
+        call = self.peer._member
+        if call is None:
+            raise WireError(grpc.StatusCode.UNIMPLEMENTED, "joins and leaves go to a relay")
+        message = pb.MemberChange(
+            run_id=request.run_id,
+            change=request.change,
+            member=request.member,
+            step=request.step,
+            signature=request.signature,
+        )
+        got = self._call(f"{request.change} of {request.member}", lambda: call(message, timeout=30))
+        if isinstance(got, Decision):
+            return got
+        return Decision(
+            OK, got.message, duplicate=got.duplicate, start=got.start if got.has_start else None
+        )
+
 
 class Patient:
     """Blocking calls on an ``Upstream`` with the daemons' waiting policy (module docstring)."""
@@ -219,6 +238,19 @@ class Patient:
         )
         assert isinstance(got, Committed)
         return got
+
+    def member(self, request: MemberRequest) -> Decision:
+        """Join or leave until answered (the answer, a duplicate included)."""
+        answer: list[Decision] = []
+
+        def attempt() -> Decision:
+            got = self.upstream.member(request)
+            if got.accepted:
+                answer.append(got)
+            return got
+
+        self._wait(f"{request.change} of {request.member}", attempt)
+        return answer[-1]
 
     def report_applied(self, requester: str, step: int, stop: Callable[[], bool]) -> None:
         """Report ``step`` applied, waiting while the peer is down, until ``stop()``."""

@@ -111,3 +111,29 @@ class StatusReply(_message.Message):
     done: bool
     config_digest: str
     def __init__(self, run_id: _Optional[str] = ..., role: _Optional[str] = ..., round: _Optional[int] = ..., last_step: _Optional[int] = ..., state_digest: _Optional[str] = ..., done: _Optional[bool] = ..., config_digest: _Optional[str] = ...) -> None: ...
+
+class MemberChange(_message.Message):
+    __slots__ = ("run_id", "change", "member", "step", "signature")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    change: str
+    member: str
+    step: int
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., change: _Optional[str] = ..., member: _Optional[str] = ..., step: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class MemberReply(_message.Message):
+    __slots__ = ("duplicate", "has_start", "start", "message")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    HAS_START_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    has_start: bool
+    start: int
+    message: str
+    def __init__(self, duplicate: _Optional[bool] = ..., has_start: _Optional[bool] = ..., start: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

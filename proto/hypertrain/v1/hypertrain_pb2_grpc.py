@@ -49,6 +49,11 @@ class RelayStub:
                 request_serializer=hypertrain_dot_v1_dot_hypertrain__pb2.StatusRequest.SerializeToString,
                 response_deserializer=hypertrain_dot_v1_dot_hypertrain__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Member = channel.unary_unary(
+                '/hypertrain.v1.Relay/Member',
+                request_serializer=hypertrain_dot_v1_dot_hypertrain__pb2.MemberChange.SerializeToString,
+                response_deserializer=hypertrain_dot_v1_dot_hypertrain__pb2.MemberReply.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -76,6 +81,13 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Member(self, request, context):
+        """Join or leave the region at run time; the change is taped before the answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +105,11 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=hypertrain_dot_v1_dot_hypertrain__pb2.StatusRequest.FromString,
                     response_serializer=hypertrain_dot_v1_dot_hypertrain__pb2.StatusReply.SerializeToString,
+            ),
+            'Member': grpc.unary_unary_rpc_method_handler(
+                    servicer.Member,
+                    request_deserializer=hypertrain_dot_v1_dot_hypertrain__pb2.MemberChange.FromString,
+                    response_serializer=hypertrain_dot_v1_dot_hypertrain__pb2.MemberReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +193,33 @@ class Relay:
             '/hypertrain.v1.Relay/Status',
             hypertrain_dot_v1_dot_hypertrain__pb2.StatusRequest.SerializeToString,
             hypertrain_dot_v1_dot_hypertrain__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Member(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypertrain.v1.Relay/Member',
+            hypertrain_dot_v1_dot_hypertrain__pb2.MemberChange.SerializeToString,
+            hypertrain_dot_v1_dot_hypertrain__pb2.MemberReply.FromString,
             options,
             channel_credentials,
             insecure,
