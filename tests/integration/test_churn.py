@@ -1,6 +1,8 @@
-"""Islands that die or stall, with the real daemons: a sync step goes ahead without them at
-its cutoff, a late delta is refused as stale and its island takes the merge instead, and
-the tapes name every absence and audit clean."""
+"""Islands that die, stall, leave or join, with the real daemons: a sync step goes ahead
+without them at its cutoff, a late delta is refused as stale and its island takes the
+merge instead, below the quorum nothing commits, a SIGTERMed island announces its leave
+and a restarted one joins again; the tapes name every absence and change and audit
+clean."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from pathlib import Path
 from hypertrain.common.config import RunConfig
 from hypertrain.common.trust.audit import audit_run
 from hypertrain.common.trust.keys import TrustedKeys
-from hypertrain.common.trust.schema import RegionalMergeEntry, RejectionEntry
+from hypertrain.common.trust.schema import MemberEntry, RegionalMergeEntry, RejectionEntry
 from hypertrain.common.trust.tape import verify_tape
-from hypertrain.procs import parse_logfmt
+from hypertrain.procs import Child, child_env, parse_logfmt
 from hypertrain.up import start_cluster, supervise
 
 CUTOFF_S = 3.0
@@ -177,4 +179,92 @@ def test_an_island_stalled_past_a_global_round_rejoins_from_a_later_one(
         next(e for e in reversed(entries) if e.kind == "regional_merge").body
     )
     assert last.sync_step == 40 and last.absent is None  # a member again at the end
+    assert _audit(run_dir) == progress.final_digest
+
+
+def test_an_island_that_leaves_on_sigterm_is_not_waited_for_and_joins_again(
+    cluster_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """No cutoffs at all: only eu-1's announced leave lets region eu go on without it.
+    Restarted, it joins again (a member entry), starts from the global merge its relay
+    names, and ends on the same digest as everyone."""
+    cfg = CFG.with_overrides(steps=40, membership={})
+    cluster = cluster_factory(cfg)
+    run_dir = cluster.run_dir
+    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress))
+    logs = run_dir / "logs"
+    eu0, eu1 = (next(c for c in cluster.children if c.name == f"island-eu-{k}") for k in (0, 1))
+    _wait_for(
+        "global merge of step 10 at eu-1",
+        lambda: any(e["step"] == "10" for e in _events(logs / "island-eu-1.log", "sync")),
+    )
+    # Keep region eu where it is while eu-1 leaves and starts again, so that it joins
+    # mid-run (alone, eu-0 would finish the run first).
+    os.kill(eu0.proc.pid, signal.SIGSTOP)
+    try:
+        eu1.proc.send_signal(signal.SIGTERM)
+        assert eu1.proc.wait(timeout=60) == 130
+        (leave,) = _events(logs / "island-eu-1.log", "leave")
+        assert leave["announced"] == "True", leave
+        again = Child(
+            eu1.name,
+            eu1.argv,
+            logs / "island-eu-1.rejoin.log",
+            cluster.progress.on_event,
+            child_env(),
+        )
+        cluster.children.append(again)
+        _wait_for("the join of eu-1", lambda: _events(logs / "relay-eu.log", "join"))
+    finally:
+        os.kill(eu0.proc.pid, signal.SIGCONT)
+    failed = supervise([c for c in cluster.children if c is not eu1], deadline_s=300)
+    assert failed is None, failed.failure_message()
+    progress = cluster.progress
+    assert sorted(progress.done) == ["eu-0", "eu-1", "us-0", "us-1"]
+    assert {e["digest"] for e in progress.done.values()} == {progress.final_digest}
+    entries = _relay_entries(run_dir, "eu")
+    changes = [MemberEntry.from_body(e.body) for e in entries if e.kind == "member"]
+    assert [(c.change, c.member) for c in changes] == [("leave", "eu-1"), ("join", "eu-1")]
+    left, joined = changes[0].sync_step, changes[1].sync_step
+    assert joined > left and changes[1].start == joined - 5
+    merges = [RegionalMergeEntry.from_body(e.body) for e in entries if e.kind == "regional_merge"]
+    for m in merges:  # nobody absent: the members of each step are those it had
+        members = [name for name, _ in m.members]
+        assert m.absent is None
+        assert members == (["eu-0"] if left <= m.sync_step < joined else ["eu-0", "eu-1"])
+    assert (run_dir / "logs" / "island-eu-1.rejoin.log").read_text().count("event=joined") == 1
+    assert _audit(run_dir) == progress.final_digest
+
+
+def test_below_the_quorum_nothing_commits_until_it_is_back(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """A quorum of both islands: eu-1 stopped past the cutoff of step 15 leaves region eu
+    below it; the cutoff is taped and logged as waiting, nothing commits; resumed, eu-1
+    delivers and the step commits with both."""
+    cfg = CFG.with_overrides(**{"membership.regional_quorum": 2})
+    cluster = cluster_factory(cfg)
+    run_dir = cluster.run_dir
+    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress))
+    island = next(c for c in cluster.children if c.name == "island-eu-1")
+    logs = run_dir / "logs"
+    relay_log = logs / "relay-eu.log"
+
+    def waited() -> bool:
+        cut = [e for e in _events(relay_log, "cutoff") if e["step"] == "15"]
+        if not cut:
+            return False
+        assert cut[0]["waiting"] == "True" and cut[0]["absent"] == "eu-1", cut
+        time.sleep(CUTOFF_S)  # ... and still nothing commits
+        return True
+
+    _stall(island, logs, "cutoff of step 15 below the quorum", waited)
+    assert not [e for e in _events(relay_log, "round") if e["step"] == "15"]
+    failed = supervise(cluster.children, deadline_s=300)
+    assert failed is None, failed.failure_message()
+    progress = cluster.progress
+    assert {e["digest"] for e in progress.done.values()} == {progress.final_digest}
+    assert len(progress.done) == 4
+    entries = _relay_entries(run_dir, "eu")
+    merges = [RegionalMergeEntry.from_body(e.body) for e in entries if e.kind == "regional_merge"]
+    step15 = next(m for m in merges if m.sync_step == 15)
+    assert [n for n, _ in step15.members] == ["eu-0", "eu-1"] and step15.absent is None
     assert _audit(run_dir) == progress.final_digest
