@@ -184,6 +184,12 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.absent_streak = Gauge(
+            "hypertrain_member_absent_rounds",
+            "Sync steps in a row this member was absent from (0 once it delivers again)",
+            ["role", "region", "member"],
+            registry=r,
+        )
         self.absent = Gauge(
             "hypertrain_round_absent_members",
             "Members absent from the last committed round (it went ahead at its cutoff)",

@@ -298,6 +298,11 @@ class Intake:
             if isinstance(effect, Committed):
                 absent = getattr(effect.record, "absent", None) or ()
                 m.absent.labels(role, region).set(len(absent))
+                if effect.record is not None:  # this level's own commit
+                    for member in effect.commitment.members:
+                        m.absent_streak.labels(role, region, member).set(0)
+                    for member in absent:
+                        m.absent_streak.labels(role, region, member).inc()
                 m.quorum_waiting.labels(role, region).set(0)
                 self.armed_at.pop(effect.sync_step, None)
                 timer = self.timers.pop(effect.sync_step, None)
