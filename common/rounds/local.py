@@ -295,7 +295,7 @@ class IslandActor(_Client):
         self.sent_bytes = 0
         self.sends = 0
         self.member = island_id in cluster.cfg.membership.initial((island_id,))
-        """Is it a member (else it joins when it starts: on standby, or it left)?"""
+        """Is it a member, as far as its relay's last answer said?"""
         self._start()
 
     def _start(self) -> None:
@@ -313,7 +313,7 @@ class IslandActor(_Client):
         self.done = False
         self.healing: tuple[int, str] | None = None  # the merge a join named, being fetched
         self.leaving = False
-        self.joining = not self.member  # asks when its training starts (``begin``)
+        self.joining = False  # asking its relay to take it in (``begin``)
 
     @property
     def ready(self) -> bool:
@@ -333,22 +333,25 @@ class IslandActor(_Client):
         it names and heal to it) or to let it go (``LEAVE``: then stop, like a daemon that
         got SIGTERM)."""
         relay = self.cluster.relays[self.relay_names[0]]
-        request = MemberRequest(self.cluster.cfg.run_id, change, self.name, self.core.step)
+        request = MemberRequest(
+            self.cluster.cfg.run_id, change, self.name, self.core.step, int(self.net.now * 1e9)
+        )
         if self.key is not None:
             request = request.signed(self.key.sign(request.message()))
 
         def on_reply(d: Decision) -> bool:
             if d.code == PRECONDITION:
                 return False
+            if not d.accepted and d.over:
+                self.stop()  # too late: the run ended (or ends before it could join)
+                return True
             if not d.accepted:
                 raise _refused(self.name, change, d)
             if change == LEAVE:
                 self.member = False
-                self.cluster.gone.add(self.name)
-                self.crash()  # stops: its folder stays; a restart joins again
+                self.stop()  # its folder stays; started again, it joins again
                 return True
             self.member, self.joining = True, False
-            self.cluster.gone.discard(self.name)
             start = self.rounds.join_from(d.start)
             if start is not None:
                 self.waiting = []
@@ -360,9 +363,21 @@ class IslandActor(_Client):
 
         self.ask("member", relay, lambda: relay.endpoint.member(request), on_reply, change)
 
+    def stop(self) -> None:
+        """Stop for good, as a daemon does after a leave (not a crash: nobody restarts it);
+        the run is complete without it."""
+        self.alive = False
+        self._drop()
+        self.cluster.gone.add(self.name)
+
     def begin(self) -> None:
-        """Its training loop starts: a non-member asks to join first."""
-        if self.joining and not (self.calls.get("member") and self.calls["member"].busy):
+        """Its training loop starts: like the island daemon, it first asks its relay to
+        take it in (a member is told so; any other island joins and heals to the merge
+        the relay names).  Lockstep runs (``step_together``) skip this: their islands are
+        all members throughout."""
+        if not self.joining:
+            self.joining = True
+            self.cluster.gone.discard(self.name)  # started again after a leave
             self._member_call(JOIN)
 
     def leave(self) -> None:
@@ -370,7 +385,7 @@ class IslandActor(_Client):
         if not self.alive or self.done or not self.member:
             return
         self.leaving = True
-        if self.push_step is not None:
+        if self.push_step is not None or self.joining:
             self.later(RETRY, self.leave)
             return
         self._member_call(LEAVE)
@@ -653,6 +668,16 @@ class _Served(LocalUpstream):
             self._effects(effects)
         if isinstance(self.actor, RelayActor):
             self.actor.kick()
+        return decision
+
+    def member(self, request: MemberRequest) -> Decision:
+        """A join or leave: the observer sees what it completed (a leave may commit the
+        open step), and a relay forwards what completes a global step."""
+        assert isinstance(self.node, RelayNode) and isinstance(self.actor, RelayActor)
+        decision, effects = self.node.on_member(request)
+        if decision.accepted and not decision.duplicate:
+            self._effects(effects)
+        self.actor.kick()
         return decision
 
     def _effects(self, effects: list[Effect]) -> None:

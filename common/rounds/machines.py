@@ -182,6 +182,8 @@ class Decision:
     stale: bool = False
     """Refused because its step closed without this sender at a cutoff: resending cannot
     help; the sender takes the step's merge instead (transports say so to the sender)."""
+    over: bool = False
+    """Refused because the run is over for it (complete, or no round left to join)."""
     start: int | None = None
     """A join taken (or a member asking again): the sync step whose merge the island
     starts from (0: the initial parameters); None for a member since the run began, which
@@ -206,18 +208,23 @@ class MemberRequest:
     member: str
     step: int
     """The island's own step when it asked."""
+    issued: int
+    """When it asked (ns since the epoch in the daemons, virtual time in the simulation):
+    later than its last taped change, or refused (a replayed old request)."""
     signature: bytes = b""
     """Ed25519 over ``ledger.member_message`` of the fields above, by the island's key."""
 
     def message(self) -> bytes:
-        return member_message(self.run_id, self.change, self.member, self.step)
+        return member_message(self.run_id, self.change, self.member, self.step, self.issued)
 
     def signed(self, signature: bytes) -> MemberRequest:
         return dataclasses.replace(self, signature=signature)
 
     @classmethod
     def from_record(cls, run_id: str, rec: MemberEntry) -> MemberRequest:
-        return cls(run_id, rec.change, rec.member, rec.step, bytes.fromhex(rec.signature))
+        return cls(
+            run_id, rec.change, rec.member, rec.step, rec.issued, bytes.fromhex(rec.signature)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -776,18 +783,20 @@ class RelayMachine:
                     INVALID,
                     f"{req.member} cannot join: the run ends at step {sched.steps}, "
                     "after the last global round it could start from",
+                    over=True,
                 ), []
         else:
             if not lv.is_in(req.member):
                 return Decision(
                     OK, f"{req.member} is not a member of region {self.region}", duplicate=True
                 ), []
-            if last is not None and last.start is not None and req.step < last.start:
-                return Decision(
-                    INVALID,
-                    f"a leave signed at step {req.step}, before {req.member} joined again "
-                    f"at step {last.start}",
-                ), []
+        if last is not None and req.issued <= last.issued:
+            return Decision(
+                INVALID,
+                f"a {req.change} of {req.member} issued before its last change (a "
+                f"{last.change} from step {last.sync_step}): an old request, not taken",
+            ), []
+        if req.change == LEAVE:
             start = None
             delivered = req.member in lv.inputs
             first = sched.next_sync_step("regional", lv.open_step) if delivered else lv.open_step
@@ -797,6 +806,7 @@ class RelayMachine:
             round=sched.round_of(first),
             sync_step=first,
             step=req.step,
+            issued=req.issued,
             signature=req.signature.hex(),
             start=start,
         )
@@ -837,7 +847,7 @@ class RelayMachine:
             if not good:
                 return Decision(INVALID, f"bad signature on the {req.change} of {req.member}")
         if self.done:
-            return Decision(INVALID, f"the run is complete: nothing to {req.change}")
+            return Decision(INVALID, f"the run is complete: nothing to {req.change}", over=True)
         return None
 
     def _join_terms(self) -> tuple[int, int]:

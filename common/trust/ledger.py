@@ -47,13 +47,14 @@ def transfer_message(
     ).encode()
 
 
-def member_message(run_id: str, change: str, member: str, step: int) -> bytes:
+def member_message(run_id: str, change: str, member: str, step: int, issued: int) -> bytes:
     """The canonical bytes an island signs to join (``change`` "join") or leave ("leave")
-    its region; ``step``: its own step when it asks (a leave signed before a later join
-    is refused: see ``RelayMachine.on_member``)."""
+    its region; ``step``: its own step when it asks; ``issued``: when it asked (ns; a
+    request issued before the member's last taped change is refused, so an old signed
+    request replayed later changes nothing: see ``RelayMachine.on_member``)."""
     return json.dumps(
         {"hypertrain-member": 1, "run_id": run_id, "change": change, "member": member,
-         "step": step},
+         "step": step, "issued": issued},
         sort_keys=True,
         separators=(",", ":"),
     ).encode()  # fmt: skip

@@ -33,7 +33,7 @@ differing field):
 - ``member`` (relay): an island joined or left the region: change ("join" | "leave"),
   member, round and sync_step (the first sync step the change applies to), start (a
   join: the sync step whose merge the joiner starts from; 0: the initial parameters),
-  step (the island's own step when it asked), signature (hex, Ed25519 of
+  step (the island's own step when it asked), issued (when it asked, ns), signature (hex, Ed25519 of
   ``ledger.member_message``; "" when keys are not pinned).
 - ``checkpoint``: written by ``TapeWriter.checkpoint`` itself (size, root).
 
@@ -195,6 +195,7 @@ class MemberEntry(_Record):
     round: int
     sync_step: int
     step: int
+    issued: int
     signature: str
     start: int | None = None
 

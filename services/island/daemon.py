@@ -297,7 +297,7 @@ class Island:
         return digest
 
     def _member_request(self, change: str) -> MemberRequest:
-        req = MemberRequest(self.cfg.run_id, change, self.island_id, self.core.step)
+        req = MemberRequest(self.cfg.run_id, change, self.island_id, self.core.step, time.time_ns())
         return req if self.key is None else req.signed(self.key.sign(req.message()))
 
     def _join(self) -> None:

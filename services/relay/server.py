@@ -153,7 +153,12 @@ class RelayService:
     def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
         decision = self.intake.member(
             MemberRequest(
-                request.run_id, request.change, request.member, request.step, request.signature
+                request.run_id,
+                request.change,
+                request.member,
+                request.step,
+                request.issued,
+                request.signature,
             )
         )
         return pb.MemberReply(

@@ -162,6 +162,7 @@ class GrpcUpstream:
             change=request.change,
             member=request.member,
             step=request.step,
+            issued=request.issued,
             signature=request.signature,
         )
         got = self._call(f"{request.change} of {request.member}", lambda: call(message, timeout=30))

@@ -63,8 +63,8 @@ def _delta(numel: int, sender: str, step: int) -> Delta:
     return Delta(CFG.run_id, (step - 1) // 10, step, sender, blob_digest(data), spec, data)
 
 
-def _req(change: str, member: str, step: int = 0) -> MemberRequest:
-    return MemberRequest(CFG.run_id, change, member, step)
+def _req(change: str, member: str, step: int = 0, issued: int = 0) -> MemberRequest:
+    return MemberRequest(CFG.run_id, change, member, step, issued)
 
 
 def _global(relay: RelayMachine, step: int) -> None:
@@ -147,7 +147,9 @@ def test_a_region_that_everyone_left_is_joined_from_its_newest_merge(
     for k in (0, 1):
         relay.on_member(_req(LEAVE, f"eu-{k}", 5))
     assert relay.members == () and relay.level.open_step == 10
-    decision, effects = relay.on_member(_req(JOIN, "eu-1", 5))
+    stale = relay.on_member(_req(JOIN, "eu-1", 0))[0]  # issued before its leave: replayed
+    assert stale.code == INVALID and "an old request" in stale.reason
+    decision, effects = relay.on_member(_req(JOIN, "eu-1", 5, issued=7))
     assert decision.start == 5 and effects[0].record.sync_step == 10  # type: ignore[union-attr]
     assert relay.members == ("eu-1",)
     # ... which the island fetches as it fetches any merge, and heals to.
@@ -169,11 +171,12 @@ def test_refusals_change_nothing_and_a_stale_leave_is_refused(theta0: torch.Tens
     other = relay.on_member(_req(JOIN, "us-0").signed(key.sign(b"x")))[0]
     assert other.code == INVALID and "not an island of region eu" in other.reason
     assert relay.level.changes == []
-    join = _req(JOIN, "eu-2")
+    join = _req(JOIN, "eu-2", issued=5)
     assert relay.on_member(join.signed(key.sign(join.message())))[0].start == 10
-    old = _req(LEAVE, "eu-2", 3)  # signed before it joined at step 10: a replayed leave
+    old = _req(LEAVE, "eu-2", 3, issued=4)  # signed before its join: a replayed leave
     refused = relay.on_member(old.signed(key.sign(old.message())))[0]
-    assert refused.code == INVALID and "before eu-2 joined again" in refused.reason
+    assert refused.code == INVALID and "issued before its last change" in refused.reason
+    assert len(relay.level.changes) == 1
     late = RelayMachine(CFG.with_overrides(steps=10), "eu", theta0)
     assert "the run ends at step 10" in late.on_member(_req(JOIN, "eu-2"))[0].reason
 

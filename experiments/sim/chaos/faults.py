@@ -46,6 +46,12 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
             "regional_quorum": member_rng.choice((0.5, 1, 1.0)),
             "global_quorum": member_rng.choice((0.5, 1, 1.0)),
         }
+    # An island on standby, which joins mid-run (``Churn``): a third of the schedules with
+    # one relay per region and a region of two islands or more.
+    join_rng = random.Random(f"joins-{seed}")
+    if shards == 1 and n_r >= 2 and join_rng.random() < 1 / 3:
+        region = join_rng.choice(REGIONS[:n_regions])
+        membership["standby"] = [f"{region}-{n_r - 1}"]
     return RunConfig.from_dict(
         {
             "run_id": f"chaos-{seed}",
@@ -69,6 +75,40 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
             "membership": membership,
         }
     )
+
+
+@dataclass
+class Churn:
+    """Membership changes of one schedule: when the standby island (if any) starts and
+    joins, and which island leaves when (and whether, and when, it starts again and joins
+    back).  Drawn from a generator of its own, so that schedules without churn are those
+    of the seed before joins existed."""
+
+    join: tuple[str, float] | None = None
+    leave: tuple[str, float] | None = None
+    back: float | None = None
+
+    @classmethod
+    def draw(cls, seed: int, cfg: RunConfig, horizon: float) -> Churn:
+        rng = random.Random(f"churn-{seed}")
+        topo = cfg.topology
+        standby = cfg.membership.standby
+        join = (standby[0], rng.uniform(0, horizon / 3)) if standby else None
+        leave = back = None
+        # Only an island with another member in its region leaves: a region that everyone
+        # left holds up every global round without a global cutoff (by design).
+        can = [
+            i
+            for r in sorted(topo.regions)
+            for i in cfg.membership.initial(topo.islands_of(r))
+            if len(cfg.membership.initial(topo.islands_of(r))) >= 2
+        ]
+        if topo.relay_shards == 1 and can and rng.random() < 0.3:
+            island = rng.choice(can)
+            leave = (island, rng.uniform(0, horizon / 3))
+            if rng.random() < 0.5:
+                back = leave[1] + rng.uniform(1.0, horizon / 3)
+        return cls(join, leave, back)
 
 
 @dataclass

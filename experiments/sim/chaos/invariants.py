@@ -4,8 +4,9 @@ After every event (a message delivered, a step trained, a node crashed or restar
 
 1. No accepted delta is lost: every push a node answered "accepted" is known to that
    node, with the same digest, for as long as it is up, restarts included.
-2. None is counted twice: every committed aggregate has each configured member exactly
-   once, present or named absent; members are absent only from a step whose cutoff the
+2. None is counted twice: every committed aggregate has each member of its step exactly
+   once, present or named absent (the configured members, less those on standby, changed
+   by the joins and leaves the node taped); members are absent only from a step whose cutoff the
    node took first; a sync step of a level is committed once (a replay may commit it
    again only identically).
 3. Every committed aggregate is recomputable from its committed inputs: the published
@@ -82,7 +83,7 @@ class Checker(Observer):
             return
         c = effect.commitment
         absent = tuple(getattr(effect.record, "absent", None) or ())
-        want = tuple(sorted(self.members[node]))
+        want = tuple(sorted(self._members_of(node, effect.sync_step)))
         counted = [*c.members, *absent]
         if tuple(sorted(counted)) != want or len(counted) != len(want):
             raise Violation(
@@ -107,6 +108,14 @@ class Checker(Observer):
         )
         if post is not None:
             self._same_base(group, effect.sync_step, str(post), node)
+
+    def _members_of(self, node: str, step: int) -> tuple[str, ...]:
+        """The members of ``step`` at ``node``: its configured members, less those on
+        standby, changed by the joins and leaves it taped before the step."""
+        n = self._node(node)
+        if n is None:
+            return self.members[node]
+        return n.machine.level.members_for(step)  # type: ignore[attr-defined]
 
     def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
         if kind == "global" or self.shards is None or not self.shards.sharded:

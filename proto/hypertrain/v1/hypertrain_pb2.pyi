@@ -113,18 +113,20 @@ class StatusReply(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., role: _Optional[str] = ..., round: _Optional[int] = ..., last_step: _Optional[int] = ..., state_digest: _Optional[str] = ..., done: _Optional[bool] = ..., config_digest: _Optional[str] = ...) -> None: ...
 
 class MemberChange(_message.Message):
-    __slots__ = ("run_id", "change", "member", "step", "signature")
+    __slots__ = ("run_id", "change", "member", "step", "signature", "issued")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CHANGE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     change: str
     member: str
     step: int
     signature: bytes
-    def __init__(self, run_id: _Optional[str] = ..., change: _Optional[str] = ..., member: _Optional[str] = ..., step: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    issued: int
+    def __init__(self, run_id: _Optional[str] = ..., change: _Optional[str] = ..., member: _Optional[str] = ..., step: _Optional[int] = ..., signature: _Optional[bytes] = ..., issued: _Optional[int] = ...) -> None: ...
 
 class MemberReply(_message.Message):
     __slots__ = ("duplicate", "has_start", "start", "message")
