@@ -1,15 +1,17 @@
 """``hypertrain sim``: the parity grid of docs/design.md §7, its summary, its pre-registration,
 the device check; and ``chaos``, the fault simulation (chaos_cmd.py).
 
-    hypertrain sim prereg --check                    # the registered file matches its hash
+    hypertrain sim prereg --check [PATH]             # the registered files match their hashes
     hypertrain sim prereg --write-prereg [PATH]      # register the design (a new hash)
     hypertrain sim grid --scale cpu-tiny [--processes 2] [--wall-cap 2000] [--max-jobs N]
                         [--out DIR] [--device cuda] [--prereg PATH]
-    hypertrain sim summarize --scale cpu-tiny [--out DIR] [--no-plots]
+    hypertrain sim summarize --scale cpu-tiny [--out DIR] [--no-plots]   # alias: summary
+    hypertrain sim grid --prereg experiments/sim/churn_prereg.json --scale cpu-tiny
     hypertrain sim device-check --device cuda [--scale cpu-tiny] [--steps 60]
     hypertrain sim cross-check --scale cpu-tiny --with DIR   # shared jobs, bit for bit
 
-``grid`` resumes from its results folder (default experiments/results/parity-<scale>):
+``grid`` resumes from its results folder (default experiments/results/<study>-<scale>,
+the study named by the registration file: parity, or churn for churn_prereg.json):
 jobs already done or divergent there are not run again; it writes the summary and
 the plots at the end.  Caps (processes, wall clock) are the registered ones and may
 only be lowered.  The device ($HYPERTRAIN_SIM_DEVICE or --device) is outside the
@@ -36,7 +38,8 @@ def _common(p: argparse.ArgumentParser, scale_default: str | None = None) -> Non
     p.add_argument("--prereg", type=Path, default=None,
                    help="pre-registration file (default experiments/sim/parity_prereg.json)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None,
-                   help="results folder (default experiments/results/parity-<scale>)")  # fmt: skip
+                   help="results folder (default experiments/results/<study>-<scale>: "
+                        "parity, or churn for churn_prereg.json)")  # fmt: skip
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
@@ -63,7 +66,7 @@ def cmd_cross_check(args: argparse.Namespace) -> int:
     from hypertrain.sim.study.grid import RUNS_FILE, default_out
     from hypertrain.sim.study.summary import CROSS_CHECK_FILE, cross_check
 
-    out = args.out if args.out is not None else default_out(args.scale)
+    out = args.out if args.out is not None else default_out(args.scale, args.prereg)
     for d in (out, args.other):
         if not (Path(d) / RUNS_FILE).is_file():
             print(f"{_PROG} cross-check: no {RUNS_FILE} in {d}", file=sys.stderr)
@@ -95,12 +98,19 @@ def _print_verdicts(s: dict[str, Any]) -> None:
         print(f"  H1 {hid}: vs {h['flat_r']} ({n_r} paired seeds): {h['verdict_vs_flat_r']}; "
               f"vs {h['flat_n']} ({n_n} paired seeds): {h['verdict_vs_flat_n']}")  # fmt: skip
     for hg, h in s.get("h2", {}).items():
-        print(f"  H2 {hg}: {h['verdict']}")
+        if h["trend"]["n"] >= 2:  # one M (a churn registration): no trend to test
+            print(f"  H2 {hg}: {h['verdict']}")
     for r in s.get("h3", {}).get("ranking", []):
         word = "promoted" if r["promoted"] else "not promoted"
         print(f"  H3 #{r['rank']} {r['cell']}: {word} ({r['reason']})")
     for hg, h in s.get("h4", {}).items():
-        print(f"  H4 {hg}: {h['verdict']}")
+        if h["trend"]["n"] >= 2:
+            print(f"  H4 {hg}: {h['verdict']}")
+    for cid, c in s.get("churn", {}).items():
+        ci = c["cost"]["tost"]["ci"]
+        cost = "n/a" if ci["mean"] is None else f"{100 * ci['mean']:+.2f}%"
+        print(f"  churn {cid}: vs {c['baseline']} ({ci['n']} paired seeds): cost {cost}, "
+              f"{c['verdict']}; vs DP: {s['cells'][cid]['verdict']}")  # fmt: skip
 
 
 def cmd_prereg(args: argparse.Namespace) -> int:
@@ -136,7 +146,7 @@ def cmd_device_check(args: argparse.Namespace) -> int:
     rel = args.rel_tol if args.rel_tol is not None else DEFAULT_REL_TOL
     print(f"device check: {len(picked)} jobs of scale {args.scale}, ~{args.steps} steps each, "
           f"cpu vs {args.device}, tolerance {rel:.4%} relative")  # fmt: skip
-    out = args.out if args.out is not None else default_out(args.scale)
+    out = args.out if args.out is not None else default_out(args.scale, args.prereg)
     try:
         report = device_equivalence_check(picked, args.device, rel, steps=args.steps)
         ok = True
@@ -171,14 +181,17 @@ def register(sub: Any) -> None:
     g.add_argument("--no-plots", action="store_true")
     g.set_defaults(func=cmd_grid)
 
-    s = ss.add_parser("summarize", help="write parity_grid.csv, summary.json and the plots")
+    s = ss.add_parser(
+        "summarize", aliases=["summary"], help="write parity_grid.csv, summary.json and the plots"
+    )
     _common(s)
     s.add_argument("--no-plots", action="store_true")
     s.set_defaults(func=cmd_summarize)
 
     p = ss.add_parser("prereg", help="check or write the pre-registration file")
     grp = p.add_mutually_exclusive_group(required=True)
-    grp.add_argument("--check", nargs="?", const="", metavar="PATH")
+    grp.add_argument("--check", nargs="?", const="", metavar="PATH",
+                     help="verify PATH; without PATH every registration of the repository")  # fmt: skip
     grp.add_argument("--write-prereg", nargs="?", const="", metavar="PATH")
     p.set_defaults(func=cmd_prereg)
 

@@ -81,6 +81,10 @@ FLAT_FIELDS = (
 )  # fmt: skip
 """The flat vocabulary of ``build``, ``to_dict`` and ``replace``, in ``to_dict`` order (run
 fields the mapping does not name come in addition, see ``RUN_EXTRAS``)."""
+SIM_EXTRAS = ("drop",)
+"""The simulator's own fields that ``to_dict`` (so ``key()``) names only where they differ
+from their default: a job without them keeps the key it had before they existed."""
+_SIM_DEFAULTS: dict[str, Any] = {"drop": 0.0}
 
 SIM_RUN_DEFAULTS: dict[str, Any] = dict(
     model="proxy", steps=3000, global_batch=32, regions=1, islands_per_region=1, h_r=30,
@@ -151,6 +155,11 @@ class SimJob:
     diverge_ratio: float = 1.0
     """Divergent (and stopped) when a held-out loss at any eval point exceeds this multiple of
     the initial one; any non-finite loss or parameter is divergent too (design.Divergence)."""
+    drop: float = 0.0
+    """Churn: the probability that an island is absent from a sync step (0 = never; then the
+    run is the run without churn, bit for bit).  Drawn per island and sync step from the seed
+    alone, apart from the training's random numbers; an absent island's delta is left out of
+    the merge, and it takes the merge like the others (engine/churn.py)."""
     path: ExecPath = "batched"
     """Execution only: ``batched`` (one stacked model) or ``per_replica`` (M models)."""
     device: str | None = None
@@ -198,6 +207,12 @@ class SimJob:
             raise bad("anneal m1 needs fragments = 1 and tau = 0 (all replicas equal at its start)")
         if self.fragments > 1 and self.steps < self.h_g:
             raise bad("streaming needs at least one full global round")
+        if not 0.0 <= self.drop < 1.0:
+            raise bad(f"drop must be in [0, 1), got {self.drop}")
+        if self.drop and (
+            self.dp_steps is not None or self.fragments != 1 or self.anneal != "full_m"
+        ):
+            raise bad("drop needs a DiLoCo run without fragments and with anneal full_m")
 
     @classmethod
     def build(cls, **fields: Any) -> SimJob:
@@ -207,7 +222,7 @@ class SimJob:
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"sim job: {msg}")
 
-        unknown = sorted(set(fields) - {*FLAT_FIELDS, *RUN_EXTRAS, *TOPOLOGY_EXTRAS})
+        unknown = sorted(set(fields) - {*FLAT_FIELDS, *SIM_EXTRAS, *RUN_EXTRAS, *TOPOLOGY_EXTRAS})
         if unknown:
             raise bad(f"unknown field(s) {', '.join(unknown)}")
         f = {**SIM_RUN_DEFAULTS, **fields}
@@ -353,7 +368,7 @@ class SimJob:
     # -- serialization ---------------------------------------------------------------
     def flat(self) -> dict[str, Any]:
         """The job in the flat vocabulary of ``build`` (configs as objects)."""
-        d = {name: getattr(self, name) for name in FLAT_FIELDS}
+        d = {name: getattr(self, name) for name in (*FLAT_FIELDS, *SIM_EXTRAS)}
         d.update({name: getattr(self.run, name) for name in RUN_EXTRAS})
         d.update({name: getattr(self.run.topology, name) for name in TOPOLOGY_EXTRAS})
         return d
@@ -372,6 +387,9 @@ class SimJob:
         for name in TOPOLOGY_EXTRAS:
             if run["topology"][name] != _DEFAULT_RUN["topology"][name]:
                 d[name] = run["topology"][name]
+        for name in SIM_EXTRAS:
+            if getattr(self, name) != _SIM_DEFAULTS[name]:
+                d[name] = getattr(self, name)
         d.update({name: getattr(self, name) for name in EXECUTION_FIELDS})
         return d
 
@@ -450,6 +468,10 @@ class JobResult:
     """Inner steps per second of training and syncs (evaluation excluded)."""
     path: str = ""
     device: str = ""
+    absent: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)
+    """Churn (``drop`` > 0): for every sync step the draw applies to, (step, the replicas
+    absent from it, how many late islands the step waited for to reach its quorum); empty
+    without churn (engine/churn.py)."""
     final_params: torch.Tensor | None = None
     """The final global parameters (flat, CPU); not serialized by ``to_dict``."""
 
@@ -460,4 +482,5 @@ class JobResult:
             d[name] = _finite_or_none(d[name])
         d["curve"] = [[s, _finite_or_none(v)] for s, v in self.curve]  # JSON pairs
         d["train_curve"] = [[s, _finite_or_none(v)] for s, v in self.train_curve]
+        d["absent"] = [[s, list(gone), waited] for s, gone, waited in self.absent]
         return d

@@ -16,7 +16,8 @@ compares final parameters).  The replicas themselves are a ``ReplicaSet``:
 the per-replica path (replicas.py) or the batched one (batched.py),
 chosen by ``SimJob.path``; everything here is shared by both.
 
-Beyond the reference run: streaming fragments (streaming.py), the anneal at
+Beyond the reference run: churn (``drop`` > 0: islands absent from sync steps, drawn
+from the seed; churn.py), streaming fragments (streaming.py), the anneal at
 M = 1 (from the last global sync at or before the WSD decay start, all
 replicas are set to their fixed-order fp32 mean after every step), LAWA over
 the last k checkpoints (one per ``lawa_every`` steps, of the global
@@ -57,6 +58,7 @@ from hypertrain.common.optim import LAWA
 from hypertrain.common.roles import GlobalCore, RegionCore
 from hypertrain.common.schedule import PendingMerges, Schedule, SyncKind, overlap_merge
 from hypertrain.sim.engine.batched import Batched
+from hypertrain.sim.engine.churn import Absence, Churn
 from hypertrain.sim.engine.job import JobResult, SimJob, dp_job, flat_job
 from hypertrain.sim.engine.replicas import PerReplica, ReplicaSet
 from hypertrain.sim.engine.streaming import Fragment, partition
@@ -134,7 +136,9 @@ class _Targets:
 class FragmentSync:
     """One fragment's outer loop: its RegionCores, GlobalCore and the islands' error feedback."""
 
-    def __init__(self, job: SimJob, frag: Fragment, theta0: torch.Tensor) -> None:
+    def __init__(
+        self, job: SimJob, frag: Fragment, theta0: torch.Tensor, churn: Churn | None = None
+    ) -> None:
         cfg = job.core_config()
         topo = cfg.topology
         self.frag = frag
@@ -151,6 +155,9 @@ class FragmentSync:
             for _ in self.island_ids
         ]
         self.pending: PendingMerges[_Targets] = PendingMerges(self.schedule)
+        self.churn = churn
+        self.absences: list[Absence] = []
+        """Churn: who missed each sync step the draw applied to (engine/churn.py)."""
 
     def sync(self, replicas: ReplicaSet, step: int, level: SyncKind) -> None:
         """Encode, aggregate and (global) outer-step; queue the merge for its merge step."""
@@ -159,6 +166,11 @@ class FragmentSync:
         rows = replicas.read(self.frag)
         if not bool(torch.isfinite(rows).all()):
             raise Diverged(step, "non-finite parameters at a sync")
+        absent: frozenset[int] = frozenset()
+        if self.churn is not None and self.churn.applies(level):
+            drawn = self.churn.at(step)
+            self.absences.append(drawn)
+            absent = frozenset(drawn.absent)
         targets: list[tuple[int, int, torch.Tensor]] = []
         for k, core in enumerate(self.regions):
             lo, hi = k * self.n_r, (k + 1) * self.n_r
@@ -166,10 +178,17 @@ class FragmentSync:
                 self.island_ids[i]: self.feedback[i].encode(core.base - rows[i])
                 for i in range(lo, hi)
             }
+            if absent and self.n_r > 1:  # churn: late islands' deltas are refused as stale
+                blobs = {self.island_ids[i]: blobs[self.island_ids[i]]
+                         for i in range(lo, hi) if i not in absent}  # fmt: skip
             core.merge(blobs, keep=False)
             targets.append((lo, hi, core.base.clone()))
         if level == "global":
-            self.glob.step({core.region: core.encode_global_delta() for core in self.regions})
+            forwards = {core.region: core.encode_global_delta() for core in self.regions}
+            if absent and self.n_r == 1:  # churn, flat: region k is replica k's, and late
+                forwards = {c.region: forwards[c.region]
+                            for k, c in enumerate(self.regions) if k not in absent}  # fmt: skip
+            self.glob.step(forwards)
             for core in self.regions:
                 core.set_global(self.glob.theta)
             targets = [(0, len(self.island_ids), self.glob.theta.clone())]
@@ -243,7 +262,11 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
 
     frags = partition(layout, job.fragments, job.h_g)
     full = partition(layout, 1, job.h_g)[0]
-    syncs = [] if job.dp else [FragmentSync(job, f, theta0) for f in frags]
+    churn = None
+    if job.drop:
+        churn = Churn(job.drop, job.seed, job.regions, job.islands_per_region,
+                      job.run.membership)  # fmt: skip
+    syncs = [] if job.dp else [FragmentSync(job, f, theta0, churn) for f in frags]
     a_start = anneal_start(job)
     anneal: _Anneal | None = None
     if a_start == 0:  # the whole run is the anneal
@@ -323,6 +346,8 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
         res.diverged_at = e.step if isinstance(e, Diverged) else res.steps_done + 1
         res.reason = e.reason if isinstance(e, Diverged) else f"codec refused a delta: {e}"
         res.final_loss = res.final_loss_raw = math.nan
+    if churn is not None:
+        res.absent = [(a.step, a.absent, a.waited) for a in syncs[0].absences]
     res.seconds = time.perf_counter() - t_start
     busy = res.seconds_train + res.seconds_sync
     res.steps_per_s = res.steps_done / busy if busy > 0 else 0.0

@@ -16,6 +16,9 @@ Invariants:
   its global batch divides evenly over each cell's M replicas, and it includes
   every control and baseline its cells are compared with.
 - ``ci_level == 1 - 2 * alpha`` (the TOST duality the verdict relies on).
+- A ``churn`` cell is its baseline (a flat or hierarchy cell) with ``drop`` > 0 and
+  nothing else changed; every other cell has ``drop`` = 0, which its JSON leaves out, so
+  a design registered before the field existed keeps its canonical form and hash.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ from typing import Any, Literal
 
 from hypertrain.common.errors import ConfigError
 
-CellKind = Literal["control", "negative_control", "flat", "hier", "mechanism"]
+CellKind = Literal["control", "negative_control", "flat", "hier", "mechanism", "churn"]
+_KINDS = ("control", "negative_control", "flat", "hier", "mechanism", "churn")
+_OMITTED_AT_DEFAULT: dict[str, Any] = {"drop": 0.0}
+"""Cell fields left out of the design's JSON (so out of its hash) while at their default:
+a design registered before such a field existed keeps its canonical form and hash."""
 _ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -185,13 +192,26 @@ class Cell:
     baseline_full: str | None
     """H1 only: flat M = R * n_r at the same H_g."""
     hypotheses: tuple[str, ...]
+    drop: float = 0.0
+    """Churn: the probability that an island is absent from a sync step (SimJob.drop); > 0
+    exactly for ``churn`` cells, whose baseline is the same arm without churn.  Left out of
+    the JSON (and the hash) at 0."""
 
     def __post_init__(self) -> None:
         where = f"cell {self.id!r}"
         if not _ID.match(self.id):
             raise PreregError(f"{where}: id must match {_ID.pattern}")
-        if self.kind not in ("control", "negative_control", "flat", "hier", "mechanism"):
+        if self.kind not in _KINDS:
             raise PreregError(f"{where}: unknown kind {self.kind!r}")
+        if isinstance(self.drop, bool) or not isinstance(self.drop, (int, float)):
+            raise PreregError(f"{where}: drop must be a number")
+        if not 0.0 <= self.drop < 1.0 or (self.drop > 0) != (self.kind == "churn"):
+            raise PreregError(f"{where}: drop must be in (0, 1) for a churn cell, 0 otherwise")
+        if self.kind == "churn" and (self.baseline is None or self.fragments != 1
+                                     or self.anneal != "full_m"):  # fmt: skip
+            raise PreregError(
+                f"{where}: a churn cell names its baseline and has one fragment, anneal full_m"
+            )
         if self.regions < 1 or self.islands_per_region < 1:
             raise PreregError(f"{where}: regions and islands_per_region must be >= 1")
         if self.m != self.regions * self.islands_per_region:
@@ -271,12 +291,28 @@ class Design:
         for c in self.cells:
             for role, ref in c.refs().items():
                 want = "control" if role.startswith("control") else "flat"
-                if ref not in by_id or by_id[ref].kind != want:
+                ok = (want, "hier") if c.kind == "churn" and role == "baseline" else (want,)
+                if ref not in by_id or by_id[ref].kind not in ok:
                     raise PreregError(f"cell {c.id!r}: {role} {ref!r} is not a {want} cell")
+            if c.kind == "churn":
+                self._check_churn(c, by_id[c.baseline or ""])
         if len({s.name for s in self.scales}) != len(self.scales):
             raise PreregError("design: scale names must be unique")
         for s in self.scales:
             self._check_scale(s, by_id)
+
+    @staticmethod
+    def _check_churn(c: Cell, base: Cell) -> None:
+        """A churn cell is its baseline with ``drop`` > 0: nothing else may differ."""
+        same = dataclasses.replace(
+            c, id=base.id, kind=base.kind, drop=base.drop, baseline=base.baseline,
+            baseline_full=base.baseline_full, hypotheses=base.hypotheses,
+        )  # fmt: skip
+        if same != base:
+            raise PreregError(
+                f"cell {c.id!r}: a churn cell must equal its baseline {base.id!r} but for "
+                "its id, kind, drop and hypotheses"
+            )
 
     def _check_scale(self, s: Scale, by_id: dict[str, Cell]) -> None:
         ids = s.cells if s.cells is not None else tuple(by_id)
@@ -320,6 +356,10 @@ class Design:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = _plain(dataclasses.asdict(self))
+        for cell in out["cells"]:
+            for name, default in _OMITTED_AT_DEFAULT.items():
+                if cell[name] == default:
+                    del cell[name]
         return out
 
     @classmethod
@@ -328,7 +368,10 @@ class Design:
         _expect_keys(cls, d, "design")
         kwargs: dict[str, Any] = {k: _leaf(nested[k], v, k) for k, v in d.items() if k in nested}
         kwargs["scales"] = tuple(_leaf(Scale, s, f"scales[{i}]") for i, s in enumerate(d["scales"]))
-        kwargs["cells"] = tuple(_leaf(Cell, c, f"cells[{i}]") for i, c in enumerate(d["cells"]))
+        kwargs["cells"] = tuple(
+            _leaf(Cell, c, f"cells[{i}]", optional=set(_OMITTED_AT_DEFAULT))
+            for i, c in enumerate(d["cells"])
+        )
         kwargs["seeds"] = tuple(d["seeds"])
         rest = {k: v for k, v in d.items() if k not in kwargs}
         return cls(**kwargs, **rest)
@@ -343,17 +386,20 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _expect_keys(cls: Any, d: Any, where: str) -> None:
+def _expect_keys(cls: Any, d: Any, where: str, optional: set[str] | None = None) -> None:
+    """``d`` has exactly the fields of ``cls``, but for those in ``optional`` (left out at
+    their default)."""
     if not isinstance(d, dict):
         raise PreregError(f"{where}: expected an object, got {type(d).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
-    missing, extra = sorted(names - set(d)), sorted(set(d) - names)
+    missing = sorted(names - set(d) - (optional or set()))
+    extra = sorted(set(d) - names)
     if missing or extra:
         raise PreregError(f"{where}: missing fields {missing}, unknown fields {extra}")
 
 
-def _leaf(cls: Any, d: Any, where: str) -> Any:
-    _expect_keys(cls, d, where)
+def _leaf(cls: Any, d: Any, where: str, optional: set[str] | None = None) -> Any:
+    _expect_keys(cls, d, where, optional)
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     try:
         return cls(**kwargs)

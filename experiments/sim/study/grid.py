@@ -13,8 +13,9 @@ interrupted, or stopped by a cap, resumes where it stopped.
 Invariants:
 
 - The runner refuses a pre-registration file whose stored hash does not match
-  its design (``load_prereg``); the repository's registered file must moreover
-  register exactly ``registered_design()`` (``verify_registered``).  The device
+  its design (``load_prereg``); each registration file of the repository must moreover
+  register exactly the design prereg.py builds for it (``verify_registered``,
+  ``prereg.design_for``).  The device
   and the execution path are outside the design (and outside the job keys).
 - A results folder belongs to one design hash and one scale; rows of another
   design or scale make the runner refuse the folder.
@@ -26,7 +27,8 @@ Invariants:
   done + divergent + error + censored = the registered jobs.
 - Workers are ``spawn``ed (a forked torch can hang) with one torch thread each.
 - Jobs run in a fixed priority order (``plan_jobs``), so that a capped run
-  completes whole comparisons first: the controls and the negative control, then
+  completes whole comparisons first: churn cells with their controls and baseline (a
+  churn registration), the controls and the negative control, then
   the H1 hierarchies with their flat baselines, the other flat cells (H2, H4),
   the mechanisms (H3); inside a cell, by eta then seed.
 """
@@ -54,13 +56,14 @@ from hypertrain.common.outer import OuterConfig
 from hypertrain.sim.engine.job import ExecPath, SimJob
 from hypertrain.sim.study.prereg import (
     DEFAULT_PATH,
+    REGISTRATIONS,
     Cell,
     Design,
     Prereg,
     PreregError,
     Scale,
+    design_for,
     load_prereg,
-    registered_design,
     verify_registered,
 )
 
@@ -71,18 +74,23 @@ FINAL = ("done", "divergent")
 """Statuses that are never run again."""
 
 
-def default_out(scale: str) -> Path:
-    """``experiments/results/parity-<scale>`` of the repository."""
-    return REPO_ROOT / "experiments" / "results" / f"parity-{scale}"
+def default_out(scale: str, prereg: str | Path | None = None) -> Path:
+    """``experiments/results/<study>-<scale>`` of the repository: the study is the name of
+    the registration file before ``_prereg`` (``churn_prereg.json``: churn), ``parity``
+    for the default registration and any file not named that way."""
+    stem = Path(prereg).stem if prereg is not None else "parity_prereg"
+    study = stem.removesuffix("_prereg") if stem.endswith("_prereg") and stem != "_prereg" else ""
+    return REPO_ROOT / "experiments" / "results" / f"{study or 'parity'}-{scale}"
 
 
 def load_checked(path: str | Path | None = None) -> Prereg:
-    """The registration the runner may use: its hash verified; the repository's file
-    must also register exactly the design prereg.py builds."""
+    """The registration the runner may use: its hash verified; a registration file of the
+    repository (prereg.REGISTRATIONS) must also register exactly the design prereg.py
+    builds for it."""
     path = Path(path) if path is not None else DEFAULT_PATH
     pre = load_prereg(path)
-    if path.resolve() == DEFAULT_PATH.resolve():
-        pre = verify_registered(path, registered_design())
+    if any(path.resolve() == known.resolve() for known in REGISTRATIONS):
+        pre = verify_registered(path, design_for(path))
     return pre
 
 
@@ -147,7 +155,8 @@ def job_for(
         regions=cell.regions, islands_per_region=cell.islands_per_region, h_r=cell.h_r,
         h_g=cell.h_g, outer=outer, regional_codec=cell.regional_codec,
         global_codec=cell.global_codec, fragments=cell.fragments, tau=cell.tau,
-        anneal=cell.anneal, lawa_k=design.lawa_checkpoints if cell.lawa else 0, **common,
+        anneal=cell.anneal, lawa_k=design.lawa_checkpoints if cell.lawa else 0,
+        drop=cell.drop, **common,
     )  # fmt: skip
 
 
@@ -160,6 +169,9 @@ def cell_priority(design: Design, scale: str) -> list[Cell]:
     def add(*ids: str | None) -> None:
         order.extend(i for i in ids if i is not None and i in by_id and i not in order)
 
+    for c in cells:  # churn: its controls, its no-churn baseline, then the churn arm
+        if c.kind == "churn":
+            add(c.control, c.control_alt, c.baseline, c.id)
     hier = [c for c in cells if c.kind == "hier"]
     for c in hier:
         add(c.control, c.control_alt)
@@ -281,6 +293,8 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
             diverged_at=res.diverged_at, reason=res.reason, steps_per_s=_finite(res.steps_per_s),
             wall_s=res.seconds, path=res.path, device=res.device, n_params=res.n_params,
         )  # fmt: skip
+        if res.absent:  # churn: who missed which sync step (a row without churn is as before)
+            row["absent"] = d["absent"]
     except Exception as e:  # recorded, never lost
         tb = traceback.format_exc(limit=6)
         row.update(status="error", error=f"{type(e).__name__}: {e}", traceback=tb[-4000:])
@@ -355,7 +369,7 @@ def run_grid(
     cap = min(float(sc.wall_clock_cap_s), wall_cap_s if wall_cap_s is not None else math.inf)
     if procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0):
         raise ConfigError("grid: processes and the wall-clock cap must be positive")
-    out = Path(out) if out is not None else default_out(scale)
+    out = Path(out) if out is not None else default_out(scale, prereg)
     out.mkdir(parents=True, exist_ok=True)
     jobs = plan_jobs(pre.design, scale, device=device, path=path)
     rows = read_rows(out)

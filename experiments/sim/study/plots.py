@@ -1,6 +1,8 @@
-"""The grid's plots (PNG, matplotlib Agg, headless): curves, gap vs M, mechanism ranking.
+"""The grid's plots (PNG, matplotlib Agg, headless): curves, gap vs M, mechanism ranking,
+and for a churn registration the cost of churn.
 
     make_plots(summary, rows, out_dir)   # -> [curves.png, gap_vs_m.png, mechanisms.png]
+                                         #    a churn registration: [curves.png, churn.png]
 
 Drawn from ``summary.json`` and the rows of ``parity_runs.jsonl`` only; a cell
 with no finished seed is left out of a panel (and its absence is visible in the
@@ -24,6 +26,7 @@ from matplotlib.axes import Axes
 CURVES_FILE = "curves.png"
 GAP_FILE = "gap_vs_m.png"
 MECH_FILE = "mechanisms.png"
+CHURN_FILE = "churn.png"
 
 
 def mean_curve(
@@ -90,7 +93,8 @@ def plot_curves(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], p
     hgs = sorted({c["h_g"] for _, c in flat})
     hier = [cid for cid, c in cells.items() if c["kind"] == "hier"]
     mech = [cid for cid, c in cells.items() if c["kind"] == "mechanism"]
-    panels = len(hgs) + bool(hier) + bool(mech)
+    churn = [cid for cid, c in cells.items() if c["kind"] == "churn"]
+    panels = len(hgs) + bool(hier) + bool(mech) + bool(churn)
     ncol = 2 if panels > 1 else 1
     nrow = math.ceil(panels / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 4.2 * nrow), squeeze=False)
@@ -132,6 +136,16 @@ def plot_curves(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], p
         for i, cid in enumerate(mech):
             ys += _draw(ax, rows, summary, cid, color=plt.get_cmap("tab10")(i))
         _finish(ax, "H3: mechanisms vs flat DiLoCo at the same M (black)", ys)
+    if churn:
+        ax, ys = flat_axes[k], []
+        k += 1
+        if control:
+            ys += _draw(ax, rows, summary, control, color="black", lw=2)
+        for b in sorted({cells[c]["baseline"] for c in churn}):
+            ys += _draw(ax, rows, summary, b, color="tab:blue", lw=2)
+        for i, cid in enumerate(sorted(churn, key=lambda c: cells[c]["drop"])):
+            ys += _draw(ax, rows, summary, cid, color=plt.get_cmap("autumn")(0.15 + 0.5 * i))
+        _finish(ax, "churn: islands dropped with probability p (no churn: blue)", ys)
     for ax in flat_axes[k:]:
         ax.set_visible(False)
     fig.suptitle(_title(summary, "held-out loss, mean over seeds, at each cell's chosen eta"))
@@ -233,9 +247,58 @@ def plot_mechanisms(summary: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_churn(summary: Mapping[str, Any], path: Path) -> None:
+    """The cost of churn against p (paired with p = 0), and each arm's gap to DP, 90% CIs."""
+    cells, churn = summary["cells"], summary.get("churn", {})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    delta = 100 * summary["delta"]
+    bases = sorted({c["baseline"] for c in churn.values()})
+    panels = (
+        ("cost of churn  (L_p - L_0) / L_0  [%]", [(0.0, None)] + [
+            (c["drop"], c["cost"]["tost"]["ci"]) for c in churn.values()]),
+        ("gap to DP  (L - L_dp) / L_dp  [%]", [
+            (cells[cid]["drop"] if cells[cid]["kind"] == "churn" else 0.0,
+             cells[cid]["vs_control"]["tost"]["ci"])
+            for cid in [*bases, *churn] if "vs_control" in cells.get(cid, {})]),
+    )  # fmt: skip
+    for ax, (label, pts) in zip(axes, panels, strict=True):
+        ax.axhspan(-delta, delta, color="tab:green", alpha=0.12, label=f"margin +-{delta:g}%")
+        ax.axhline(0, color="black", lw=0.8)
+        xs, ys, lo, hi = [], [], [], []
+        for p, ci in sorted(pts, key=lambda q: q[0]):
+            if ci is None:  # p = 0 against itself: zero by definition
+                ci = {"mean": 0.0, "lo": 0.0, "hi": 0.0}
+            if ci.get("mean") is None:
+                continue
+            xs.append(100 * p)
+            ys.append(100 * ci["mean"])
+            lo.append(100 * (ci["mean"] - ci["lo"]) if ci.get("lo") is not None else 0.0)
+            hi.append(100 * (ci["hi"] - ci["mean"]) if ci.get("hi") is not None else 0.0)
+        if xs:
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, ms=5, label="mean, 90% CI")
+        else:
+            ax.text(0.5, 0.5, "no finished runs yet", ha="center", transform=ax.transAxes)
+        ax.set_xlabel("drop probability p per island and round [%]")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(_title(summary, "the cost of churn, paired by seed, at each arm's chosen eta"),
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def make_plots(
     summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out: Path
 ) -> list[Path]:
+    """Every plot of the summary's registration: a churn registration draws the curves and
+    the cost of churn; any other, the curves, the gap against M and the mechanisms."""
+    if summary.get("churn"):
+        paths = [out / CURVES_FILE, out / CHURN_FILE]
+        plot_curves(summary, rows, paths[0])
+        plot_churn(summary, paths[1])
+        return paths
     paths = [out / CURVES_FILE, out / GAP_FILE, out / MECH_FILE]
     plot_curves(summary, rows, paths[0])
     plot_gap(summary, paths[1])

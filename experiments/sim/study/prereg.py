@@ -1,10 +1,18 @@
-"""The pre-registered design of the parity experiment (docs/design.md §7), its hash, and its
-file.
+"""The pre-registered designs of the parity experiment (docs/design.md §7), their hashes, and
+their files.
 
-Write the registration (once per design; the file is committed)::
+Write a registration (once per design; the file is committed)::
 
     python -m hypertrain.sim.study.prereg --write-prereg experiments/sim/parity_prereg.json
     python -m hypertrain.sim.study.prereg --check experiments/sim/parity_prereg.json
+    python -m hypertrain.sim.study.prereg --check      # every registration of the repository
+
+The repository registers two designs, each in its own file (``REGISTRATIONS``): the
+parity grid (``registered_design``, ``parity_prereg.json``) and the cost of churn
+(``churn_design``, ``churn_prereg.json``: flat DiLoCo at M = 8, H_g = 10 with islands
+dropped from each round at a registered probability, its paired no-churn arm and its
+data-parallel controls).  A file is checked against the design registered at its path;
+any other path against the parity design.
 
 The design is one frozen dataclass tree (``Design``: seeds, scales, margins,
 alpha, caps, the inner-optimizer settings, the divergence rule, and the cells)
@@ -32,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -54,6 +63,8 @@ from hypertrain.sim.study.design import (
 )
 
 __all__ = [
+    "CHURN_PATH",
+    "REGISTRATIONS",
     "Cell",
     "Design",
     "Divergence",
@@ -63,6 +74,10 @@ __all__ = [
     "PreregError",
     "Scale",
     "canonical_json",
+    "churn_cells",
+    "churn_design",
+    "churn_scales",
+    "design_for",
     "design_hash",
     "load_prereg",
     "main",
@@ -233,6 +248,91 @@ def registered_design() -> Design:
     return Design(scales=registered_scales(), cells=registered_cells())
 
 
+# -- the cost of churn (a registration of its own) -------------------------------------
+
+CHURN_PATH = DEFAULT_PATH.with_name("churn_prereg.json")
+CHURN_M = 8
+CHURN_H_G = 10
+"""Flat DiLoCo at M = 8, H_g = 10: at cpu-tiny the parity grid's M = 8 arm there had an
+interior best eta with smooth means over the sweep (at H_g = 30 the means jumped between
+0.1 and 0.2), and 30 rounds of 8 islands give 240 draws per run, so the realized absence
+rate of a run stays near p (docs/parity.md, "The cost of churn")."""
+CHURN_DROPS = (0.1, 0.3)
+"""The registered per-island, per-round drop probabilities; p = 0 is the baseline arm."""
+
+
+def churn_cells() -> tuple[Cell, ...]:
+    """The DP controls, flat DiLoCo at M = 8, H_g = 10 (the paired no-churn arm, p = 0),
+    and the same arm with each registered drop probability."""
+    parity = {c.id: c for c in registered_cells()}
+    base = dataclasses.replace(parity[f"flat-M{CHURN_M}-Hg{CHURN_H_G}"], hypotheses=("C",))
+    cells = [parity["dp-adamw"], parity["dp-adamw-lr2"], base]
+    cells += [
+        dataclasses.replace(base, id=f"churn-M{CHURN_M}-Hg{CHURN_H_G}-p{p:g}", kind="churn",
+                            drop=p, baseline=base.id)
+        for p in CHURN_DROPS
+    ]  # fmt: skip
+    return tuple(cells)
+
+
+def churn_scales() -> tuple[Scale, ...]:
+    """cpu-tiny as the parity grid registers it (the same jobs, cell for cell), and smoke."""
+    tiny = next(s for s in registered_scales() if s.name == "cpu-tiny")
+    ids = tuple(c.id for c in churn_cells())
+    churn = f"churn-M{CHURN_M}-Hg{CHURN_H_G}-p{max(CHURN_DROPS):g}"
+    return (
+        dataclasses.replace(
+            tiny,
+            note="the cost of churn: flat DiLoCo at M 8, H_g 10, islands dropped from each "
+            "round with p 0.1 and 0.3, the paired p = 0 arm, both AdamW DP controls; the "
+            "model, steps, batch, holdout and Nesterov sweep of the parity grid's cpu-tiny; "
+            "about 15 minutes on one core",
+            cells=ids,
+            wall_clock_cap_s=3600,
+        ),
+        Scale(
+            name="smoke",
+            note="a few steps of the churn arm, its baseline and its control, for the tests",
+            steps=20,
+            model="tiny",
+            n_layer=2,
+            d_model=64,
+            n_head=4,
+            seq_len=64,
+            global_batch=8,
+            holdout_windows=16,
+            warmup_steps=2,
+            cells=("dp-adamw", f"flat-M{CHURN_M}-Hg{CHURN_H_G}", churn),
+            wall_clock_cap_s=600,
+            process_cap=2,
+            nesterov_outer_lrs=(0.2,),
+        ),
+    )
+
+
+def churn_design() -> Design:
+    """The design registered in experiments/sim/churn_prereg.json."""
+    gap = (
+        "(L_cell - L_dp) / L_dp per seed; the cost of churn: (L_churn - L_base) / L_base per "
+        "seed against the same arm without churn, each arm at its own chosen eta, tested "
+        "(TOST) at the same margin"
+    )
+    return Design(protocol="S6-churn", gap=gap, scales=churn_scales(), cells=churn_cells())
+
+
+REGISTRATIONS = {DEFAULT_PATH: registered_design, CHURN_PATH: churn_design}
+"""The repository's registration files and the design each must register."""
+
+
+def design_for(path: str | Path | None) -> Design:
+    """The design the repository registers at ``path``; the parity design for any other."""
+    target = Path(path).resolve() if path is not None else DEFAULT_PATH.resolve()
+    for known, build in REGISTRATIONS.items():
+        if known.resolve() == target:
+            return build()
+    return registered_design()
+
+
 # -- hashing and the file ---------------------------------------------------------------
 
 
@@ -352,23 +452,26 @@ def verify_registered(path: str | Path, design: Design) -> Prereg:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``--write-prereg [PATH]`` registers the design; ``--check [PATH]`` verifies a file."""
+    """``--write-prereg [PATH]`` registers the design of PATH (``design_for``);
+    ``--check [PATH]`` verifies a file, without PATH every registration of the repository."""
     ap = argparse.ArgumentParser(
         prog="python -m hypertrain.sim.study.prereg", description=__doc__.split("\n")[0]
     )
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--write-prereg", nargs="?", const=str(DEFAULT_PATH), metavar="PATH")
-    group.add_argument("--check", nargs="?", const=str(DEFAULT_PATH), metavar="PATH")
+    group.add_argument("--check", nargs="?", const="", metavar="PATH")
     args = ap.parse_args(argv)
-    design = registered_design()
     try:
         if args.check is not None:
-            pre = verify_registered(args.check, design)
-            print(
-                f"prereg ok: {pre.path} design_sha256={pre.design_sha256} registered {pre.registered_utc}"
-            )
+            paths = [Path(args.check)] if args.check else list(REGISTRATIONS)
+            for p in paths:
+                pre = verify_registered(p, design_for(p))
+                print(
+                    f"prereg ok: {pre.path} design_sha256={pre.design_sha256} registered {pre.registered_utc}"
+                )
             return 0
         path = Path(args.write_prereg)
+        design = design_for(path)
         if path.exists():
             try:
                 pre = verify_registered(path, design)

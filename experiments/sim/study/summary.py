@@ -20,6 +20,11 @@ registered comparisons.  ``summary.json`` holds, keyed for the doc checker:
 - ``negative_control``, ``h1[<hierarchy>]`` (vs flat M = R and flat M = R * n_r),
   ``h2["Hg<h>"]`` (best eta vs M), ``h3`` (ranking, promotion rule, promoted),
   ``h4["Hg<h>"]`` (mean gap vs M, with per-M CIs), ``power`` (one line per verdict).
+- ``churn[<cell>]`` (a churn registration): the cost of churn, the churn arm against its
+  no-churn baseline, each at its chosen eta, paired by seed ((L_churn - L_base) / L_base,
+  CI, TOST at the same margin, power), the same difference at each eta of the sweep, and
+  the absences the runs drew (per seed: sync steps, absences, rate, steps that waited for
+  a late island to reach the quorum).
 
 A comparison missing data (a censored, error or divergent seed) is computed on
 the seeds both arms have and says which are missing; with fewer than two seeds
@@ -94,7 +99,10 @@ def _csv_rows(jobs: list[GridJob], latest: Mapping[str, dict[str, Any]]) -> list
 def _cell_info(c: Cell) -> dict[str, Any]:
     keys = ("kind", "m", "regions", "islands_per_region", "h_g", "h_r", "outer", "inner",
             "inner_lr", "fragments", "tau", "anneal", "lawa", "control", "control_alt")  # fmt: skip
-    return {k: getattr(c, k) for k in keys}
+    info = {k: getattr(c, k) for k in keys}
+    if c.kind == "churn":
+        info.update(drop=c.drop, baseline=c.baseline)
+    return info
 
 
 def _job_counts(jobs: list[GridJob], latest: Mapping[str, dict[str, Any]]) -> dict[str, int]:
@@ -178,6 +186,83 @@ def _trends(design: Design, scale: str, cells: Mapping[str, Any]) -> tuple[Any, 
         trend = h4_gap_trend(gaps, alpha, label=f"H4 gap to DP vs M at H_g = {hg}")
         h4[f"Hg{hg}"] = {"trend": trend, "verdict": trend.verdict, "gap_by_m": per_m}
     return h2, h4
+
+
+CHURN_RULE = (
+    "each island is absent from each sync step with probability p, drawn from the seed and "
+    "the step alone (u < p, u uniform from random.Random('hypertrain-churn/<seed>/<step>')); "
+    "flat DiLoCo: its region's forward is left out of the global merge; the merge is the "
+    "fixed-order mean over the members present; the absent island takes the step's merge; "
+    "below the quorum (half the members, rounded up) the step waits for the late islands "
+    "with the largest u first until the quorum is present"
+)
+
+
+def _absence(row: dict[str, Any] | None, m: int) -> dict[str, Any] | None:
+    """What a churn run drew: sync steps, absences, their rate, steps that waited."""
+    if row is None or row.get("status") not in ("done", "divergent") or "absent" not in row:
+        return None
+    entries = row["absent"]
+    gone = sum(len(e[1]) for e in entries)
+    return {"syncs": len(entries), "absent": gone,
+            "rate": gone / (len(entries) * m) if entries else None,
+            "waited_steps": sum(1 for e in entries if e[2] > 0),
+            "waited": sum(int(e[2]) for e in entries)}  # fmt: skip
+
+
+def _churn(
+    design: Design,
+    scale: str,
+    jobs: list[GridJob],
+    latest: Mapping[str, dict[str, Any]],
+    losses: Mapping[str, Losses],
+    choices: Mapping[str, EtaChoice],
+) -> dict[str, Any]:
+    """Each churn cell against its no-churn baseline (see the module docstring)."""
+    delta, alpha = design.margins.heldout_rel, design.alpha
+    at: dict[tuple[str, float | None, int], dict[str, Any]] = {}
+    for j in jobs:
+        r = latest.get(j.job_id)
+        if r is not None:
+            at[(j.cell.id, j.eta, j.seed)] = r
+
+    def done(cell: str, eta: float | None) -> dict[int, float]:
+        out = {}
+        for seed in design.seeds:
+            r = at.get((cell, eta, seed))
+            if r is not None and r["status"] == "done" and r.get("final_loss") is not None:
+                out[seed] = float(r["final_loss"])
+        return out
+
+    churn: dict[str, Any] = {}
+    for c in design.cells_of(scale):
+        if c.kind != "churn" or c.baseline is None:
+            continue
+        base = c.baseline
+        cost = compare(c.id, losses.get(c.id, {}), base, losses.get(base, {}), delta, alpha)
+        by_eta = {}
+        for eta in design.sweep(c, scale):
+            pair = compare(c.id, done(c.id, eta), base, done(base, eta), delta, alpha)
+            by_eta[f"{eta:g}"] = {"n": len(pair.seeds), "mean": pair.tost.ci.mean,
+                                  "gaps": pair.gaps}  # fmt: skip
+        chosen = choices[c.id].eta
+        seeds = {}
+        for seed in design.seeds:
+            a = _absence(at.get((c.id, chosen, seed)), c.m)
+            if a is not None:
+                seeds[str(seed)] = a
+        n_syncs = sum(a["syncs"] for a in seeds.values())
+        n_gone = sum(a["absent"] for a in seeds.values())
+        churn[c.id] = {
+            "cell": c.id, "baseline": base, "drop": c.drop, "m": c.m, "h_g": c.h_g,
+            "chosen_eta": chosen, "baseline_eta": choices[base].eta if base in choices else None,
+            "cost": cost, "verdict": cost.tost.verdict, "classification":
+            cost.tost.classification, "cost_by_eta": by_eta,
+            "absence": {"by_seed": seeds, "syncs": n_syncs, "absent": n_gone,
+                        "rate": n_gone / (n_syncs * c.m) if n_syncs else None,
+                        "waited_steps": sum(a["waited_steps"] for a in seeds.values())},
+        }  # fmt: skip
+    return churn
 
 
 def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], list[Any]]:
@@ -277,6 +362,9 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
         "h4": h4,
         "power": power,
     }
+    churn = _churn(design, scale, jobs, latest, losses, choices)
+    if churn:  # a churn registration
+        summary.update(churn=churn, churn_rule=CHURN_RULE)
     return to_jsonable(summary), _csv_rows(jobs, latest)
 
 
@@ -285,7 +373,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Write ``parity_grid.csv``, ``summary.json`` (and the plots) into ``out``; return the summary."""
     pre = load_checked(prereg)
-    out = Path(out) if out is not None else default_out(scale)
+    out = Path(out) if out is not None else default_out(scale, prereg)
     if not (out / RUNS_FILE).exists():
         out.mkdir(parents=True, exist_ok=True)
     summary, csv_rows = build_summary(pre, scale, out)
