@@ -264,3 +264,38 @@ def test_an_island_that_leaves_is_not_waited_for_and_may_come_back(tmp_path: Pat
     leave, join = _audited(cluster, cfg, tmp_path)
     assert (leave.change, leave.member, join.change, join.member) == (LEAVE, "a-1", JOIN, "a-1")
     assert leave.sync_step <= 8 < join.sync_step
+
+
+def test_a_region_everyone_left_is_absent_until_one_joins_again(tmp_path: Path) -> None:
+    """Both islands of region a leave; with a global cutoff the rounds go on without a;
+    one of them joins again (from its relay's newest merge: the region has no member) and
+    region a is back in the global rounds to the end, every island on one digest."""
+    cfg = TOY.with_overrides(
+        steps=40,
+        membership={"standby": [], "regional_cutoff_s": 3.0, "global_cutoff_s": 3.0},
+    )
+    cluster = _cluster(cfg, tmp_path)
+    for name, island in cluster.islands.items():
+        if name != "a-2":
+            cluster.start_training(island, 1.0)
+    a2 = cluster.islands["a-2"]
+    cluster.net.at(0.5, a2.leave)  # never trains: the region's third island is not used
+    for name in ("a-0", "a-1"):
+        cluster.net.at(9.5, cluster.islands[name].leave)
+    a1 = cluster.islands["a-1"]
+    cluster.net.at(24.5, a1.restart)
+    cluster.net.at(24.5, lambda: cluster.start_training(a1, 1.0))
+    cluster.drive(400_000)
+    changes = _audited(cluster, cfg, tmp_path)
+    assert [(c.change, c.member) for c in changes][-1] == (JOIN, "a-1")
+    rejoin = changes[-1]
+    trusted = TrustedKeys.of(cluster.keys.values())
+    agg = verify_tape(tmp_path / "aggregator" / "tape", trusted).entries
+    from hypertrain.common.trust.schema import GlobalMergeEntry
+
+    merges = [GlobalMergeEntry.from_body(e.body) for e in agg if e.kind == "global_merge"]
+    without_a = [m.sync_step for m in merges if m.absent == ("a",)]
+    # Absent from a run of rounds after everyone left, then back to the end.
+    assert without_a == list(range(without_a[0], without_a[-1] + 1, 4)), without_a
+    assert without_a[-1] < merges[-1].sync_step and merges[-1].absent is None
+    assert rejoin.start == rejoin.sync_step - 2  # from the newest merge its relay held
