@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="run each island as K data-parallel ranks under torchrun (gloo; default 1)",
     )
+    up.add_argument(
+        "--chaos",
+        type=int,
+        metavar="SEED",
+        help="kill, restart, stop and add islands at seeded steps (cutoffs on); then print "
+        "the members of every round and audit the run (docs/operations.md, step 9)",
+    )
     add_run_config_flags(up)
     up.set_defaults(func=lambda a: __import__("hypertrain.up", fromlist=["cmd_up"]).cmd_up(a))
     data_cmd.register(sub)

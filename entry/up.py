@@ -12,6 +12,10 @@ Run folder (``--run-dir``, default ``runs/<run_id>-<UTC time>``): ``run.toml``
 published inputs), ``relay-<region>/`` (shards: ``relay-<region>-<i>/``), ``scrape_targets.json`` (the daemons' metrics
 endpoints, a Prometheus file_sd list); with ``--prometheus`` also ``prometheus/`` (its
 config, rules and storage: entry/prom.py).
+
+``--chaos SEED`` (entry/chaos_up.py): the same cluster, with islands killed, restarted,
+stopped and one added mid-run at seeded steps; it ends with what chaos did, the members
+of every round from the tapes, the cutoffs' timing and the audit's verdict.
 """
 
 from __future__ import annotations
@@ -22,16 +26,24 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Container, Mapping
 from pathlib import Path
 from typing import Any
 
+from hypertrain.chaos_up import (
+    ChaosPlan,
+    ChaosRunner,
+    audit_line,
+    cutoff_lines,
+    members_lines,
+    plan_chaos,
+)
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.runflags import run_config_from_args
 from hypertrain.common.shards import relay_member
-from hypertrain.common.trust.keys import daemon_key_names, init_keys
+from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, python_module, torchrun
 from hypertrain.prom import PromHandle, start_prometheus
@@ -74,8 +86,15 @@ class Progress:
         self.final_digest: str | None = None
         self.rounds = cfg.steps // cfg.topology.h_g
         self.t0 = time.monotonic()
+        self.watchers: list[Callable[[str, dict[str, str]], None]] = []
+        """Also handed every event (after it is counted here): ``--chaos`` watches syncs."""
 
     def on_event(self, source: str, e: dict[str, str]) -> None:
+        self._count(e)
+        for watch in self.watchers:
+            watch(source, e)
+
+    def _count(self, e: dict[str, str]) -> None:
         with self.lock:
             kind = e["event"]
             if kind == "eval":
@@ -95,6 +114,72 @@ class Progress:
                 self.final_digest = e["digest"]
 
 
+def _spawn(
+    run_dir: Path,
+    name: str,
+    module: str,
+    args: tuple[str, ...],
+    progress: Progress,
+    env: dict[str, str],
+    *,
+    label: str | None = None,
+    nice: int = 0,
+    ranks: int = 1,
+) -> Child:
+    """One daemon of the run in ``run_dir`` with the signing key ``keys/<name>.key``;
+    ``label`` (default ``name``): the child's name and its log's, ``logs/<label>.log``."""
+    key = run_dir / "keys" / f"{name}.key"
+    conf = run_dir / "run.toml"
+    flags = ("--config", str(conf), "--metrics-port", "0", "--signing-key", str(key), *args)
+    argv = python_module(module, *flags) if ranks == 1 else torchrun(ranks, module, *flags)
+    label = label or name
+    return Child(label, argv, run_dir / "logs" / f"{label}.log", progress.on_event, env, nice=nice)
+
+
+def start_island(
+    run_dir: Path,
+    progress: Progress,
+    island: str,
+    relay: str,
+    env: dict[str, str] | None = None,
+    *,
+    label: str | None = None,
+    ranks: int = 1,
+) -> Child:
+    """Start island ``island`` (``eu-1``) of the run in ``run_dir`` against ``relay`` (its
+    region's relay addresses, comma-separated), with its state in ``island-<id>/``: a
+    restart of an island resumes from there.  ``label``: its child and log name
+    (default ``island-<id>``; a restart needs another, so that its log is a new file)."""
+    region, _, index = island.rpartition("-")
+    # On one shared host the islands' training saturates every core; a lower
+    # priority lets relays and the aggregator answer at once (each sync waits on them).
+    return _spawn(
+        run_dir,
+        f"island-{island}",
+        "hypertrain.island",
+        (
+            *("--region", region, "--index", index, "--relay", relay),
+            *("--state-dir", str(run_dir / f"island-{island}")),
+        ),
+        progress,
+        env if env is not None else child_env(),
+        label=label,
+        nice=ISLAND_NICE,
+        ranks=ranks,
+    )
+
+
+def relay_addresses(children: list[Child]) -> dict[str, str]:
+    """Each region's relay addresses (its shards', comma-separated in shard order), as an
+    island's ``--relay`` takes them, from the started children."""
+    relays: dict[str, list[str]] = {}
+    for c in children:
+        role, _, rest = c.name.partition("-")
+        if role == "relay" and c.address is not None:
+            relays.setdefault(rest.partition("-")[0], []).append(c.address)
+    return {region: ",".join(addrs) for region, addrs in relays.items()}
+
+
 def start_cluster(
     cfg: RunConfig,
     run_dir: Path,
@@ -102,6 +187,7 @@ def start_cluster(
     extra_env: dict[str, str] | None = None,
     island_ranks: Mapping[str, int] | None = None,
     env_of: Mapping[str, dict[str, str]] | None = None,
+    hold: Collection[str] = (),
 ) -> list[Child]:
     """Start aggregator, relays and islands; returns them in start order.
 
@@ -110,59 +196,56 @@ def start_cluster(
 
     ``island_ranks`` maps island ids to a number of data-parallel ranks: those
     islands run under ``torchrun --standalone --nproc-per-node K`` (gloo on the CPU).
+
+    ``hold``: islands not started (``start_island`` starts them later: ``--chaos``).
     """
-    conf = run_dir / "run.toml"
-    logs = run_dir / "logs"
     keys = run_dir / "keys"
     if not (keys / "trusted_keys.json").exists():
         init_keys(keys, daemon_key_names(cfg.topology))
     env = child_env() | (extra_env or {})
     children: list[Child] = []
 
-    def spawn(name: str, module: str, *args: str, nice: int = 0, ranks: int = 1) -> Child:
-        key = keys / f"{name}.key"
-        flags = ("--config", str(conf), "--metrics-port", "0", "--signing-key", str(key), *args)
-        argv = python_module(module, *flags) if ranks == 1 else torchrun(ranks, module, *flags)
-        own = env | (env_of or {}).get(name, {})
-        child = Child(name, argv, logs / f"{name}.log", progress.on_event, own, nice=nice)
-        children.append(child)
-        return child
+    def own(name: str) -> dict[str, str]:
+        return env | (env_of or {}).get(name, {})
 
-    agg = spawn(
+    agg = _spawn(
+        run_dir,
         "aggregator",
         "hypertrain.aggregator",
-        "--listen",
-        "127.0.0.1:0",
-        "--state-dir",
-        str(run_dir / "aggregator"),
+        ("--listen", "127.0.0.1:0", "--state-dir", str(run_dir / "aggregator")),
+        progress,
+        own("aggregator"),
     )
+    children.append(agg)
     agg_addr = agg.wait_listening()
-    relays: dict[str, list[Child]] = {}
+    relays: list[Child] = []
     count = cfg.topology.relay_shards
     for region in sorted(cfg.topology.regions):
         for i in range(count):  # one relay per region, or its shards (--relay-shards)
             name = relay_key(relay_member(region, i, count))
-            relays.setdefault(region, []).append(
-                spawn(
-                    name,
-                    "hypertrain.relay",
-                    *("--region", region, "--aggregator", agg_addr, "--listen", "127.0.0.1:0"),
-                    *(("--shard", f"{i}/{count}") if count > 1 else ()),
-                    *("--state-dir", str(run_dir / name)),
-                )
+            args = (
+                *("--region", region, "--aggregator", agg_addr, "--listen", "127.0.0.1:0"),
+                *(("--shard", f"{i}/{count}") if count > 1 else ()),
+                *("--state-dir", str(run_dir / name)),
             )
-    addrs = {r: ",".join(c.wait_listening() for c in cs) for r, cs in relays.items()}
+            relays.append(_spawn(run_dir, name, "hypertrain.relay", args, progress, own(name)))
+    children.extend(relays)
+    for c in relays:
+        c.wait_listening()
+    addrs = relay_addresses(relays)
     for island in cfg.topology.island_ids():
-        region, _, index = island.rpartition("-")
-        # On one shared host the islands' training saturates every core; a lower
-        # priority lets relays and the aggregator answer at once (each sync waits on them).
-        spawn(
-            f"island-{island}",
-            "hypertrain.island",
-            *("--region", region, "--index", index, "--relay", addrs[region]),
-            *("--state-dir", str(run_dir / f"island-{island}")),
-            nice=ISLAND_NICE,
-            ranks=(island_ranks or {}).get(island, 1),
+        if island in hold:
+            continue
+        region = cfg.topology.region_of(island)
+        children.append(
+            start_island(
+                run_dir,
+                progress,
+                island,
+                addrs[region],
+                own(f"island-{island}"),
+                ranks=(island_ranks or {}).get(island, 1),
+            )
         )
     return children
 
@@ -191,9 +274,18 @@ def write_scrape_targets(children: list[Child], path: Path, timeout_s: float = 6
 
 
 def supervise(
-    children: list[Child], poll_s: float = 0.2, deadline_s: float | None = None
+    children: list[Child],
+    poll_s: float = 0.2,
+    deadline_s: float | None = None,
+    expected: Container[Child] = (),
+    busy: Callable[[], bool] | None = None,
 ) -> Child | None:
     """Wait until every child exits 0 (None) or one fails (that child).
+
+    ``children`` may grow while this waits (a restarted island).  ``expected``: children
+    whose exit is no failure whatever its code (killed on purpose by ``--chaos``; add one
+    before killing it).  ``busy()`` true: more children are to come, so the run is not
+    over even when none is running.
 
     With ``deadline_s``, a run still going after that long raises TimeoutError."""
     t_end = None if deadline_s is None else time.monotonic() + deadline_s
@@ -201,13 +293,13 @@ def supervise(
         if t_end is not None and time.monotonic() > t_end:
             raise TimeoutError(f"run still going after {deadline_s:.0f}s")
         running = False
-        for child in children:
+        for child in list(children):
             code = child.proc.poll()
             if code is None:
                 running = True
-            elif code != 0:
+            elif code != 0 and child not in expected:
                 return child
-        if not running:
+        if not running and not (busy is not None and busy()):
             return None
         time.sleep(poll_s)
 
@@ -236,6 +328,10 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
 
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = run_config_from_args(args)
+    plan: ChaosPlan | None = None
+    if getattr(args, "chaos", None) is not None:  # refused before anything is written
+        plan = plan_chaos(cfg, args.chaos, args.island_ranks)
+        cfg = plan.cfg
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = Path(args.run_dir or f"runs/{cfg.run_id}-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -248,8 +344,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"{cfg.outer.name}; run folder {run_dir}",
         flush=True,
     )
+    if plan is not None:
+        print("\n".join(plan.lines()), flush=True)
     progress = Progress(cfg, quiet=args.quiet)
     children: list[Child] = []
+    chaos: ChaosRunner | None = None
     prom: PromHandle | None = None
     t0 = time.monotonic()
     try:
@@ -259,7 +358,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"{cfg.batch_per_island}"
             )
         ranks = dict.fromkeys(topo.island_ids(), args.island_ranks)
-        children = start_cluster(cfg, run_dir, progress, island_ranks=ranks)
+        hold = () if plan is None else (plan.standby,)
+        children = start_cluster(cfg, run_dir, progress, island_ranks=ranks, hold=hold)
         (run_dir / "processes.txt").write_text(
             "".join(f"{c.name} {c.proc.pid}\n" for c in children)
         )
@@ -274,7 +374,23 @@ def cmd_up(args: argparse.Namespace) -> int:
                 prom = start_prometheus(run_dir)
             except RuntimeError as e:  # the run goes on without it
                 print(f"hypertrain up: --prometheus: {e}", file=sys.stderr, flush=True)
-        failed = supervise(children)
+        if plan is not None:
+            relays = relay_addresses(children)
+            chaos = ChaosRunner(
+                plan,
+                children,
+                lambda island, label: start_island(
+                    run_dir, progress, island, relays[topo.region_of(island)], label=label
+                ),
+                run_dir / "processes.txt",
+            )
+            progress.watchers.append(chaos.watch)
+            chaos.start()
+        failed = supervise(
+            children,
+            expected=() if chaos is None else chaos.expected,
+            busy=None if chaos is None else chaos.busy,
+        )
     except KeyboardInterrupt:
         print("hypertrain up: interrupted; stopping every process", file=sys.stderr)
         return 130
@@ -282,15 +398,45 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"hypertrain up: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if chaos is not None:
+            chaos.stop()
         if prom is not None:
             prom.stop()
             print(f"  prometheus stopped; reopen its data: {prom.restart_command()}", flush=True)
         for child in reversed(children):
             child.stop()
     if failed is not None:
+        if chaos is not None:
+            print("\n".join(chaos.report_lines()), file=sys.stderr)
         print(f"hypertrain up: error: {failed.failure_message()}", file=sys.stderr)
         print("hypertrain up: stopped every other process", file=sys.stderr)
         return 1
     text, agree = summary(cfg, progress, run_dir, time.monotonic() - t0)
     print(text, flush=True)
+    if chaos is not None:
+        return chaos_summary(chaos, progress, run_dir, agree)
     return 0 if agree else 1
+
+
+def chaos_summary(chaos: ChaosRunner, progress: Progress, run_dir: Path, agree: bool) -> int:
+    """What ``--chaos`` did, the members of every round, the cutoffs' timing and the audit;
+    0 only if every island that was not killed for good finished on the final digest and
+    the audit recomputed it."""
+    cfg = chaos.cfg
+    lines = chaos.report_lines()
+    missing = sorted(set(chaos.survivors()) - set(progress.done))
+    if missing:
+        lines.append(f"islands that did not finish: {', '.join(missing)}")
+    trusted = TrustedKeys.load(run_dir / "keys" / "trusted_keys.json")
+    try:
+        lines += members_lines(run_dir, cfg, trusted)
+    except HypertrainError as e:  # the audit below says the same, with its verdict
+        lines.append(f"members of every round: cannot read the tapes: {e}")
+    lines += cutoff_lines(cfg, chaos.cutoffs)
+    verdict, digest = audit_line(run_dir)
+    lines.append(verdict)
+    ok = agree and not missing and digest is not None and digest == progress.final_digest
+    if digest is not None and digest != progress.final_digest:
+        lines.append(f"the audit's final digest {digest} is not the run's {progress.final_digest}")
+    print("\n".join(lines), flush=True)
+    return 0 if ok else 1
