@@ -813,7 +813,11 @@ class RelayMachine:
         lv.changes.append(record)
         effects: list[Effect] = [Membership(record)]
         if req.change == LEAVE and self.global_pending is None and lv.complete():
-            effects.extend(self._commit(lv.open_step))  # the rest had all delivered
+            try:
+                effects.extend(self._commit(lv.open_step))  # the rest had all delivered
+            except HypertrainError:
+                lv.changes.pop()  # nothing happened (but see _commit's own atomicity)
+                raise
         what = (
             f"{req.member} joins region {self.region} from step {first}, starting from the "
             f"merge of step {start}"

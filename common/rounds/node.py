@@ -223,8 +223,11 @@ class _Node:
 
     def all_final(self) -> bool:
         """Does every member the run ended with hold the final merge?  Members absent from
-        the last sync step (gone, or left behind at its cutoff) are not waited for."""
-        return self.finals >= set(self.machine.level.members_of(self.cfg.steps))
+        the last sync step (gone, or left behind at its cutoff) are not waited for, nor
+        those that left after delivering it."""
+        level = self.machine.level
+        left = {m for m in level.roster if not level.is_in(m)}
+        return self.finals >= set(level.members_of(self.cfg.steps)) - left
 
     @property
     def done(self) -> bool:

@@ -30,6 +30,14 @@ from hypertrain.wire.options import tune_allocator
 from hypertrain.wire.peers import relay_peer
 
 
+def _stopped(island: Island | None) -> int:
+    """Stopped by a signal: 0 after a leave its relay took (SIGTERM: a clean end that
+    nothing should restart), else 130."""
+    left = island is not None and island.left
+    log_event("stopped", role="island", reason="left" if left else "signal")
+    return 0 if left else 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     tune_allocator()  # before any thread allocates (wire/options.py)
     p = daemon_parser("island", "Train one model replica; sync through the region's relay.")
@@ -80,14 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ranks.close()  # after a clean run only: the others wait for us here
         return 0
     except KeyboardInterrupt:
-        log_event("stopped", role="island", reason="signal")
-        return 130
+        return _stopped(island)
     except (HypertrainError, ValueError) as e:  # bad config or flags
         return fail("island", str(e))
     except WireError as e:  # the relay refused us or went away mid-run
         if island is not None and island.stop.is_set():  # a signal ended the wait
-            log_event("stopped", role="island", reason="signal")
-            return 130
+            return _stopped(island)
+        if e.over:  # e.g. a join too late: no round left for it; nothing went wrong
+            log_event("stopped", role="island", reason="run over", message=e.message)
+            return 0
         return fail("island", str(e), code=1)
     except RuntimeError as e:  # torch.distributed: another rank of this island is gone
         if ranks is None:

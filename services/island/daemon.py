@@ -133,6 +133,8 @@ class Island:
         self.stale = 0  # deltas refused as stale (their step closed without this island)
         self.heals = 0  # rejoined from a later global merge after being left behind
         self.leave_on_stop = False  # SIGTERM: announce a leave before stopping
+        self.left = False  # ... and the relay took it: a clean end (exit 0)
+        self.pushing: Future[None] = _done()  # the push in flight
         self.metrics = metrics or Metrics("island")
         self.tokens_per_step = cfg.batch_per_island * mcfg.seq_len
         self._labels = {"region": self.core.region, "island": island_id}
@@ -198,7 +200,18 @@ class Island:
         return self.stop.is_set() if self.ranks is None else self.ranks.stopping
 
     def run(self) -> str:
-        """Train to the end; returns the final state digest."""
+        """Train to the end; returns the final state digest.  Stopped by a signal
+        (KeyboardInterrupt, or a wait given up: WireError), after SIGTERM it first
+        announces its leave, whatever it was doing (training, pushing, waiting for a
+        merge); ``left`` says whether the relay took it."""
+        try:
+            return self._run()
+        except (KeyboardInterrupt, WireError):
+            if self.stop.is_set():
+                self._leave(self.pushing)
+            raise
+
+    def _run(self) -> str:
         cfg, rounds = self.cfg, self.rounds
         push: Future[None] = _done()
         sent = 0
@@ -209,7 +222,6 @@ class Island:
         self._join()
         while self.core.step < cfg.steps:
             if self._stopping():
-                self._leave(push)
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
             step = self.core.step
@@ -222,7 +234,7 @@ class Island:
             deltas = rounds.after_step(encode=self.lead)
             if rounds.last_sync is not None and rounds.last_sync[0] == step:
                 if deltas:
-                    push = self.pusher.submit(self._push, deltas)
+                    push = self.pushing = self.pusher.submit(self._push, deltas)
                     sent = sum(len(d.data) for d in deltas)
                     deltas = []  # the pusher holds them until they are sent, no longer
                     self._sent(sent, time.perf_counter() - t0)
@@ -322,7 +334,7 @@ class Island:
     def _leave(self, push: Future[None]) -> None:
         """Stopping on SIGTERM: once the push in flight is done (or given up), tell the
         relay this island leaves (one try: the relay may be gone too)."""
-        if not (self.leave_on_stop and self.lead and not self.core.shards.sharded):
+        if self.left or not (self.leave_on_stop and self.lead and not self.core.shards.sharded):
             return
         assert self.relays is not None
         with contextlib.suppress(WireError):  # given up at the stop: it goes on without it
@@ -333,6 +345,7 @@ class Island:
             self._log("leave", role="island", island=self.island_id, announced=False,
                       message=str(e))  # fmt: skip
             return
+        self.left = decision.accepted
         self._log("leave", role="island", island=self.island_id, announced=decision.accepted,
                   message=decision.reason)  # fmt: skip
 

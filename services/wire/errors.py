@@ -39,6 +39,9 @@ from hypertrain.common.errors import HypertrainError
 #: Trailing metadata key of a FAILED_PRECONDITION that says "your step closed without
 #: you at its cutoff": resending cannot help; take the step's merge instead.
 STALE_KEY = "hypertrain-stale"
+#: Trailing metadata key of a refusal that says "the run is over for this request" (a join
+#: with no round left to join, or any change after the run completed): nothing to retry.
+OVER_KEY = "hypertrain-over"
 
 
 class WireError(Exception):
@@ -46,11 +49,15 @@ class WireError(Exception):
     ``stale``: a delta refused because its sync step closed without its sender (sent to
     the caller as ``STALE_KEY`` trailing metadata beside FAILED_PRECONDITION)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, stale: bool = False) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, stale: bool = False, over: bool = False
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.stale = stale
+        self.over = over
+        """The run is over for this request (``OVER_KEY``; ``Decision.over``)."""
 
 
 class StaleDelta(WireError):

@@ -18,6 +18,7 @@ time, exactly as the in-process transport delivers them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -29,6 +30,8 @@ import grpc
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
 from hypertrain.common.rounds.machines import (
+    JOIN,
+    LEAVE,
     ArmCutoff,
     Committed,
     Cut,
@@ -91,7 +94,9 @@ def log_cutoff(role: str, cut: Cut, since_first_s: float | None, **where: object
 
 def refusal(decision: Decision) -> WireError:
     """The status a refused call is answered with."""
-    return WireError(STATUS[decision.code], decision.reason, stale=decision.stale)
+    return WireError(
+        STATUS[decision.code], decision.reason, stale=decision.stale, over=decision.over
+    )
 
 
 class MergeBoard:
@@ -284,10 +289,14 @@ class Intake:
                 m.delta_size.labels(role, self.level, region).observe(size)
                 continue
             if isinstance(effect, Membership):
-                m.member_changes.labels(role, region, effect.record.change).inc()
+                rec = effect.record
+                m.member_changes.labels(role, region, rec.change).inc()
                 m.region_members.labels(role, region).set(
-                    len(self.node.machine.level.members_for(effect.record.sync_step))
+                    len(self.node.machine.level.members_for(rec.sync_step))
                 )
+                if rec.change == LEAVE:  # no longer a member: no absence streak to show
+                    with contextlib.suppress(KeyError):
+                        m.absent_streak.remove(role, region, rec.member)
             if isinstance(effect, Cut):
                 step, now = effect.record.sync_step, time.monotonic()
                 self.cut_at[step] = now
@@ -320,12 +329,18 @@ class Intake:
 
     # -- the cutoff clock ----------------------------------------------------------------
     def rearm(self) -> None:
-        """After a restart: the open step's clock, if replayed deliveries need one (it runs
-        its whole length again from now; the cutoff entry, when it comes, is what counts)."""
+        """After a (re)start: the open step's clock, if replayed deliveries need one (it
+        runs its whole length again from now; the cutoff entry, when it comes, is what
+        counts); and a relay's membership metrics, from the start (zero changes so far)."""
         with self.board.cond:
             arm = self.node.machine.level.armed()
             if arm is not None:
                 self._arm(arm)
+            if isinstance(self.node, RelayNode):
+                m, (role, region) = self.metrics, self.labels
+                for change in (JOIN, LEAVE):
+                    m.member_changes.labels(role, region, change)
+                m.region_members.labels(role, region).set(len(self.node.machine.members))
 
     def _arm(self, arm: ArmCutoff) -> None:
         if self._closed or arm.sync_step in self.timers:

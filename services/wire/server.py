@@ -43,7 +43,7 @@ from hypertrain.common.errors import ConfigError
 from hypertrain.common.settings import parse_address
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
-from hypertrain.wire.errors import STALE_KEY, WireError, status_of
+from hypertrain.wire.errors import OVER_KEY, STALE_KEY, WireError, status_of
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
 
@@ -229,8 +229,8 @@ def _reject(method: Callable[..., Any], context: grpc.ServicerContext, exc: Exce
     # protocol's waiting, asked again every few seconds: not worth a warning each.
     level = logging.DEBUG if status[0] in _NOT_YET else logging.WARNING
     log.log(level, "%s rejected: %s: %s", method.__qualname__, status[0].name, status[1])
-    if isinstance(exc, WireError) and exc.stale:
-        context.set_trailing_metadata(((STALE_KEY, "1"),))
+    if isinstance(exc, WireError) and (exc.stale or exc.over):
+        context.set_trailing_metadata(((STALE_KEY if exc.stale else OVER_KEY, "1"),))
     abort(context, *status)
 
 

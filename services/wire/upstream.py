@@ -34,7 +34,7 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.transport import Unavailable, Upstream
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import fetch_merge, push_delta
-from hypertrain.wire.errors import STALE_KEY, StaleDelta, WireError
+from hypertrain.wire.errors import OVER_KEY, STALE_KEY, StaleDelta, WireError
 from hypertrain.wire.peers import FETCH_DEADLINE_S, Peer
 from hypertrain.wire.protocol_codes import STATUS
 
@@ -52,14 +52,15 @@ def _code(e: grpc.RpcError | WireError) -> tuple[grpc.StatusCode, str]:
     return call.code(), call.details()  # type: ignore[attr-defined]
 
 
-def _stale(e: grpc.RpcError | WireError) -> bool:
-    """Did the peer mark this refusal stale (``errors.STALE_KEY``)?"""
+def _marked(e: grpc.RpcError | WireError, key: str) -> bool:
+    """Did the peer mark this refusal with trailing metadata ``key`` (``errors.STALE_KEY``,
+    ``errors.OVER_KEY``)?"""
     if isinstance(e, WireError):
-        return e.stale
+        return e.stale if key == STALE_KEY else e.over
     trailing = getattr(e, "trailing_metadata", None)
     if not callable(trailing):
         return False
-    return any(k == STALE_KEY for k, _ in trailing() or ())
+    return any(k == key for k, _ in trailing() or ())
 
 
 class GrpcUpstream:
@@ -80,7 +81,9 @@ class GrpcUpstream:
         if code == grpc.StatusCode.UNAVAILABLE:
             raise Unavailable(f"{what}: {self.peer.service} {self.peer.address}: {detail}")
         if code in _CODES:
-            return Decision(_CODES[code], detail, stale=_stale(e))
+            return Decision(
+                _CODES[code], detail, stale=_marked(e, STALE_KEY), over=_marked(e, OVER_KEY)
+            )
         raise WireError(code, f"{what}: {self.peer.service} {self.peer.address} said: {detail}")
 
     def _call(self, what: str, fn: Callable[[], T]) -> T | Decision:
@@ -165,9 +168,13 @@ class GrpcUpstream:
             issued=request.issued,
             signature=request.signature,
         )
-        got = self._call(f"{request.change} of {request.member}", lambda: call(message, timeout=30))
-        if isinstance(got, Decision):
-            return got
+        what = f"{request.change} of {request.member}"
+        try:
+            got = call(message, timeout=30)
+        except (grpc.RpcError, WireError) as e:
+            if _code(e)[0] == grpc.StatusCode.DEADLINE_EXCEEDED:  # asking again is safe
+                raise Unavailable(f"{what}: {self.peer.address}: no answer in 30 s") from None
+            return self._answer(what, e)
         return Decision(
             OK, got.message, duplicate=got.duplicate, start=got.start if got.has_start else None
         )
@@ -212,6 +219,7 @@ class Patient:
                         raise WireError(
                             STATUS.get(got.code, grpc.StatusCode.PERMISSION_DENIED),
                             f"{what}: {self.name} said: {got.reason}",
+                            over=got.over,
                         )
                     why = got.reason
                 elif got is not None:

@@ -645,3 +645,38 @@ def test_tensor_hasher_fed_in_any_pieces_equals_tensor_digest(piece: int) -> Non
     short.feed(0, raw[:-1])
     with pytest.raises(ValueError, match="fed"):
         short.hexdigest()
+
+
+class RefusesMembers(pb_grpc.RelayServicer):
+    """Member: a relay's real refusal of a join with no round left (``Decision.over``)."""
+
+    @maps_errors
+    def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
+        from hypertrain.common.rounds.machines import INVALID, Decision
+        from hypertrain.wire.rounds import refusal
+
+        raise refusal(Decision(INVALID, f"{request.member} cannot join: the run ends", over=True))
+
+
+def test_a_refusal_that_the_run_is_over_reaches_the_island_as_such() -> None:
+    """The ``over`` mark crosses the wire (trailing metadata): the island's waiting policy
+    raises it as a WireError marked over, which its main turns into a clean exit."""
+    from hypertrain.common.rounds.machines import JOIN, MemberRequest
+    from hypertrain.wire.peers import relay_peer
+    from hypertrain.wire.upstream import GrpcUpstream, Patient
+
+    server = make_server(max_workers=2)
+    add_servicer(RefusesMembers(), server, "Relay")
+    address = bind(server, "127.0.0.1:0")
+    server.start()
+    peer = relay_peer(address)
+    try:
+        request = MemberRequest("local", JOIN, "eu-2", 0, 1)
+        answer = GrpcUpstream(peer, "local", 4).member(request)
+        assert not answer.accepted and answer.over and "the run ends" in answer.reason
+        with pytest.raises(WireError) as raised:
+            Patient(GrpcUpstream(peer, "local", 4), "Relay", lambda: False).member(request)
+        assert raised.value.over and raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        peer.close()
+        server.stop(0)
