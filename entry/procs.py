@@ -94,7 +94,10 @@ class Child:
                 self.metrics_url = mm.group("url")
             event = parse_logfmt(line)
             if event and self._on_event:
-                self._on_event(self.name, event)
+                try:
+                    self._on_event(self.name, event)
+                except Exception as e:  # a watcher's bug must not stop the log (or the pipe)
+                    self._log.write(f"# event handler failed on this line: {e!r}\n")
         self._log.close()
 
     def wait_listening(self, timeout: float = 180.0) -> str:

@@ -110,7 +110,7 @@ class Progress:
                     )
             elif kind == "done":
                 self.done[e["island"]] = e
-            elif kind == "final":
+            elif kind == "final" and "digest" in e:
                 self.final_digest = e["digest"]
 
 

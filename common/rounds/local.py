@@ -560,8 +560,13 @@ class RelayActor(_Client):
             self.node.store.tape.close()  # the process is gone: no closing checkpoint
 
     def kick(self) -> None:
-        """Forward the region's delta if one waits for its global update."""
+        """Forward the region's delta if one waits for its global update; in a region
+        nobody is a member of, follow the global rounds instead."""
         fwd = self.node.outbox
+        if fwd is None and not self.forwarding and self.node.machine.idle:
+            self.forwarding = True
+            self._fetch_global(self.node.machine.follow_step, follow=True)
+            return
         if fwd is None or self.forwarding:
             reporting = "report" in self.calls and self.calls["report"].busy
             if self.node.done and not (self.final_reported or self.forwarding or reporting):
@@ -581,10 +586,14 @@ class RelayActor(_Client):
 
         self.ask("forward", agg, lambda: agg.endpoint.push(delta), pushed, f"push {fwd.sync_step}")
 
-    def _fetch_global(self, step: int) -> None:
+    def _fetch_global(self, step: int, follow: bool = False) -> None:
         agg = self.cluster.aggregator
 
         def fetched(got: Committed | Decision | None) -> bool:
+            if follow and not self.node.machine.idle:  # an island joined meanwhile
+                self.forwarding = False
+                self.later(0.0, self.kick)
+                return True
             if got is None:
                 return False
             if isinstance(got, Decision):
@@ -595,7 +604,8 @@ class RelayActor(_Client):
                 GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest)
             )
             self.forwarding = False
-            self.kick()
+            # After this reply is done with: the next call may use the same slot.
+            self.later(0.0, self.kick)
             return True
 
         self.ask(

@@ -936,11 +936,29 @@ class RelayMachine:
         )
         return [regional, forward]
 
+    @property
+    def idle(self) -> bool:
+        """No member of the open step and nothing delivered or forwarded, before the run's
+        end: everyone left, so nothing carries the region to its next global round.  The
+        driver then follows the aggregator's rounds: it fetches the global merge of
+        ``follow_step`` (or a newer one) and hands it to ``on_global`` without a forward."""
+        lv = self.level
+        return not self.done and self.global_pending is None and not lv.inputs and not lv.members
+
+    @property
+    def follow_step(self) -> int:
+        """The global sync step an idle relay waits for: the one closing its open round."""
+        sched = self.schedule
+        return sched.global_step_of(sched.round_of(self.level.open_step))
+
     def on_global(self, event: GlobalArrived) -> list[Effect]:
-        """The aggregator's theta_{g+1} for the global round of ``event.sync_step`` arrived."""
+        """The aggregator's theta_{g+1} for the global round of ``event.sync_step`` arrived:
+        the round this relay forwarded, a later one (the rounds went on without it), or,
+        while ``idle``, any round from its open one on."""
         s = event.sync_step
         pending = self.global_pending
-        if pending is None or s < pending:
+        follow = pending is None and self.idle and s >= self.follow_step
+        if not follow and (pending is None or s < pending):
             raise HypertrainError(f"relay {self.member}: unexpected global update for step {s}")
         if event.theta.shape != self.core.theta.shape:
             owner = "the model has" if self.member == self.region else "this shard owns"
@@ -948,9 +966,13 @@ class RelayMachine:
                 f"relay {self.member}: global update of {event.theta.numel()} values, "
                 f"{owner} {self.core.theta.numel()}"
             )
+        # Following, the last step this relay committed (its newest merge) stands for the
+        # forward: the steps after it, which nobody delivered, are skipped, as for a
+        # region left behind.
+        last = self.level.open_step - self.schedule.h_r if pending is None else pending
         self.core.adopt_global(event.theta)
         self.global_pending = None
-        if s > pending:
+        if s > last:
             # The global rounds went on without this region (its forward of ``pending``
             # came after their cutoff): it rejoins at round ``s``, skipping the steps in
             # between; its islands, whose deltas for them are stale, take this merge too.
@@ -966,7 +988,7 @@ class RelayMachine:
             sync_step=s,
             merge_step=merge.merge_step,
             theta=self._base_digest,
-            rejoined_from=pending if s > pending else None,
+            rejoined_from=last if s > last else None,
         )
         return [Applied(merge, record)]
 

@@ -16,7 +16,8 @@ other replay.
   not on the relay's tape: ``RelayReplay.advance`` stops there and returns the sync step;
   the caller supplies them (``apply_global``) from the aggregator's replay (the audit).
   A restart never needs them: a relay checkpoints each global update before taping it
-  and resumes after its last checkpoint (node.py).
+  and resumes after its last checkpoint (node.py).  A relay whose region had no member
+  (``RelayMachine.idle``) takes global updates without a forward: allowed only then.
 - A ``cutoff`` entry is an event too: the machine takes the cutoff of that step (no
   clock is read) and must produce exactly that record, and then the merge it allowed.
   So a merge without some members replays only behind the cutoff that allowed it.
@@ -236,7 +237,9 @@ class RelayReplay(_Replay):
             if isinstance(rec, GlobalAppliedEntry):
                 if self.pending:
                     raise ReplayError(e, f"expected a {self.pending[0].record.KIND} entry here")  # type: ignore[union-attr]
-                if m.global_pending is None or rec.sync_step < m.global_pending:
+                if (m.global_pending is None and not m.idle) or (
+                    m.global_pending is not None and rec.sync_step < m.global_pending
+                ):
                     raise ReplayError(e, "a global update without the forward of its round")
                 return rec.sync_step
             self.pos += 1

@@ -50,6 +50,9 @@ from hypertrain.wire.rounds import Intake, MergeBoard, refusal
 from hypertrain.wire.server import Shutdown, maps_errors
 
 _DONE_REASON = "run complete: every relay has applied the final state"
+#: How long the aggregator keeps serving the final state, once every relay of the last
+#: round holds it, to relays absent from that round (``AggregatorService._check_final``).
+FINAL_GRACE_S = 10.0
 
 
 class Evaluator:
@@ -169,6 +172,7 @@ class AggregatorService:
         # is answered, not before: one thread, so rounds are logged in order.
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-log")
         self.evaluator = Evaluator(cfg, self.metrics, self.layout)
+        self._grace: threading.Timer | None = None  # the end, for relays absent at it
         if not self.node.recover():
             self.evaluator.submit(-1, 0, theta0)  # read only: nobody writes theta0 in place
         else:
@@ -180,8 +184,32 @@ class AggregatorService:
                 open_step=self.node.machine.level.open_step,
                 **self.node.recovered,
             )
-            self.board.check_final(self.node, _DONE_REASON)
+            self._check_final()
         self.intake.rearm()
+
+    def _check_final(self) -> None:
+        """Stop once every relay of the last round holds the final state; relays absent
+        from it (a region everyone left, which follows the rounds, or one left behind)
+        get up to ``FINAL_GRACE_S`` more to fetch it and report, then the run ends
+        without them."""
+        with self.board.cond:
+            node = self.node
+            if not (node.done and node.all_final()):
+                return
+            everyone = node.finals >= set(node.machine.level.roster)
+        if everyone:
+            self.board.shutdown.request(_DONE_REASON)
+        elif self._grace is None:
+            log_event("final_grace", role="aggregator", waiting_s=FINAL_GRACE_S,
+                      message="relays absent from the last round may still fetch it")  # fmt: skip
+            self._grace = threading.Timer(
+                FINAL_GRACE_S,
+                lambda: self.board.shutdown.request(
+                    f"{_DONE_REASON}; relays absent from the last round had {FINAL_GRACE_S:.0f} s"
+                ),
+            )
+            self._grace.daemon = True
+            self._grace.start()
 
     @maps_errors
     def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
@@ -222,7 +250,7 @@ class AggregatorService:
                 refused = self.node.applied(request.requester, request.applied_step)
             if refused is not None:
                 raise refusal(refused)
-            self.board.check_final(self.node, _DONE_REASON)
+            self._check_final()
         with self.board.cond:
             return pb.StatusReply(
                 run_id=self.cfg.run_id,
@@ -269,6 +297,8 @@ class AggregatorService:
             self.evaluator.submit(c.round, c.sync_step, c.payload)
 
     def close(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
         self.reporter.shutdown(wait=True)  # every round logged and queued for evaluation
         self.intake.close()
         self.evaluator.close(finish=self.node.done)

@@ -38,6 +38,7 @@ from hypertrain.common.rounds.machines import (
 )
 from hypertrain.common.rounds.node import RelayNode
 from hypertrain.common.rounds.store import NodeStore, atomic_write
+from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
@@ -50,6 +51,9 @@ from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
+#: How often an idle forwarder checks whether its region has no member left to follow
+#: the global rounds for (``RelayService._follow``).
+FOLLOW_POLL_S = 1.0
 #: Marker file: the aggregator has been told that the final state is durable here.
 FINAL_REPORTED = "final-reported"
 #: How long a relay tries to report the final state before giving up (the aggregator
@@ -189,7 +193,7 @@ class RelayService:
     # -- forwarding to the aggregator -----------------------------------------------
     def _forward_loop(self) -> None:
         while not self._closing:
-            self.wake.wait()
+            self.wake.wait(FOLLOW_POLL_S)  # woken by a forward, or to check for idleness
             self.wake.clear()
             if self._closing:
                 return
@@ -207,6 +211,10 @@ class RelayService:
         while theta_{g+1} downloads."""
         with self.board.cond:
             fwd = self.node.outbox
+            idle = fwd is None and self.node.machine.idle
+        if idle:
+            self._follow()
+            return
         if fwd is None:
             return
         t0 = time.perf_counter()
@@ -253,6 +261,31 @@ class RelayService:
         )
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
             self._report_final()
+
+    def _follow(self) -> None:
+        """Nobody is a member of this region (everyone left): take the global rounds as
+        they come (``RelayMachine.idle``), so that an island joining later starts from a
+        recent merge and the relay ends with the run.  One fetch, held by the aggregator a
+        few seconds while the round is not committed; the loop asks again."""
+        step = self.node.machine.follow_step
+        try:
+            got = self.aggregator.upstream.fetch(self.member, step, "global")
+        except Unavailable:
+            return
+        if not isinstance(got, Committed):
+            return  # not committed yet (or refused: said at the next forward)
+        with self.board.cond:
+            if not self.node.machine.idle:
+                return  # an island joined meanwhile: its region carries itself again
+            merge = self.node.on_global(
+                GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest)
+            )
+            self.board.cond.notify_all()
+        log_event("global", role="relay", region=self.region, **self.where, round=merge.round,
+                  step=merge.sync_step, followed=True)  # fmt: skip
+        if self.node.done:
+            self._report_final()
+            self.board.check_final(self.node, _DONE_REASON)  # no island waits for it
 
     def _report_final(self) -> None:
         """Report the final state applied and durable; keep trying for a while even when

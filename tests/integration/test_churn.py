@@ -268,3 +268,33 @@ def test_below_the_quorum_nothing_commits_until_it_is_back(cluster_factory) -> N
     step15 = next(m for m in merges if m.sync_step == 15)
     assert [n for n, _ in step15.members] == ["eu-0", "eu-1"] and step15.absent is None
     assert _audit(run_dir) == progress.final_digest
+
+
+def test_a_region_everyone_left_follows_the_run_to_its_end(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """Both islands of region eu leave (SIGTERM) after step 10: with a global cutoff the
+    rounds go on with us alone, eu's relay takes each global merge without a forward, and
+    every daemon, eu's relay included, ends with the run; the audit replays it all."""
+    cfg = CFG.with_overrides(**{"membership.global_cutoff_s": 3.0})
+    cluster = cluster_factory(cfg)
+    run_dir = cluster.run_dir
+    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress))
+    logs = run_dir / "logs"
+    eu = [c for c in cluster.children if c.name.startswith("island-eu-")]
+    _wait_for(
+        "global merge of step 10 in region eu",
+        lambda: all(
+            any(e["step"] == "10" for e in _events(logs / f"{c.name}.log", "sync")) for c in eu
+        ),
+    )
+    for c in eu:
+        c.proc.send_signal(signal.SIGTERM)
+    for c in eu:
+        assert c.proc.wait(timeout=60) == 0
+    failed = supervise(cluster.children, deadline_s=300)
+    assert failed is None, failed.failure_message()
+    progress = cluster.progress
+    assert sorted(progress.done) == ["us-0", "us-1"]
+    assert {e["digest"] for e in progress.done.values()} == {progress.final_digest}
+    followed = [e for e in _events(logs / "relay-eu.log", "global") if e.get("followed")]
+    assert followed and followed[-1]["step"] == str(cfg.steps), followed
+    assert _audit(run_dir) == progress.final_digest

@@ -36,7 +36,7 @@ from hypertrain.common.toy import ToyIsland
 from hypertrain.common.trust.audit import audit_run
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import flat_digest
-from hypertrain.common.trust.schema import MemberEntry, RegionalMergeEntry
+from hypertrain.common.trust.schema import GlobalAppliedEntry, MemberEntry, RegionalMergeEntry
 from hypertrain.common.trust.tape import verify_tape
 from hypertrain.up import config_toml
 
@@ -298,4 +298,39 @@ def test_a_region_everyone_left_is_absent_until_one_joins_again(tmp_path: Path) 
     # Absent from a run of rounds after everyone left, then back to the end.
     assert without_a == list(range(without_a[0], without_a[-1] + 1, 4)), without_a
     assert without_a[-1] < merges[-1].sync_step and merges[-1].absent is None
-    assert rejoin.start == rejoin.sync_step - 2  # from the newest merge its relay held
+    # Meanwhile its relay followed the global rounds (no forward), so the joiner started
+    # from a recent merge, and the relay ended with the run.
+    relay = verify_tape(tmp_path / "relay-a" / "tape", trusted).entries
+    followed = [
+        GlobalAppliedEntry.from_body(e.body)
+        for e in relay
+        if e.kind == "global_applied" and e.body.get("rejoined_from") is not None
+    ]
+    assert [f.sync_step for f in followed] == without_a[: len(followed)] and followed
+    assert rejoin.start == rejoin.sync_step - 2 == followed[-1].sync_step
+    assert cluster.relays["relay-a"].node.done
+
+
+def test_a_pending_join_goes_through_when_the_rest_of_its_region_leaves(tmp_path: Path) -> None:
+    """a-2 joins (pending until the next global round); then a-0 and a-1 leave before that
+    round: region a has nobody to carry it there, so its relay follows the global rounds,
+    and a-2 starts from the merge it was promised (or a newer one) and ends with the run."""
+    cfg = TOY.with_overrides(
+        steps=40, membership={"standby": ["a-2"], "regional_cutoff_s": 3.0, "global_cutoff_s": 3.0}
+    )
+    cluster = _cluster(cfg, tmp_path)
+    for island in cluster.islands.values():
+        if island.name != "a-2":
+            cluster.start_training(island, 1.0)
+    a2 = cluster.islands["a-2"]
+    cluster.net.at(9.5, lambda: cluster.start_training(a2, 1.0))
+    for name in ("a-0", "a-1"):
+        cluster.net.at(10.2, cluster.islands[name].leave)
+    cluster.drive(400_000)
+    changes = _audited(cluster, cfg, tmp_path)
+    assert [(c.change, c.member) for c in changes] == [
+        (JOIN, "a-2"),
+        (LEAVE, "a-0"),
+        (LEAVE, "a-1"),
+    ]
+    assert a2.done and cluster.relays["relay-a"].node.done
