@@ -13,11 +13,19 @@ seeds.  Nothing outside those runs turns a switch on: the set is empty unless
 - ``merge_one_step_late``: islands apply each merge one step after its pinned step.
 - ``publish_after_tape``: a node tapes an accepted input before it keeps the input's
   bytes, so a crash between the two leaves a taped input that cannot be replayed.
+- ``members_ignore_leaves``: a relay's membership fold forgets leaves, so it still waits
+  for (or names absent) an island that left: found only by a checker that folds the
+  taped changes itself.
 """
 
 from __future__ import annotations
 
-KNOWN = ("count_duplicate_twice", "merge_one_step_late", "publish_after_tape")
+KNOWN = (
+    "count_duplicate_twice",
+    "merge_one_step_late",
+    "publish_after_tape",
+    "members_ignore_leaves",
+)
 _ON: set[str] = set()
 
 

@@ -376,6 +376,8 @@ class _Level:
             return cached
         current = set(self.roster if self.initial is None else self.initial)
         for c in self.changes:
+            if c.change == LEAVE and planted.on("members_ignore_leaves"):
+                continue
             if c.sync_step <= step:
                 (current.add if c.change == JOIN else current.discard)(c.member)
         members = tuple(m for m in self.roster if m in current)

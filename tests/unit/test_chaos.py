@@ -5,7 +5,8 @@ Default suite: 60 toy seeds and 2 seeds of the real tiny model.  Slow suite
 
 How soon each planted bug is found (tests below; common/planted.py):
 ``count_duplicate_twice`` within the first 10 seeds, ``publish_after_tape`` within the
-first 20, ``merge_one_step_late`` on the first seed.
+first 20, ``merge_one_step_late`` on the first seed, ``members_ignore_leaves`` within the
+first 12 (the checker folds the taped joins and leaves itself).
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def test_toy_schedules_break_no_invariant() -> None:
 
 @pytest.mark.parametrize(
     "bug,within",
-    [("count_duplicate_twice", 10), ("publish_after_tape", 20), ("merge_one_step_late", 1)],
+    [
+        ("count_duplicate_twice", 10),
+        ("publish_after_tape", 20),
+        ("merge_one_step_late", 1),
+        ("members_ignore_leaves", 12),
+    ],
 )
 def test_a_planted_bug_is_found_within_a_few_seeds(bug: str, within: int) -> None:
     for seed in range(within):

@@ -29,9 +29,17 @@ import torch
 from hypertrain.common.aggregate import segmented_mean, streamed_mean
 from hypertrain.common.roles import GlobalCore
 from hypertrain.common.rounds.local import Cluster, Observer
-from hypertrain.common.rounds.machines import Committed, Cut, Decision, Delta, Effect
+from hypertrain.common.rounds.machines import (
+    Committed,
+    Cut,
+    Decision,
+    Delta,
+    Effect,
+    Membership,
+)
 from hypertrain.common.shards import Shards
 from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.common.trust.schema import MemberEntry, records
 
 
 class Violation(Exception):
@@ -46,8 +54,13 @@ class Checker(Observer):
         cluster_members: dict[str, tuple[str, ...]],
         on_crash: Callable[[str], None] = lambda name: None,
         shards: Shards | None = None,
+        standby: tuple[str, ...] = (),
     ) -> None:
         self.members = cluster_members  # node name -> its configured members
+        self.standby = standby  # islands that are not members when the run starts
+        self.changes: dict[str, list[MemberEntry]] = {n: [] for n in cluster_members}
+        """Node -> the joins and leaves it took, as observed (and, after a restart, as its
+        tape records them): the checker folds them itself (``_members_of``)."""
         self.shards = shards  # the relay shards of each region (None: one relay)
         self.on_crash = on_crash  # the runner restarts a crashed process after a while
         self.cluster: Cluster | None = None
@@ -78,6 +91,9 @@ class Checker(Observer):
     def committed(self, node: str, effect: Effect) -> None:
         if isinstance(effect, Cut):
             self.cuts.add((node, effect.record.sync_step))
+            return
+        if isinstance(effect, Membership):
+            self.changes[node].append(effect.record)
             return
         if not isinstance(effect, Committed) or effect.record is None:
             return
@@ -111,11 +127,16 @@ class Checker(Observer):
 
     def _members_of(self, node: str, step: int) -> tuple[str, ...]:
         """The members of ``step`` at ``node``: its configured members, less those on
-        standby, changed by the joins and leaves it taped before the step."""
-        n = self._node(node)
-        if n is None:
-            return self.members[node]
-        return n.machine.level.members_for(step)  # type: ignore[attr-defined]
+        standby, changed by the joins and leaves it took before, each from its sync step
+        (folded here, not asked of the machine under test)."""
+        members = {m for m in self.members[node] if m not in self.standby}
+        for c in self.changes[node]:
+            if c.sync_step <= step:
+                if c.change == "join":
+                    members.add(c.member)
+                else:
+                    members.discard(c.member)
+        return tuple(sorted(members))
 
     def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
         if kind == "global" or self.shards is None or not self.shards.sharded:
@@ -178,6 +199,19 @@ class Checker(Observer):
             self.dirty.discard(name)
             for key in self.acked.get(name, {}):
                 self._check_known(name, key)
+            self._reload_changes(name)
+
+    def _reload_changes(self, name: str) -> None:
+        """After a restart: the joins and leaves a node took are those on its tape (a
+        crash may come after a change was taped and before it was observed)."""
+        store = getattr(self._node(name), "store", None)
+        if store is None or name not in self.changes:
+            return
+        taped = [r for r in records(store.entries()) if isinstance(r, MemberEntry)]
+        seen = self.changes[name]
+        if taped[: len(seen)] != seen[: len(taped)]:
+            raise Violation(f"{name}: its tape's joins and leaves are not those it took")
+        self.changes[name] = taped if len(taped) >= len(seen) else seen
 
     def _recompute(self, node: str, c: Committed) -> None:
         n = self._node(node)

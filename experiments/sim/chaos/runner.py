@@ -154,7 +154,9 @@ def _run(
     members = {"aggregator": relay_members}
     members.update({relay_key(m): topo.islands_of(shards.split(m)[0]) for m in relay_members})
     restarts: list[str] = []
-    checker = Checker(members, on_crash=restarts.append, shards=shards)
+    checker = Checker(
+        members, on_crash=restarts.append, shards=shards, standby=cfg.membership.standby
+    )
     keys, trusted = _keys(tuple(daemon_key_names(topo)))
     cluster = Cluster(
         cfg,
