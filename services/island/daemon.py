@@ -46,7 +46,7 @@ from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import JOIN, LEAVE, Delta, MemberRequest
-from hypertrain.common.rounds.store import atomic_save
+from hypertrain.common.rounds.store import atomic_save, atomic_write
 from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey
 from hypertrain.island.ranks import TorchRanks
@@ -309,7 +309,16 @@ class Island:
         return digest
 
     def _member_request(self, change: str) -> MemberRequest:
-        req = MemberRequest(self.cfg.run_id, change, self.island_id, self.core.step, time.time_ns())
+        """A signed join or leave, issued now: later than any this island asked before
+        (``member-issued`` in its state folder), even if the clock stepped back since."""
+        issued = time.time_ns()
+        mark = self.state_path.parent / "member-issued" if self.state_path else None
+        if mark is not None:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                issued = max(issued, int(mark.read_text()) + 1)
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(mark, str(issued).encode())
+        req = MemberRequest(self.cfg.run_id, change, self.island_id, self.core.step, issued)
         return req if self.key is None else req.signed(self.key.sign(req.message()))
 
     def _join(self) -> None:

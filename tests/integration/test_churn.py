@@ -206,6 +206,11 @@ def test_an_island_that_leaves_on_sigterm_is_not_waited_for_and_joins_again(
         assert eu1.proc.wait(timeout=60) == 0  # left: a clean end
         (leave,) = _events(logs / "island-eu-1.log", "leave")
         assert leave["announced"] == "True", leave
+        # As if the island's clock had been far ahead when it left: its next request must
+        # still be issued after that one (the relay refuses older ones).
+        mark = run_dir / "island-eu-1" / "member-issued"
+        ahead = int(mark.read_text()) + 10**15
+        mark.write_text(str(ahead))
         again = Child(
             eu1.name,
             eu1.argv,
@@ -227,6 +232,7 @@ def test_an_island_that_leaves_on_sigterm_is_not_waited_for_and_joins_again(
     assert [(c.change, c.member) for c in changes] == [("leave", "eu-1"), ("join", "eu-1")]
     left, joined = changes[0].sync_step, changes[1].sync_step
     assert joined > left and changes[1].start == joined - 5
+    assert changes[1].issued == ahead + 1
     merges = [RegionalMergeEntry.from_body(e.body) for e in entries if e.kind == "regional_merge"]
     for m in merges:  # nobody absent: the members of each step are those it had
         members = [name for name, _ in m.members]
