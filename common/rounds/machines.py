@@ -374,7 +374,7 @@ class _Level:
         at, n, cached = self._cache
         if at == step and n == len(self.changes):
             return cached
-        current = set(self.roster if self.initial is None else self.initial)
+        current = set(self.starting)
         for c in self.changes:
             if c.change == LEAVE and planted.on("members_ignore_leaves"):
                 continue
@@ -384,6 +384,11 @@ class _Level:
         self._cache = (step, len(self.changes), members)
         return members
 
+    @property
+    def starting(self) -> tuple[str, ...]:
+        """The members when the run starts."""
+        return self.roster if self.initial is None else self.initial
+
     def last_change(self, member: str) -> MemberEntry | None:
         return next((c for c in reversed(self.changes) if c.member == member), None)
 
@@ -392,7 +397,7 @@ class _Level:
         a member from the start)."""
         last = self.last_change(member)
         if last is None:
-            return member in (self.roster if self.initial is None else self.initial)
+            return member in self.starting
         return last.change == JOIN
 
     @property
@@ -862,7 +867,7 @@ class RelayMachine:
         lv, sched = self.level, self.schedule
         if self.global_pending is not None:  # the round's last step is in: take its merge
             start = self.global_pending
-        elif not lv.members and not lv.inputs:
+        elif self.idle:
             # No member left to carry the region to its next global round: start from the
             # newest merge (the relay's base is that merge; nothing moved it since).
             start = lv.open_step - sched.h_r

@@ -264,7 +264,7 @@ class Intake:
         if not decision.accepted:
             self.metrics.rejected.labels(*self.labels, decision.code).inc()
             raise refusal(decision)
-        if not decision.duplicate:
+        if not decision.duplicate:  # a forward a leave completed went to on_effect (_handle)
             log_event(
                 request.change,
                 role="relay",
@@ -272,7 +272,6 @@ class Intake:
                 message=decision.reason,
                 **self.where,
             )
-            self.after_cutoff()  # a leave may have completed a step (and a forward)
         return decision
 
     def _handle(self, effects: list[Effect], t0: float) -> None:

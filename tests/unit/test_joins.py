@@ -6,6 +6,7 @@ taped ``member`` entry that replays bit for bit and that the audit checks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ from hypertrain.common.rounds.replay import PublishedFolder, RelayReplay, Replay
 from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.toy import ToyIsland
 from hypertrain.common.trust.audit import audit_run
-from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import flat_digest
 from hypertrain.common.trust.schema import GlobalAppliedEntry, MemberEntry, RegionalMergeEntry
 from hypertrain.common.trust.tape import verify_tape
@@ -215,19 +216,6 @@ TOY = RunConfig.from_dict(
 )
 
 
-def _cluster(cfg: RunConfig, run_dir: Path) -> Cluster:
-    _, theta0 = initial_parameters(cfg)
-    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
-    return Cluster(
-        cfg,
-        theta0,
-        lambda i: ToyIsland(cfg, i, theta0),
-        run_dir=run_dir,
-        keys=keys,
-        trusted=TrustedKeys.of(keys.values()),
-    )
-
-
 def _audited(cluster: Cluster, cfg: RunConfig, run_dir: Path) -> list[MemberEntry]:
     final = flat_digest(cluster.final_theta())
     for island in cluster.islands.values():
@@ -239,8 +227,10 @@ def _audited(cluster: Cluster, cfg: RunConfig, run_dir: Path) -> list[MemberEntr
     return [MemberEntry.from_body(e.body) for e in tape.entries if e.kind == "member"]
 
 
-def test_an_island_joins_mid_run_and_ends_on_the_same_digest(tmp_path: Path) -> None:
-    cluster = _cluster(TOY, tmp_path)
+def test_an_island_joins_mid_run_and_ends_on_the_same_digest(
+    tmp_path: Path, toy_cluster: Callable[..., Cluster]
+) -> None:
+    cluster = toy_cluster(TOY, tmp_path)
     for name, island in cluster.islands.items():
         if name != "a-2":
             cluster.start_training(island, 1.0)
@@ -251,9 +241,11 @@ def test_an_island_joins_mid_run_and_ends_on_the_same_digest(tmp_path: Path) -> 
     assert join.sync_step == 10
 
 
-def test_an_island_that_leaves_is_not_waited_for_and_may_come_back(tmp_path: Path) -> None:
+def test_an_island_that_leaves_is_not_waited_for_and_may_come_back(
+    tmp_path: Path, toy_cluster: Callable[..., Cluster]
+) -> None:
     cfg = TOY.with_overrides(membership={})  # no cutoffs: only the leave lets a-1 go
-    cluster = _cluster(cfg, tmp_path)
+    cluster = toy_cluster(cfg, tmp_path)
     for island in cluster.islands.values():
         cluster.start_training(island, 1.0)
     a1 = cluster.islands["a-1"]
@@ -266,7 +258,9 @@ def test_an_island_that_leaves_is_not_waited_for_and_may_come_back(tmp_path: Pat
     assert leave.sync_step <= 8 < join.sync_step
 
 
-def test_a_region_everyone_left_is_absent_until_one_joins_again(tmp_path: Path) -> None:
+def test_a_region_everyone_left_is_absent_until_one_joins_again(
+    tmp_path: Path, toy_cluster: Callable[..., Cluster]
+) -> None:
     """Both islands of region a leave; with a global cutoff the rounds go on without a;
     one of them joins again (from its relay's newest merge: the region has no member) and
     region a is back in the global rounds to the end, every island on one digest."""
@@ -274,7 +268,7 @@ def test_a_region_everyone_left_is_absent_until_one_joins_again(tmp_path: Path) 
         steps=40,
         membership={"standby": [], "regional_cutoff_s": 3.0, "global_cutoff_s": 3.0},
     )
-    cluster = _cluster(cfg, tmp_path)
+    cluster = toy_cluster(cfg, tmp_path)
     for name, island in cluster.islands.items():
         if name != "a-2":
             cluster.start_training(island, 1.0)
@@ -311,14 +305,16 @@ def test_a_region_everyone_left_is_absent_until_one_joins_again(tmp_path: Path) 
     assert cluster.relays["relay-a"].node.done
 
 
-def test_a_pending_join_goes_through_when_the_rest_of_its_region_leaves(tmp_path: Path) -> None:
+def test_a_pending_join_goes_through_when_the_rest_of_its_region_leaves(
+    tmp_path: Path, toy_cluster: Callable[..., Cluster]
+) -> None:
     """a-2 joins (pending until the next global round); then a-0 and a-1 leave before that
     round: region a has nobody to carry it there, so its relay follows the global rounds,
     and a-2 starts from the merge it was promised (or a newer one) and ends with the run."""
     cfg = TOY.with_overrides(
         steps=40, membership={"standby": ["a-2"], "regional_cutoff_s": 3.0, "global_cutoff_s": 3.0}
     )
-    cluster = _cluster(cfg, tmp_path)
+    cluster = toy_cluster(cfg, tmp_path)
     for island in cluster.islands.values():
         if island.name != "a-2":
             cluster.start_training(island, 1.0)

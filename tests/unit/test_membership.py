@@ -4,6 +4,7 @@ named on the tape; a late delta is refused as stale; the tape replays it bit for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -250,28 +251,17 @@ TOY = RunConfig.from_dict(
 )
 
 
-def _toy_cluster(cfg: RunConfig, run_dir: Path | None) -> Cluster:
-    from hypertrain.common.trust.keys import daemon_key_names
-
-    _, theta0 = initial_parameters(cfg)
-    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
-    return Cluster(
-        cfg,
-        theta0,
-        lambda i: ToyIsland(cfg, i, theta0),
-        run_dir=run_dir,
-        keys=keys if run_dir else {},
-        trusted=TrustedKeys.of(keys.values()) if run_dir else None,
-    )
+def test_without_faults_a_cutoff_config_changes_no_bit(
+    toy_cluster: Callable[..., Cluster],
+) -> None:
+    plain = toy_cluster(TOY.with_overrides(membership={}), None).run_lockstep()
+    assert flat_digest(toy_cluster(TOY, None).run_lockstep()) == flat_digest(plain)
 
 
-def test_without_faults_a_cutoff_config_changes_no_bit() -> None:
-    plain = _toy_cluster(TOY.with_overrides(membership={}), None).run_lockstep()
-    assert flat_digest(_toy_cluster(TOY, None).run_lockstep()) == flat_digest(plain)
-
-
-def test_an_island_gone_for_good_and_the_run_ends_without_it(tmp_path: Path) -> None:
-    cluster = _toy_cluster(TOY, tmp_path)
+def test_an_island_gone_for_good_and_the_run_ends_without_it(
+    tmp_path: Path, toy_cluster: Callable[..., Cluster]
+) -> None:
+    cluster = toy_cluster(TOY, tmp_path)
     for island in cluster.islands.values():
         cluster.start_training(island, 1.0)
     gone = cluster.islands["a-1"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,13 +30,7 @@ MUON = InnerConfig(name="muon", warmup_steps=2)
 SMALL: dict[str, Any] = dict(model="tiny", steps=20, global_batch=8, holdout=32, eval_points=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread (bitwise-stable GEMMs); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _both(job: SimJob) -> tuple[JobResult, JobResult]:
