@@ -17,6 +17,9 @@ Invariants:
   is only folded into other state.
 - Inputs that map spooled files have their pages dropped from the resident set after
   they are read (``common/pages.py``): n inputs cost a range each, not their size.
+- The first inputs of the order may be added before the others arrive (``EarlySum``, a
+  relay adding each delta as it is accepted): per value the operations are the same, in
+  the same order, so the mean has the same bits whichever way it was computed.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +109,71 @@ class Segment:
     names: Mapping[str, str] | None = None
 
 
+@dataclass(slots=True)
+class EarlySum:
+    """The first inputs of a fixed-order sum, added while the rest are still arriving.
+
+    ``acc`` (1-D fp32, the whole tensor) holds zeros plus the decoded input of each of
+    ``members``, in sorted member order, one fp32 add per value: what ``segmented_mean``
+    holds after adding those inputs.  ``segmented_mean(..., early=...)`` goes on from
+    there with the rest, so the mean has the same bits as one computed at once.  An
+    input is added only when every member before it in the order is in the sum (the
+    order of the sum is the order of arrival only where they agree)."""
+
+    acc: torch.Tensor
+    shape: tuple[int, ...]
+    """The tensor's shape (an input encodes it, or is 1-D of its element count)."""
+    members: list[str] = field(default_factory=list)
+    blobs: list[Blob] = field(default_factory=list)
+    """The very objects added (a commit checks that it aggregates these, not others)."""
+
+    @classmethod
+    def zeros(cls, acc: torch.Tensor, shape: tuple[int, ...]) -> EarlySum:
+        """A sum of no inputs of ``shape``, kept in ``acc`` (contiguous 1-D fp32)."""
+        if acc.dtype != torch.float32 or acc.dim() != 1 or not acc.is_contiguous():
+            raise HypertrainError("an early sum needs a contiguous 1-D float32 tensor")
+        if acc.numel() != math.prod(shape):
+            raise HypertrainError(f"an early sum of shape {shape} has {acc.numel()} values")
+        acc.zero_()
+        return cls(acc, tuple(shape))
+
+    def add(self, member: str, blob: Blob, codec: Codec) -> None:
+        """Add ``member``'s input, after the members already in the sum (raises before
+        writing anything if the blob is bad, or out of order)."""
+        if self.members and member <= self.members[-1]:
+            raise HypertrainError(f"early sum: {member} comes before {self.members[-1]}")
+        header = read_header(blob)  # the same check as segmented_mean's
+        numel = self.acc.numel()
+        if header.shape not in ((numel,), self.shape):
+            raise CodecError(f"blob has shape {header.shape}, accumulator has {self.shape}")
+        header, prepared = codec.open(blob)
+        step = _range_length(codec)
+        for start in range(0, numel, step):
+            codec.accumulate_range(header, prepared, self.acc[start : start + step], start)
+            drop_pages(blob)
+        self.members.append(member)
+        self.blobs.append(blob)
+
+    def begins(self, inputs: Mapping[str, Blob]) -> bool:
+        """Are this sum's inputs the first of ``inputs`` in the order of the sum?"""
+        first = sorted(inputs)[: len(self.members)]
+        return first == self.members and all(
+            inputs[m] is b for m, b in zip(self.members, self.blobs, strict=True)
+        )
+
+    def next_wanted(self, members: Iterable[str], delivered: Mapping[str, Blob]) -> list[str]:
+        """The delivered members to add now, in order: those after the sum's last member
+        with no member of ``members`` (the step's, delivered or not) between them."""
+        last = self.members[-1] if self.members else None
+        order = sorted(m for m in set(members) | set(delivered) if last is None or m > last)
+        wanted: list[str] = []
+        for m in order:
+            if m not in delivered:
+                break
+            wanted.append(m)
+        return wanted
+
+
 def streamed_mean(
     inputs: Mapping[str, Blob],
     codec: Codec,
@@ -114,6 +182,7 @@ def streamed_mean(
     out: torch.Tensor | None = None,
     digests: Mapping[str, str] | None = None,
     prepare: Callable[[], None] | None = None,
+    early: EarlySum | None = None,
 ) -> Commitment:
     """The fixed-order fp32 mean of ``inputs``, one range of values at a time.
 
@@ -126,11 +195,16 @@ def streamed_mean(
     folds it into other state (a relay's base at a global sync) never holds it whole.
     ``digests``: each input's sha256 where the caller already verified it; ``prepare``:
     called once every input is validated, before the first ``visit`` (a caller that
-    allocates state for the visits does it only once nothing can fail)."""
+    allocates state for the visits does it only once nothing can fail).
+
+    ``early``: the sum of the first inputs, already added (``EarlySum.begins`` them; they
+    were validated when added).  The mean is then computed in ``early.acc``, range by
+    range, and each range is handed to ``visit``, which may write over it; ``out`` must
+    be None."""
     if not inputs:
         raise HypertrainError("aggregate: no inputs")
     segment = Segment(0, math.prod(shape), inputs)
-    return segmented_mean([segment], codec, shape, visit, out, digests, prepare)
+    return segmented_mean([segment], codec, shape, visit, out, digests, prepare, early)
 
 
 def segmented_mean(
@@ -141,14 +215,24 @@ def segmented_mean(
     out: torch.Tensor | None = None,
     digests: Mapping[str, str] | None = None,
     prepare: Callable[[], None] | None = None,
+    early: EarlySum | None = None,
 ) -> Commitment:
     """``streamed_mean`` of a tensor whose ranges have their own inputs: ``segments`` tile
     ``[0, numel)`` in order, and each range is the fixed-order mean of its segment's
     inputs, each of them encoding exactly that range.  One commitment covers them all:
     the members segment by segment (each segment's in sorted order), and the digest of
     the whole mean.  With one segment this is ``streamed_mean``, bit for bit and byte
-    for byte."""
+    for byte (``early``: see there)."""
     numel = math.prod(shape)
+    done: set[str] = set()
+    if early is not None:
+        if len(segments) != 1 or out is not None or early.shape != tuple(shape):
+            raise HypertrainError("aggregate: an early sum needs one segment, whole, and no out")
+        if not early.begins(segments[0].inputs):
+            raise HypertrainError(
+                f"aggregate: the early sum of {early.members} does not begin these inputs"
+            )
+        done = set(early.members)
     opened: list[list[tuple[Any, Any]]] = []
     position = 0
     whole = len(segments) == 1  # one segment may also carry the tensor's own shape
@@ -161,6 +245,8 @@ def segmented_mean(
         position += seg.numel
         ops = []
         for member in sorted(seg.inputs):
+            if member in done:  # validated when it was added
+                continue
             header = read_header(seg.inputs[member])
             if (seg.numel,) != header.shape and not (whole and header.shape == tuple(shape)):
                 raise CodecError(
@@ -172,8 +258,8 @@ def segmented_mean(
         opened.append(ops)
     if position != numel:
         raise HypertrainError(f"aggregate: segments cover {position} of {numel} values")
-    flat = None if out is None else out.view(-1)
-    if flat is not None and flat.numel() != numel:
+    flat = early.acc if early is not None else None if out is None else out.view(-1)
+    if out is not None and flat is not None and flat.numel() != numel:
         raise HypertrainError(f"aggregate: out has {flat.numel()} values, expected {numel}")
     step = _range_length(codec)
     longest = max(seg.numel for seg in segments)
@@ -186,12 +272,13 @@ def segmented_mean(
             n = min(step, seg.numel - start)
             at = seg.start + start
             acc = flat[at : at + n] if flat is not None else scratch[:n]  # type: ignore[index]
-            acc.zero_()
+            if early is None:
+                acc.zero_()
             for header, prepared in ops:
                 codec.accumulate_range(header, prepared, acc, start)
             for blob in seg.inputs.values():  # what this range read of a spooled input
                 drop_pages(blob)
-            acc.div_(len(ops))
+            acc.div_(len(seg.inputs))
             hasher.update(acc)
             if visit is not None:
                 visit(at, acc)

@@ -5,7 +5,10 @@ its spool file (services/wire/spool.py), so every page of it that was read count
 process's resident set until the map goes, although the kernel still has it in its page
 cache.  A streamed mean reads each input twice, whole (its checksum) and then one range at
 a time, so without a hint all of every input would stay resident through the round: n
-inputs on top of the node's state.  ``drop_pages`` tells the kernel (``madvise
+inputs on top of the node's state.  The whole-input passes (checksum, payload checks)
+drop what they read as they go (``drop_read``, ``pieces``), so an input read while the
+node also holds a model-sized sum (a relay summing deltas as they arrive) costs a piece
+of it, not its size.  ``drop_pages`` tells the kernel (``madvise
 MADV_DONTNEED``) that the pages of such a map may go; a later read faults them back from
 the page cache, with the same bytes.  It changes no value, only what stays resident.
 
@@ -20,6 +23,7 @@ import ctypes.util
 import mmap
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -50,17 +54,45 @@ def _libc_madvise() -> Any:
     return _madvise
 
 
-def drop_pages(buf: object) -> bool:
-    """Let the kernel drop the resident pages of ``buf`` if it is (a view of) a registered
-    file map; True if it was advised.  Anything else is left alone."""
+def _advise(buf: object, whole: bool) -> bool:
+    """MADV_DONTNEED on the pages of ``buf`` (a memoryview of a registered file map): the
+    whole map, or only the pages ``buf`` spans; True if advised."""
     if not isinstance(buf, memoryview):
         return False
     owner = buf.obj
     if not isinstance(owner, np.ndarray) or _FILE_MAPS.get(id(owner)) is not owner:
         return False
     fn = _libc_madvise()
-    if not fn or owner.nbytes == 0:
+    target: Any = owner if whole else buf
+    if not fn or target.nbytes == 0:
         return False
-    start = owner.ctypes.data
+    start = owner.ctypes.data if whole else np.frombuffer(buf, dtype=np.uint8).ctypes.data
     aligned = start - start % mmap.PAGESIZE
-    return fn(aligned, owner.nbytes + (start - aligned), _MADV_DONTNEED) == 0
+    return fn(aligned, target.nbytes + (start - aligned), _MADV_DONTNEED) == 0
+
+
+def drop_pages(buf: object) -> bool:
+    """Let the kernel drop the resident pages of ``buf`` if it is (a view of) a registered
+    file map; True if it was advised.  Anything else is left alone."""
+    return _advise(buf, whole=True)
+
+
+#: Bytes a whole-input pass reads before it drops them (``pieces``).
+PIECE_BYTES = 16 << 20
+
+
+def drop_read(part: memoryview) -> bool:
+    """``drop_pages`` for the pages spanned by ``part`` only (a slice of a registered file
+    map; pages it covers in part go too: a later read faults them back).  Safe to call
+    from several threads on disjoint parts."""
+    return _advise(part, whole=False)
+
+
+def pieces(buf: Any, offset: int, nbytes: int, size: int = PIECE_BYTES) -> Iterator[int]:
+    """The offsets of consecutive ``size``-byte pieces of ``buf[offset : offset + nbytes]``;
+    the pages of each piece are dropped (``drop_read``) once the caller asks for the next
+    one, and after the last."""
+    view = memoryview(buf).cast("B")
+    for start in range(offset, offset + nbytes, size):
+        yield start
+        drop_read(view[start : min(start + size, offset + nbytes)])

@@ -27,7 +27,14 @@ from typing import Any, Protocol
 
 import torch
 
-from hypertrain.common.aggregate import Blob, Commitment, Segment, segmented_mean, streamed_mean
+from hypertrain.common.aggregate import (
+    Blob,
+    Commitment,
+    EarlySum,
+    Segment,
+    segmented_mean,
+    streamed_mean,
+)
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.codec.base import alloc_raw, tensor_view
 from hypertrain.common.config import TOY_MODEL, RunConfig
@@ -351,6 +358,8 @@ class RegionCore:
         self._in_frame = self.feedback.frames_in_place
         """fp32 forwards: the base lives behind header room, and the forward is framed
         around the delta computed there (``encode_global_delta``), never copied."""
+        self._early: EarlySum | None = None
+        """The open step's sum so far (``offer``), kept in the base's buffer."""
 
     def _buffer(self) -> torch.Tensor:
         """The base's own memory, allocated on first use: between a global sync (which
@@ -377,6 +386,7 @@ class RegionCore:
     def base(self) -> torch.Tensor:
         """The regional base b_r (written out of theta when it still equals it)."""
         if self._base_is_theta:
+            self._early = None  # its buffer is about to hold the base
             self._buffer().copy_(self.theta)
             self._base_is_theta = False
         return self._buffer()
@@ -384,6 +394,30 @@ class RegionCore:
     def base_view(self) -> torch.Tensor:
         """The regional base, to read only (``theta`` itself while the base equals it)."""
         return self.theta if self._base_is_theta else self._buffer()
+
+    def offer(self, delivered: Mapping[str, Blob], members: tuple[str, ...]) -> None:
+        """Add the open step's delivered deltas to its sum now, ahead of its commit, as far
+        as the fixed order allows (``EarlySum.next_wanted``: ``members``, the step's,
+        delivered or not).  The commit (``merge``) then adds only the rest, and the
+        mean has the same bits as one summed at the commit.
+
+        Only while the base still equals theta (the first regional merge after a global
+        one, and every merge where h_r = h_g): the sum is then kept in the base's own
+        buffer, which holds nothing yet, so it costs no memory.  After a regional merge
+        that buffer holds the base that islands are fetching, and a separate sum would be
+        a third model-sized tensor: the commit sums those steps as before.
+        A delta that fails to decode here leaves no sum (the commit then validates
+        every input and refuses the bad one as it always did)."""
+        if not self._base_is_theta:
+            return
+        try:
+            if self._early is None:
+                self._early = EarlySum.zeros(self._buffer().view(-1), tuple(self.theta.shape))
+            early = self._early
+            for member in early.next_wanted(members, delivered):
+                early.add(member, delivered[member], self.codec)
+        except HypertrainError:
+            self._early = None
 
     def merge(
         self,
@@ -398,20 +432,34 @@ class RegionCore:
         subtracted from the base while it is in cache; ``keep``: also return the whole
         mean.  Without it (the relay: islands take its base instead of the mean) no
         model-sized tensor is allocated.
-        The base moves only once every input is validated (a bad one raises first)."""
+        The base moves only once every input is validated (a bad one raises first).
+        Where ``offer`` summed the first inputs already, the mean is finished in the
+        base's buffer and the base is written over it range by range (same bits)."""
         mean = torch.empty_like(self.theta) if keep else None
         fresh = self._base_is_theta  # base = theta - mean, without copying theta first
+        early, self._early = self._early, None
+        if early is not None and not (fresh and early.begins(inputs)):
+            early = None  # not these inputs (the step closed without some): sum them all
         theta, base = self.theta.view(-1), self._buffer().view(-1)
+        flat_mean = None if mean is None else mean.view(-1)
 
         def fold(start: int, part: torch.Tensor) -> None:
             end = start + part.numel()
+            if flat_mean is not None and early is not None:
+                flat_mean[start:end].copy_(part)  # the base is written over it next
             if fresh:
                 torch.sub(theta[start:end], part, out=base[start:end])
             else:
                 base[start:end].sub_(part)
 
         commitment = streamed_mean(
-            inputs, self.codec, tuple(self.theta.shape), fold, out=mean, digests=digests
+            inputs,
+            self.codec,
+            tuple(self.theta.shape),
+            fold,
+            out=mean if early is None else None,
+            digests=digests,
+            early=early,
         )
         self._base_is_theta = False
         return mean, commitment
@@ -444,6 +492,7 @@ class RegionCore:
 
     def set_global(self, theta: torch.Tensor) -> None:
         """The new global parameters, copied (``theta`` may change afterwards)."""
+        self._early = None
         self.theta.copy_(theta)
         self._buffer().copy_(theta)
         self._base_is_theta = False
@@ -451,6 +500,7 @@ class RegionCore:
     def adopt_global(self, theta: torch.Tensor) -> None:
         """The new global parameters, kept as they are (no copy): nobody may write to
         ``theta`` afterwards, and this core never writes to its ``theta`` in place."""
+        self._early = None
         self.theta = theta
         self._base_is_theta = True
 

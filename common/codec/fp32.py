@@ -13,6 +13,7 @@ import torch
 
 from hypertrain.common.codec.base import SLICE, Buffer, Codec, Mode, all_finite, tensor_view
 from hypertrain.common.errors import CodecError
+from hypertrain.common.pages import PIECE_BYTES, pieces
 
 
 class Fp32Codec(Codec):
@@ -34,8 +35,10 @@ class Fp32Codec(Codec):
             dst[start : start + SLICE].copy_(part)
 
     def _prepare(self, raw: Buffer, numel: int) -> Buffer:
-        if not all_finite(tensor_view(raw, torch.float32, 0, numel)):
-            raise CodecError("fp32 payload holds NaN or inf")
+        for at in pieces(raw, 0, 4 * numel):  # a mapped input is not kept resident
+            n = min(PIECE_BYTES, 4 * numel - at) // 4
+            if not all_finite(tensor_view(raw, torch.float32, at, n)):
+                raise CodecError("fp32 payload holds NaN or inf")
         return raw
 
     def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:

@@ -47,6 +47,7 @@ from zlib_ng.zlib_ng import crc32
 from hypertrain.common.codec.layout import raw_length
 from hypertrain.common.codec.spec import CodecSpec, parse_codec_spec
 from hypertrain.common.errors import CodecError, ConfigError
+from hypertrain.common.pages import drop_read
 
 MAGIC = b"HTCD"
 FORMAT_VERSION = 1
@@ -85,10 +86,14 @@ def checksum(
     """CRC-32 of ``header`` (checksum field zeroed by the caller) and the payload's segment CRCs."""
     view = memoryview(payload).cast("B")
     starts = range(0, len(view), CHECKSUM_SEGMENT)
-    if len(starts) > 1:
-        crcs = list(_threads().map(lambda s: crc32(view[s : s + CHECKSUM_SEGMENT]), starts))
-    else:
-        crcs = [crc32(view)]
+
+    def segment(s: int) -> int:
+        part = view[s : s + CHECKSUM_SEGMENT]
+        crc = crc32(part)
+        drop_read(part)  # a mapped input's pages are not kept resident by this pass
+        return crc
+
+    crcs = list(_threads().map(segment, starts)) if len(starts) > 1 else [segment(0)]
     return crc32(struct.pack(f"<{len(crcs)}I", *crcs), crc32(header))
 
 

@@ -29,6 +29,7 @@ import torch
 from hypertrain.common.codec.base import Buffer, Codec, Mode, tensor_view
 from hypertrain.common.codec.spec import CodecSpec
 from hypertrain.common.errors import CodecError
+from hypertrain.common.pages import PIECE_BYTES, pieces
 
 #: Largest scale the encoder may produce: fl(2**127 / 127); 127 * MAX_SCALE is finite.
 MAX_SCALE = float(torch.tensor(2.0**127, dtype=torch.float32) / 127)
@@ -135,9 +136,11 @@ class Int8Codec(Codec):
         self._check_scales(scales, "int8 payload: scale")
         if nblocks and not bool((scales >= 0).all()):
             raise CodecError("int8 payload: negative scale")
-        codes = tensor_view(raw, torch.int8, 4 * nblocks, numel)
-        if numel and int(codes.min()) == -128:
-            raise CodecError("int8 payload: code -128 (the encoder uses [-127, 127])")
+        first = 4 * nblocks
+        for at in pieces(raw, first, numel):  # a mapped input is not kept resident
+            codes = tensor_view(raw, torch.int8, at, min(PIECE_BYTES, first + numel - at))
+            if int(codes.min()) == -128:
+                raise CodecError("int8 payload: code -128 (the encoder uses [-127, 127])")
         return raw
 
     def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:

@@ -53,9 +53,12 @@ class _Layout(NamedTuple):
     packed: int  # bytes of packed codes
 
 
-class _Decoded(NamedTuple):
-    positions: torch.Tensor  # int64 flat positions, ascending
-    values: torch.Tensor  # fp32 decoded values at those positions
+class _Prepared(NamedTuple):
+    """A validated payload: decoded a range of chunks at a time (``_rows``)."""
+
+    raw: Buffer
+    layout: _Layout
+    levels: torch.Tensor  # (chunks, bins) fp32: each chunk's bin-centre magnitudes
 
 
 class SparseLoCoCodec(Codec):
@@ -155,17 +158,6 @@ class SparseLoCoCodec(Codec):
 
     # -- decode ----------------------------------------------------------------
 
-    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
-        if self.per_byte == 1:
-            return packed
-        mask = (1 << self.bits) - 1
-        lanes = torch.stack(
-            [(packed >> (self.bits * i)) & mask for i in range(self.per_byte)], dim=1
-        ).view(-1)
-        if bool(lanes[count:].any()):
-            raise CodecError("sparseloco payload: nonzero padding bits after the last code")
-        return lanes[:count]
-
     def _positions(self, gaps: torch.Tensor, rows: int, k: int, length: int) -> torch.Tensor:
         """In-chunk positions (rows, k) from gaps; ``CodecError`` if one leaves the chunk."""
         pos = (gaps.view(rows, k) + 1).cumsum(dim=1) - 1
@@ -173,7 +165,10 @@ class SparseLoCoCodec(Codec):
             raise CodecError("sparseloco payload: an index lies outside its chunk")
         return pos
 
-    def _prepare(self, raw: Buffer, numel: int) -> _Decoded:
+    def _prepare(self, raw: Buffer, numel: int) -> _Prepared:
+        """Validate the whole payload one block of chunks at a time; decode nothing to
+        keep (``_rows`` decodes a range's chunks when it is applied), so a validated
+        input holds a few KiB, not its kept positions and values."""
         lay = self._layout(numel)
         c, kk = lay.chunks, lay.kept
         floors = tensor_view(raw, torch.float32, 0, c)
@@ -184,27 +179,73 @@ class SparseLoCoCodec(Codec):
         levels = floors[:, None] + ranges[:, None] * self.centres[None, :]
         if c and not bool(torch.isfinite(levels).all()):
             raise CodecError("sparseloco payload: a decoded level overflows")
-        gaps = tensor_view(raw, torch.uint8, 8 * c, kk).to(torch.int64)
-        gaps |= tensor_view(raw, torch.uint8, 8 * c + kk, kk).to(torch.int64) << 8
-        split = lay.full * lay.k
-        pos = self._positions(gaps[:split], lay.full, lay.k, self.chunk)
-        pos += torch.arange(lay.full, dtype=torch.int64)[:, None] * self.chunk
-        parts, owners = [pos.view(-1)], [torch.arange(lay.full).repeat_interleave(lay.k)]
-        if lay.tail:
-            tail = self._positions(gaps[split:], 1, lay.k_tail, lay.tail) + lay.full * self.chunk
+        prepared = _Prepared(raw, lay, levels)
+        for r0 in range(0, c, self.rows_per_slice):
+            self._rows(prepared, r0, min(c, r0 + self.rows_per_slice))  # positions checked
+        if kk % self.per_byte:  # the padding lanes of the last packed byte are zero
+            self._codes(prepared, kk, kk + (-kk % self.per_byte))
+        return prepared
+
+    def _codes(self, p: _Prepared, i0: int, i1: int) -> torch.Tensor:
+        """The codes of kept entries ``[i0, i1)`` (``i1`` may run into the last byte's
+        padding: ``CodecError`` unless those lanes are zero)."""
+        lay, pb = p.layout, self.per_byte
+        b0, b1 = i0 // pb, -(-i1 // pb)
+        packed = tensor_view(p.raw, torch.uint8, 8 * lay.chunks + 2 * lay.kept + b0, b1 - b0)
+        if pb == 1:
+            return packed
+        mask = (1 << self.bits) - 1
+        lanes = torch.stack([(packed >> (self.bits * i)) & mask for i in range(pb)], dim=1)
+        lanes = lanes.view(-1)[i0 - b0 * pb :]
+        if i1 > lay.kept:
+            if bool(lanes[lay.kept - i0 :].any()):
+                raise CodecError("sparseloco payload: nonzero padding bits after the last code")
+            i1 = lay.kept
+        return lanes[: i1 - i0]
+
+    def _rows(self, p: _Prepared, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat positions (ascending) and values of the kept entries of chunks
+        ``[r0, r1)``; ``CodecError`` if a position leaves its chunk."""
+        lay, raw, c, kk = p.layout, p.raw, p.layout.chunks, p.layout.kept
+        full_end = min(r1, lay.full)
+        i0 = r0 * lay.k
+        i1 = full_end * lay.k if r0 < full_end else i0
+        parts, owners = [], []
+        if r0 < full_end:
+            rows = full_end - r0
+            gaps = tensor_view(raw, torch.uint8, 8 * c + i0, i1 - i0).to(torch.int64)
+            gaps |= tensor_view(raw, torch.uint8, 8 * c + kk + i0, i1 - i0).to(torch.int64) << 8
+            pos = self._positions(gaps, rows, lay.k, self.chunk)
+            pos += torch.arange(r0, full_end, dtype=torch.int64)[:, None] * self.chunk
+            parts.append(pos.view(-1))
+            owners.append(torch.arange(r0, full_end).repeat_interleave(lay.k))
+        if lay.tail and r1 > lay.full:  # the short last chunk
+            t0 = lay.full * lay.k
+            gaps = tensor_view(raw, torch.uint8, 8 * c + t0, lay.k_tail).to(torch.int64)
+            gaps |= tensor_view(raw, torch.uint8, 8 * c + kk + t0, lay.k_tail).to(torch.int64) << 8
+            tail = self._positions(gaps, 1, lay.k_tail, lay.tail) + lay.full * self.chunk
             parts.append(tail.view(-1))
             owners.append(torch.full((lay.k_tail,), lay.full, dtype=torch.int64))
-        codes = self._unpack(tensor_view(raw, torch.uint8, 8 * c + 2 * kk, lay.packed), kk)
+            i1 = kk
+        if not parts:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0)
+        codes = self._codes(p, i0, i1)
         bins = (codes & (self.bins - 1)).to(torch.int64)
-        mag = levels.view(-1)[torch.cat(owners) * self.bins + bins]
+        mag = p.levels.view(-1)[torch.cat(owners) * self.bins + bins]
         negative = (codes >> (self.bits - 1)).bool()
-        return _Decoded(torch.cat(parts), torch.where(negative, -mag, mag))
+        return torch.cat(parts), torch.where(negative, -mag, mag)
 
-    def _apply_range(self, prepared: _Decoded, numel: int, out: torch.Tensor, start: int) -> None:
-        idx, val = prepared  # positions ascending
-        lo, hi = (
-            int(i) for i in torch.searchsorted(idx, torch.tensor([start, start + out.numel()]))
-        )
+    def positions(self, prepared: _Prepared) -> torch.Tensor:
+        """The flat positions of every kept entry of a validated payload (``open``),
+        ascending, read off its index stream."""
+        return self._rows(prepared, 0, prepared.layout.chunks)[0]
+
+    def _apply_range(self, prepared: _Prepared, numel: int, out: torch.Tensor, start: int) -> None:
+        end = start + out.numel()
+        idx, val = self._rows(
+            prepared, start // self.chunk, min(prepared.layout.chunks, -(-end // self.chunk))
+        )  # positions ascending: keep those in [start, end)
+        lo, hi = (int(i) for i in torch.searchsorted(idx, torch.tensor([start, end])))
         self._add(idx[lo:hi] - start, val[lo:hi], out)
 
     @staticmethod
@@ -216,8 +257,8 @@ class SparseLoCoCodec(Codec):
         out.add_(0.0)
         out[idx] = kept + val
 
-    def _apply(self, prepared: _Decoded, out: torch.Tensor, mode: Mode) -> None:
-        idx, val = prepared
+    def _apply(self, prepared: _Prepared, out: torch.Tensor, mode: Mode) -> None:
+        idx, val = self._rows(prepared, 0, prepared.layout.chunks)
         if mode == "set":
             out.zero_()
             out[idx] = val

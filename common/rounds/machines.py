@@ -754,8 +754,10 @@ class RelayMachine:
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
             effects.extend(self._commit(d.sync_step))
-        elif (arm := self.level.first_armed()) is not None:
-            effects.append(arm)
+        else:
+            self._sum_early()
+            if (arm := self.level.first_armed()) is not None:
+                effects.append(arm)
         return Decision(OK, f"accepted delta from {d.sender} for step {d.sync_step}"), effects
 
     def on_cutoff(self, step: int) -> tuple[Decision, list[Effect]]:
@@ -825,6 +827,8 @@ class RelayMachine:
             except HypertrainError:
                 lv.changes.pop()  # nothing happened (but see _commit's own atomicity)
                 raise
+        elif req.change == LEAVE and self.global_pending is None:
+            self._sum_early()  # the sum no longer waits for the one who left
         what = (
             f"{req.member} joins region {self.region} from step {first}, starting from the "
             f"merge of step {start}"
@@ -874,6 +878,13 @@ class RelayMachine:
         else:
             start = sched.global_step_of(sched.round_of(lv.open_step))
         return start, sched.next_sync_step("regional", start)
+
+    def _sum_early(self) -> None:
+        """Sum the open step's deltas now as far as the fixed order allows, while the
+        others are still on the way (``RegionCore.offer``): the commit adds the rest, and
+        the bits are the same either way."""
+        lv = self.level
+        self.core.offer({m: x.data for m, x in lv.inputs.items()}, lv.members)
 
     def _commit(self, step: int) -> list[Effect]:
         sched = self.schedule

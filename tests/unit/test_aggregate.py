@@ -181,3 +181,71 @@ def test_pieces_may_end_inside_a_chunk(cuts: list[int]) -> None:
     short.update(t[:1000])
     with pytest.raises(ValueError, match="of 2400000 bytes"):
         short.hexdigest()
+
+
+# -- early sums: the first inputs added while the rest arrive ---------------------------
+@pytest.mark.parametrize("codec_name", STREAM_CODECS)
+def test_an_early_sum_of_any_prefix_gives_the_bits_of_one_sum(
+    codec_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)
+    numel = 3 * 262144 + 11
+    codec = make_codec(codec_name)
+    blobs = _blobs(codec_name, 4, numel, seed=11)
+    blobs["eu-2"] = codec.encode(-0.0 * torch.ones(numel))
+    want = _whole_tensor_mean(blobs, codec_name, numel)
+    _, com = aggregate(blobs, codec, (numel,))
+    for k in range(len(blobs) + 1):
+        early = agg.EarlySum.zeros(torch.full((numel,), 7.0), (numel,))  # zeros() clears it
+        for member in sorted(blobs)[:k]:
+            early.add(member, blobs[member], codec)
+        seen: list[torch.Tensor] = []
+
+        def visit(start: int, part: torch.Tensor, seen: list[torch.Tensor] = seen) -> None:
+            seen.append(part.clone())
+
+        got = streamed_mean(blobs, codec, (numel,), visit, early=early)
+        assert got == com
+        assert torch.equal(torch.cat(seen).view(torch.int32), want.view(torch.int32))
+        assert torch.equal(early.acc.view(torch.int32), want.view(torch.int32))
+
+
+def test_an_early_sum_takes_members_only_in_order() -> None:
+    codec = make_codec("int8")
+    blobs = _blobs("int8", 3, 1000, seed=4)
+    early = agg.EarlySum.zeros(torch.empty(1000), (1000,))
+    assert early.next_wanted(["eu-0", "eu-1", "eu-2"], {"eu-1": blobs["eu-1"]}) == []
+    got = {"eu-0": blobs["eu-0"], "eu-1": blobs["eu-1"]}
+    assert early.next_wanted(["eu-0", "eu-1", "eu-2"], got) == ["eu-0", "eu-1"]
+    early.add("eu-1", blobs["eu-1"], codec)
+    with pytest.raises(HypertrainError, match="comes before"):
+        early.add("eu-0", blobs["eu-0"], codec)
+    # eu-0 left before it delivered: eu-2 follows eu-1 at once
+    assert early.next_wanted(["eu-1", "eu-2"], {**got, "eu-2": blobs["eu-2"]}) == ["eu-2"]
+
+
+def test_an_early_sum_that_does_not_begin_the_inputs_is_refused() -> None:
+    codec = make_codec("int8")
+    blobs = _blobs("int8", 3, 1000, seed=5)
+    early = agg.EarlySum.zeros(torch.empty(1000), (1000,))
+    early.add("eu-0", blobs["eu-0"], codec)
+    assert early.begins(blobs)
+    assert not early.begins({k: v for k, v in blobs.items() if k != "eu-0"})  # closed without it
+    assert not early.begins({**blobs, "eu-0": bytes(blobs["eu-0"])})  # other bytes object
+    with pytest.raises(HypertrainError, match="does not begin"):
+        streamed_mean({"eu-1": blobs["eu-1"]}, codec, (1000,), early=early)
+
+
+def test_an_early_sum_refuses_a_bad_input_before_writing() -> None:
+    codec = make_codec("int8")
+    blobs = _blobs("int8", 2, 4096, seed=6)
+    early = agg.EarlySum.zeros(torch.empty(4096), (4096,))
+    early.add("eu-0", blobs["eu-0"], codec)
+    before = early.acc.clone()
+    bad = bytearray(blobs["eu-1"])
+    bad[-1] ^= 0xFF
+    with pytest.raises(CodecError, match="checksum"):
+        early.add("eu-1", bytes(bad), codec)
+    with pytest.raises(CodecError, match="shape"):
+        early.add("eu-1", codec.encode(torch.randn(4095)), codec)
+    assert torch.equal(early.acc, before) and early.members == ["eu-0"]

@@ -7,6 +7,7 @@ lowest index and bin-centre values), bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -250,7 +251,7 @@ def test_sparseloco_keeps_the_largest_magnitudes(x: torch.Tensor, spec: str) -> 
     chunk, density = int(codec.spec.param("chunk")), float(codec.spec.param("density"))
     flat, y = x.reshape(-1), codec.decode(codec.encode(x)).reshape(-1)
     # Kept positions, read off the payload's own index stream (decoded values may be 0).
-    kept_index = codec.open(codec.encode(x))[1].positions
+    kept_index = codec.positions(codec.open(codec.encode(x))[1])  # type: ignore[attr-defined]
     kept = torch.zeros(flat.numel(), dtype=torch.bool)
     kept[kept_index] = True
     assert bool((y[~kept] == 0).all())
@@ -368,3 +369,33 @@ def test_all_finite_finds_one_bad_value_at_every_position(n: int) -> None:
             for spec in ("fp32", "fp32+zstd"):
                 with pytest.raises(CodecError, match="NaN or inf"):
                     make_codec(spec).encode(x)
+
+
+@pytest.mark.parametrize(
+    ("spec", "decoded", "accumulated"),
+    [
+        (
+            "sparseloco+zstd",
+            "4027911375f58008fb6d844d87dba0afb2eb5cf26ea051110e0e4edc4cca1d99",
+            "cb78aa8861420a53de8b6205d4ce148428de81032f8f66588cbcfe06b8c0eb61",
+        ),
+        (
+            "sparseloco:chunk=64,density=0.25,value_bits=2",
+            "d350f5187c0e9d7877d6c29ef0cae0a50982a80fb360bb1334ef19dff7d601d2",
+            "c0efde62b986a460e8bec13b7ab885a2f526c409d2a626265ecbfe5e85b4edc4",
+        ),
+    ],
+)
+def test_sparseloco_decodes_to_pinned_bits(spec: str, decoded: str, accumulated: str) -> None:
+    """Pinned from the decoder that kept every position and value of a payload, before
+    payloads were decoded a range of chunks at a time: the same bits (a short last chunk,
+    padding lanes in the last packed byte, -0.0 in the input and the accumulator)."""
+    codec = make_codec(spec)
+    x = torch.randn(262144 * 3 + 37, generator=torch.Generator().manual_seed(12))
+    x[::11] = -0.0
+    blob = codec.encode(x)
+    acc = torch.randn(x.numel(), generator=torch.Generator().manual_seed(13))
+    acc[::3] = -0.0
+    codec.decode_accumulate(blob, acc)
+    assert hashlib.sha256(codec.decode(blob).numpy().tobytes()).hexdigest() == decoded
+    assert hashlib.sha256(acc.numpy().tobytes()).hexdigest() == accumulated

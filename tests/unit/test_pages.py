@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from hypertrain.common import pages
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.errors import CodecError
@@ -64,6 +65,20 @@ def test_a_streamed_mean_over_spooled_inputs_is_the_same_and_leaves_them_unresid
     assert torch.equal(got, want) and again == commitment
     # The mean (96 MiB) stays; of the 4 x 24 MiB of inputs at most a range's worth does.
     assert memory_fields()["rss_mib"] - before < 96 + 40
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "fp32"])
+def test_validating_a_mapped_input_drops_what_it_read(tmp_path: Path, codec_name: str) -> None:
+    """The checksum and the payload checks read the whole input; they keep at most a piece
+    of it resident (a relay summing as deltas arrive holds a model-sized sum meanwhile)."""
+    codec = make_codec(codec_name)
+    numel = (96 << 20) // (4 if codec_name == "fp32" else 1)  # 96 MiB of payload
+    (tmp_path / "in").write_bytes(codec.encode(torch.randn(numel)))
+    mapped = _mapped(tmp_path / "in")
+    before = memory_fields()["rss_mib"]
+    codec.open(mapped)
+    assert memory_fields()["rss_mib"] - before < 40
+    assert pages.drop_read(mapped[5000:9000]) and not pages.drop_read(memoryview(b"x" * 9000))
 
 
 @pytest.mark.parametrize("values", [[1.5, -0.0, 3.0, 0.0], [0.0] * 7])

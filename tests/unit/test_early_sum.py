@@ -1,0 +1,165 @@
+"""A relay sums deltas as they are accepted (``RegionCore.offer``): in any arrival order,
+with absences and leaves, its merges and forwards keep the bits of the sum taken at the
+commit (today's path, ``offer`` switched off)."""
+
+import itertools
+
+import pytest
+import torch
+
+from hypertrain.common import aggregate as agg
+from hypertrain.common import roles
+from hypertrain.common.codec import make_codec
+from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import blob_digest
+from hypertrain.common.roles import RegionCore, initial_parameters
+from hypertrain.common.rounds.machines import (
+    LEAVE,
+    Committed,
+    Delta,
+    Forward,
+    MemberRequest,
+    RelayMachine,
+)
+from hypertrain.common.trust.ledger import flat_digest
+
+ISLANDS = ("eu-0", "eu-1", "eu-2", "eu-3")
+
+
+def _cfg(global_codec: str, cutoff: float = 0.0) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "steps": 20,
+            "batch_per_island": 8,
+            "regional_codec": "int8",
+            "global_codec": global_codec,
+            "topology": {"regions": ["eu"], "islands_per_region": 4, "h_r": 5, "h_g": 10},
+            **({"membership": {"regional_cutoff_s": cutoff}} if cutoff else {}),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def theta0() -> torch.Tensor:
+    return initial_parameters(_cfg("fp32"))[1]
+
+
+def _delta(cfg: RunConfig, theta0: torch.Tensor, sender: str, step: int) -> Delta:
+    seed = 100 * step + int(sender[-1])
+    x = torch.randn(theta0.numel(), generator=torch.Generator().manual_seed(seed)) * 1e-3
+    if sender == "eu-2":
+        x[::7] = -0.0  # sign-of-zero rules in the sum
+    data = make_codec(cfg.regional_codec).encode(x)
+    codec = str(make_codec(cfg.regional_codec).spec)
+    return Delta(cfg.run_id, 0, step, sender, blob_digest(data), codec, data)
+
+
+def _round(
+    cfg: RunConfig, theta0: torch.Tensor, orders: tuple[tuple[str, ...], ...], **at_five: object
+) -> tuple[str, ...]:
+    """Steps 5 and 10 (a regional then a global sync) in the given arrival orders: the
+    digests of the base after each merge and of the forward's bytes."""
+    relay = RelayMachine(cfg, "eu", theta0.clone())
+    out: list[str] = []
+    for step, order in zip((5, 10), orders, strict=True):
+        for sender in order:
+            decision, effects = relay.on_delta(_delta(cfg, theta0, sender, step))
+            assert decision.accepted, decision.reason
+        if step == 5 and at_five.get("cutoff"):
+            decision, effects = relay.on_cutoff(5)
+            assert decision.accepted
+        committed = [e for e in effects if isinstance(e, Committed)]
+        assert committed, f"step {step} did not commit"
+        out.append(committed[0].record.post_base)  # type: ignore[union-attr]
+        forward = [e for e in effects if isinstance(e, Forward)]
+        if forward:
+            out.append(blob_digest(forward[0].data))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("global_codec", ["fp32", "int8"])
+def test_every_arrival_order_keeps_the_bits_of_the_sum_at_the_commit(
+    global_codec: str, theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _cfg(global_codec)
+    sorted_order = (ISLANDS, ISLANDS)
+    early_sizes: list[int] = []
+    real_offer = RegionCore.offer
+
+    def counting_offer(core: RegionCore, delivered, members) -> None:  # type: ignore[no-untyped-def]
+        real_offer(core, delivered, members)
+        early_sizes.append(0 if core._early is None else len(core._early.members))
+
+    monkeypatch.setattr(RegionCore, "offer", counting_offer)
+    want = _round(cfg, theta0, sorted_order)
+    # arriving in the order of the sum, the first three are summed before the last arrives
+    # (step 5; step 10 follows a regional merge, whose base islands may still fetch)
+    assert early_sizes[:3] == [1, 2, 3] and set(early_sizes[3:]) == {0}
+    for order in itertools.permutations(ISLANDS):
+        assert _round(cfg, theta0, (order, order[::-1])) == want, order
+    monkeypatch.setattr(RegionCore, "offer", lambda *a: None)  # today's path
+    assert _round(cfg, theta0, sorted_order) == want
+
+
+def test_an_absent_member_stops_the_early_sum_and_the_commit_goes_on(
+    theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _cfg("fp32", cutoff=3.0)
+    three = ("eu-3", "eu-0", "eu-2")  # eu-1 never delivers: the sum stops after eu-0
+    got = _round(cfg, theta0, (three, ISLANDS), cutoff=True)
+    monkeypatch.setattr(RegionCore, "offer", lambda *a: None)
+    assert _round(cfg, theta0, (three, ISLANDS), cutoff=True) == got
+
+
+def test_a_member_that_left_is_passed_over(
+    theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _cfg("fp32")
+    at_commit: list[list[str]] = []
+    real = roles.streamed_mean
+
+    def spy(*args, early=None, **kw):  # type: ignore[no-untyped-def]
+        at_commit.append([] if early is None else list(early.members))
+        return real(*args, early=early, **kw)
+
+    monkeypatch.setattr(roles, "streamed_mean", spy)
+    relay = RelayMachine(cfg, "eu", theta0.clone())
+    relay.on_delta(_delta(cfg, theta0, "eu-0", 5))
+    relay.on_delta(_delta(cfg, theta0, "eu-2", 5))
+    assert relay.core._early is not None and relay.core._early.members == ["eu-0"]
+    decision, _ = relay.on_member(MemberRequest(cfg.run_id, LEAVE, "eu-1", 5, 1.0))
+    assert decision.accepted, decision.reason
+    relay.on_delta(_delta(cfg, theta0, "eu-3", 5))  # eu-1 is gone: eu-2 follows eu-0
+    assert at_commit == [["eu-0", "eu-2"]]
+    assert relay.merge_for(5) is not None
+
+
+def test_a_delta_that_does_not_decode_leaves_no_early_sum(theta0: torch.Tensor) -> None:
+    cfg = _cfg("fp32")
+    core = RegionCore(cfg, "eu", theta0.clone(), adopt=True)
+    good = _delta(cfg, theta0, "eu-0", 5).data
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    core.offer({"eu-0": good}, ISLANDS)
+    assert core._early is not None
+    core.offer({"eu-0": good, "eu-1": bytes(bad)}, ISLANDS)
+    assert core._early is None
+    assert torch.equal(core.base_view(), core.theta)  # still reads as theta
+
+
+def test_new_global_parameters_drop_the_early_sum(theta0: torch.Tensor) -> None:
+    cfg = _cfg("fp32")
+    core = RegionCore(cfg, "eu", theta0.clone(), adopt=True)
+    blobs = {m: _delta(cfg, theta0, m, 5).data for m in ISLANDS}
+    core.offer({"eu-0": blobs["eu-0"]}, ISLANDS)
+    core.adopt_global(theta0.clone() + 1)
+    assert core._early is None
+    _, com = core.merge(blobs)
+    want = agg.aggregate(blobs, core.codec, tuple(theta0.shape))[0]
+    assert flat_digest(core.base_view()) == flat_digest(theta0 + 1 - want)
+    assert com.members == ISLANDS
+    relay = RelayMachine(cfg, "eu", theta0.clone())
+    relay.on_delta(_delta(cfg, theta0, "eu-0", 5))
+    assert relay.core._early is not None
+    assert relay.core.base is not None  # the base, to write: drops the sum in its buffer
+    assert relay.core._early is None
