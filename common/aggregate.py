@@ -162,9 +162,17 @@ class EarlySum:
         )
 
     def next_wanted(self, members: Iterable[str], delivered: Mapping[str, Blob]) -> list[str]:
-        """The delivered members to add now, in order: those after the sum's last member
-        with no member of ``members`` (the step's, delivered or not) between them."""
-        last = self.members[-1] if self.members else None
+        """The delivered members to add now, in order (``next_of`` this sum's members)."""
+        return self.next_of(self.members, members, delivered)
+
+    @staticmethod
+    def next_of(
+        summed: Sequence[str], members: Iterable[str], delivered: Mapping[str, Blob]
+    ) -> list[str]:
+        """The delivered members to add to a sum of ``summed``, in order: those after its
+        last member with no member of ``members`` (the step's, delivered or not) between
+        them."""
+        last = summed[-1] if summed else None
         order = sorted(m for m in set(members) | set(delivered) if last is None or m > last)
         wanted: list[str] = []
         for m in order:

@@ -411,9 +411,15 @@ class RegionCore:
         if not self._base_is_theta:
             return
         try:
-            if self._early is None:
-                self._early = EarlySum.zeros(self._buffer().view(-1), tuple(self.theta.shape))
             early = self._early
+            if early is None:
+                # Nothing is allocated until a delta can be added (the first member of
+                # the order has delivered).
+                if not EarlySum.next_of([], members, delivered):
+                    return
+                early = self._early = EarlySum.zeros(
+                    self._buffer().view(-1), tuple(self.theta.shape)
+                )
             for member in early.next_wanted(members, delivered):
                 early.add(member, delivered[member], self.codec)
         except HypertrainError:

@@ -52,8 +52,12 @@ from hypertrain.wire.frames import Data
 
 #: Start writeback of the spool file every this many bytes.
 WRITEBACK_BYTES = 16 << 20
-#: Chunks that may wait in each worker's queue.
-DEPTH = 8
+#: Chunks that may wait in each worker's queue.  Each transfer keeps up to this many
+#: per worker alive, so it multiplies with the concurrent pushes a node receives: with 4
+#: concurrent 120 MiB pushes a relay's transfer memory peaked 137-155 MiB above idle at
+#: 8, and 62 MiB at 2, with the same push time; bench_transport.py's push and merge
+#: figures did not move either (0.29-0.31 of TCP in memory, either way).
+DEPTH = 2
 #: Run hashing / copying / writing on worker threads (False: inline in the handler
 #: thread; only the benchmark turns it off, to measure what the overlap buys).
 OVERLAP = True

@@ -163,3 +163,15 @@ def test_new_global_parameters_drop_the_early_sum(theta0: torch.Tensor) -> None:
     assert relay.core._early is not None
     assert relay.core.base is not None  # the base, to write: drops the sum in its buffer
     assert relay.core._early is None
+
+
+def test_nothing_is_allocated_before_the_first_member_of_the_order_delivers(
+    theta0: torch.Tensor,
+) -> None:
+    cfg = _cfg("fp32")
+    relay = RelayMachine(cfg, "eu", theta0.clone())
+    for sender in ("eu-3", "eu-1", "eu-2"):
+        relay.on_delta(_delta(cfg, theta0, sender, 5))
+        assert relay.core._early is None and relay.core._base is None  # no model-sized buffer
+    relay.on_delta(_delta(cfg, theta0, "eu-0", 5))  # the last: the commit sums them all
+    assert relay.merge_for(5) is not None
