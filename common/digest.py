@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from hypertrain.common.pages import PIECE_BYTES, pieces
+
 CHUNK_BYTES = 1 << 20
 TASK_BYTES = 4 * CHUNK_BYTES
 """Least bytes one pool task hashes (several chunks, or many small tensors' chunks):
@@ -42,8 +44,15 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def blob_digest(data: bytes | bytearray | memoryview) -> str:
-    """sha256 hex of raw bytes: the content address of an encoded blob."""
-    return hashlib.sha256(data).hexdigest()
+    """sha256 hex of raw bytes: the content address of an encoded blob (a mapped spool
+    file is read a piece at a time and its pages dropped, ``common/pages.py``)."""
+    if not isinstance(data, memoryview):
+        return hashlib.sha256(data).hexdigest()
+    h = hashlib.sha256()
+    view = memoryview(data).cast("B")
+    for at in pieces(view, 0, len(view)):
+        h.update(view[at : at + PIECE_BYTES])
+    return h.hexdigest()
 
 
 def _raw(t: torch.Tensor) -> memoryview:

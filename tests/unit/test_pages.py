@@ -3,6 +3,7 @@ forward where its values are (Codec.frame_in_place): same bytes, less memory."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from hypertrain.common import pages
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
+from hypertrain.common.digest import blob_digest
 from hypertrain.common.errors import CodecError
 from hypertrain.common.pages import drop_pages, register_file_map
 from hypertrain.wire.daemon import memory_fields
@@ -77,6 +79,8 @@ def test_validating_a_mapped_input_drops_what_it_read(tmp_path: Path, codec_name
     mapped = _mapped(tmp_path / "in")
     before = memory_fields()["rss_mib"]
     codec.open(mapped)
+    assert memory_fields()["rss_mib"] - before < 40
+    assert blob_digest(mapped) == hashlib.sha256((tmp_path / "in").read_bytes()).hexdigest()
     assert memory_fields()["rss_mib"] - before < 40
     assert pages.drop_read(mapped[5000:9000]) and not pages.drop_read(memoryview(b"x" * 9000))
 
