@@ -136,6 +136,11 @@ class Codec(ABC):
         """``out`` (1-D fp32) ``=``, ``+=`` or ``-=`` the decoded payload, bit-exactly as
         the whole-tensor ops ``copy_``/``add_``/``sub_`` of ``decode`` would."""
 
+    @abstractmethod
+    def _magnitude(self, prepared: Any, numel: int) -> float:
+        """An upper bound (exact where the payload says it) on ``|v|`` over every value
+        ``v`` a validated ``numel``-value payload decodes to."""
+
     range_align: int = 1
     """``accumulate_range`` starts must be a multiple of this (int8: its block)."""
 
@@ -158,6 +163,13 @@ class Codec(ABC):
         return False
 
     # -- the public interface ------------------------------------------------
+
+    def magnitude(self, header: Header, prepared: Any) -> float:
+        """No value of the validated blob (``open``'s header and payload) decodes to more
+        than this in magnitude (a bound: exact for fp32, within one part in 2^23 for int8,
+        the largest level for SparseLoCo): what a node checks before a delta may join a
+        sum."""
+        return self._magnitude(prepared, header.numel)
 
     def header_length(self, shape: tuple[int, ...]) -> int:
         """Bytes of the header of an encoding of ``shape`` (the payload starts there)."""

@@ -41,6 +41,14 @@ class Fp32Codec(Codec):
                 raise CodecError("fp32 payload holds NaN or inf")
         return raw
 
+    def _magnitude(self, raw: Buffer, numel: int) -> float:
+        top = 0.0
+        for at in pieces(raw, 0, 4 * numel):
+            n = min(PIECE_BYTES, 4 * numel - at) // 4
+            lo, hi = torch.aminmax(tensor_view(raw, torch.float32, at, n))
+            top = max(top, abs(float(lo)), abs(float(hi)))
+        return top
+
     def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:
         out.add_(tensor_view(raw, torch.float32, 4 * start, out.numel()))
 

@@ -143,6 +143,15 @@ class Int8Codec(Codec):
                 raise CodecError("int8 payload: code -128 (the encoder uses [-127, 127])")
         return raw
 
+    def _magnitude(self, raw: Buffer, numel: int) -> float:
+        # Every value is fl(q * scale) with |q| <= 127: at most 127 * scale, rounded up by
+        # less than one part in 2^23.
+        nblocks = -(-numel // self.block)
+        if not nblocks:
+            return 0.0
+        top = float(tensor_view(raw, torch.float32, 0, nblocks).max())
+        return 127.0 * top * (1.0 + 2.0**-23)
+
     def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:
         # Blocks never straddle the range (start is a block boundary), so the slice's
         # blocks and their scales are exactly the whole tensor's.

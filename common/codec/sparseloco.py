@@ -235,6 +235,11 @@ class SparseLoCoCodec(Codec):
         negative = (codes >> (self.bits - 1)).bool()
         return torch.cat(parts), torch.where(negative, -mag, mag)
 
+    def _magnitude(self, prepared: _Prepared, numel: int) -> float:
+        # Every kept value is + or - one of its chunk's levels; the rest are zeros.
+        levels = prepared.levels
+        return float(levels.abs().max()) if levels.numel() else 0.0
+
     def positions(self, prepared: _Prepared) -> torch.Tensor:
         """The flat positions of every kept entry of a validated payload (``open``),
         ascending, read off its index stream."""

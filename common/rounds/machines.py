@@ -184,6 +184,9 @@ class Decision:
     help; the sender takes the step's merge instead (transports say so to the sender)."""
     over: bool = False
     """Refused because the run is over for it (complete, or no round left to join)."""
+    evidence: bool = False
+    """Refused for what its signed bytes hold (values out of bounds): the refusal is taped
+    with the delta's digest, as evidence against its sender."""
     start: int | None = None
     """A join taken (or a member asking again): the sync step whose merge the island
     starts from (0: the initial parameters); None for a member since the run began, which
@@ -193,6 +196,16 @@ class Decision:
     def accepted(self) -> bool:
         return self.code == OK
 
+
+#: The largest magnitude a delta's decoded values may reach, per level (``_Level.check``
+#: refuses more, with the figure, before anything is summed).  Training deltas are many
+#: orders of magnitude smaller; these keep every sum a node forms finite in fp32 (about
+#: 2^128): a region's mean of up to 2^30 islands stays under 2^94, a relay's forward
+#: (the regional means of one global round, at most 2^32 of them) under 2^96, and the
+#: aggregator's mean of up to 2^20 regions, with the outer step's momentum and learning
+#: rate, far under 2^128.  Without it two islands with huge finite values made a region's
+#: sum overflow to inf, and the relay could never forward again.
+MAX_VALUE: dict[str, float] = {"regional": 2.0**64, "global": 2.0**96}
 
 # -- events -------------------------------------------------------------------------------
 JOIN, LEAVE = "join", "leave"
@@ -548,11 +561,21 @@ class _Level:
             return None
         numel = self.numel if self.numel_of is None else self.numel_of(d.sender)
         try:  # full validation (header, checksum, payload) without decoding to fp32
-            self.codec.open(d.data, (numel,))
+            header, prepared = self.codec.open(d.data, (numel,))
+            reach = self.codec.magnitude(header, prepared)
         except HypertrainError as e:
             return Decision(INVALID, f"rejected delta from {d.sender} for step {s}: {e}")
         finally:
             drop_pages(d.data)  # read whole; not needed resident until the commit
+        limit = MAX_VALUE[self.level]
+        if reach > limit:
+            return Decision(
+                INVALID,
+                f"rejected delta from {d.sender} for step {s}: its values reach {reach:.4g}, "
+                f"over the {limit:.4g} a {self.level} delta may carry (sums of such "
+                "deltas could overflow fp32)",
+                evidence=True,
+            )
         return None
 
     def _check_signature(self, d: Delta) -> Decision | None:

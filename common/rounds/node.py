@@ -106,10 +106,10 @@ class _Node:
         self, decision: Decision, delta: Delta, effects: list[Effect], publisher: Publisher | None
     ) -> None:
         if not decision.accepted:
-            # A stale delta was whole and signed: its digest is kept as evidence.
-            self.reject(
-                decision.code, decision.reason, delta, delta.digest if decision.stale else None
-            )
+            # A stale or out-of-bounds delta was whole (and signed, where keys are
+            # pinned): its digest is kept as evidence.
+            evidence = decision.stale or decision.evidence
+            self.reject(decision.code, decision.reason, delta, delta.digest if evidence else None)
         elif not decision.duplicate:
             self._accept(effects, publisher)
 

@@ -168,7 +168,8 @@ class RejectionEntry(_Record):
     sync_step: int | None = None
     round: int | None = None
     digest: str | None = None
-    """sha256 of a refused delta that was whole and signed (a stale one), as evidence."""
+    """sha256 of a refused delta that was whole and signed (a stale one, or one whose values
+    were out of bounds), as evidence."""
 
 
 @dataclass(frozen=True, slots=True)

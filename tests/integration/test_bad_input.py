@@ -110,6 +110,22 @@ def test_bad_delta_gets_a_status_naming_the_problem(relay, case: str) -> None:  
     assert words in err.value.details(), err.value.details()
 
 
+def test_finite_values_that_would_overflow_the_sum_are_refused(relay) -> None:  # type: ignore[no-untyped-def]
+    """Two islands' int8 deltas of 2^127 each: finite, but their fp32 sum is inf.  Each is
+    refused before it reaches the sum, with the figure (a relay with a key tapes it with
+    its digest: tests/unit/test_machines.py); the next test completes the round with
+    honest deltas and checks that the merge holds only theirs."""
+    stub, published = relay
+    huge = CODEC.encode(torch.full((NUMEL,), 2.0**127))
+    for sender in ("eu-0", "eu-1"):
+        with pytest.raises(grpc.RpcError) as err:
+            push_delta(stub.PushDelta, _header(huge, sender=sender), huge)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "its values reach 1.701e+38" in err.value.details()
+        assert "overflow" in err.value.details()
+    assert blob_digest(huge) not in {p.name for p in published.iterdir()}
+
+
 def test_corrupt_truncated_and_conflicting_then_the_round_is_unchanged(relay) -> None:  # type: ignore[no-untyped-def]
     stub, published = relay
     flipped = bytearray(GOOD)

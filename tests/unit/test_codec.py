@@ -399,3 +399,18 @@ def test_sparseloco_decodes_to_pinned_bits(spec: str, decoded: str, accumulated:
     codec.decode_accumulate(blob, acc)
     assert hashlib.sha256(codec.decode(blob).numpy().tobytes()).hexdigest() == decoded
     assert hashlib.sha256(acc.numpy().tobytes()).hexdigest() == accumulated
+
+
+@pytest.mark.parametrize(
+    "spec", ["fp32", "int8", "int8:block=100+zstd", "sparseloco+zstd", "sparseloco:chunk=64"]
+)
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 1e20, 2.0**124])
+def test_magnitude_bounds_every_decoded_value_closely(spec: str, scale: float) -> None:
+    codec = make_codec(spec)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3)) * scale
+    blob = codec.encode(x)
+    top = float(codec.decode(blob).abs().max())
+    reach = codec.magnitude(*codec.open(blob))
+    assert top <= reach, (top, reach)
+    if not spec.startswith("sparseloco"):  # SparseLoCo: its largest level, maybe unused
+        assert reach <= top * (1 + 2.0**-22), (top, reach)

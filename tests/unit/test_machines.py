@@ -13,6 +13,7 @@ from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.machines import (
     CONFLICT,
     INVALID,
+    MAX_VALUE,
     PRECONDITION,
     AggregatorMachine,
     Committed,
@@ -22,6 +23,11 @@ from hypertrain.common.rounds.machines import (
     Publish,
     RelayMachine,
 )
+from hypertrain.common.rounds.node import RelayNode
+from hypertrain.common.rounds.store import NodeStore
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.schema import RejectionEntry
+from hypertrain.common.trust.tape import verify_tape
 
 CFG = RunConfig.from_dict(
     {
@@ -187,3 +193,58 @@ def test_relay_takes_only_deltas_signed_by_the_sender_s_pinned_key(
         assert decision.code == INVALID and words in decision.reason and not effects
     decision, effects = relay.on_delta(signed(d, "island-eu-0"))
     assert decision.accepted and isinstance(effects[0], Publish)
+
+
+# -- values out of bounds: refused before they reach a sum ------------------------------------
+def _huge(theta0: torch.Tensor, sender: str, step: int, value: float) -> Delta:
+    data = make_codec(CFG.regional_codec).encode(torch.full((theta0.numel(),), value))
+    return _delta(theta0, sender, step, data=data, digest=blob_digest(data))
+
+
+def test_finite_values_that_could_overflow_the_sum_are_refused_with_evidence(
+    theta0: torch.Tensor,
+) -> None:
+    relay = RelayMachine(CFG, "eu", theta0)
+    for sender in ("eu-0", "eu-1"):  # two islands, each alone far from inf, together inf
+        decision, effects = relay.on_delta(_huge(theta0, sender, 5, 2.0**127))
+        assert decision.code == INVALID and decision.evidence and effects == []
+        assert "its values reach 1.701e+38" in decision.reason and "overflow" in decision.reason
+    assert relay.level.inputs == {} and relay.level.accepted == {}  # nothing moved
+    assert relay.core._early is None and relay.core._base is None
+    # honest deltas still commit, to a finite base; 2^64 itself is allowed
+    assert MAX_VALUE["regional"] == 2.0**64
+    for k, sender in enumerate(("eu-0", "eu-1")):
+        decision, effects = relay.on_delta(_delta(theta0, sender, 5, seed=k))
+        assert decision.accepted, decision.reason
+    merge = relay.merge_for(5)
+    assert merge is not None and bool(torch.isfinite(merge.payload).all())
+
+
+def test_the_aggregator_bounds_forwarded_values_by_its_own_level(theta0: torch.Tensor) -> None:
+    agg = AggregatorMachine(CFG, theta0)
+    fp32 = make_codec("fp32")
+
+    def forward(value: float) -> Delta:
+        data = fp32.encode(torch.full((theta0.numel(),), value))
+        return Delta(CFG.run_id, 0, 10, "eu", blob_digest(data), str(fp32.spec), data)
+
+    refused, _ = agg.on_regional(forward(1e30))  # over 2^96
+    assert refused.code == INVALID and refused.evidence and "reach 1e+30" in refused.reason
+    taken, _ = agg.on_regional(forward(1e20))  # over the regional 2^64, within 2^96
+    assert taken.accepted, taken.reason
+
+
+def test_a_refusal_for_out_of_bounds_values_is_taped_with_the_digest(
+    tmp_path: Path, theta0: torch.Tensor
+) -> None:
+    key = SigningKey.generate("relay-eu")
+    node = RelayNode(CFG, "eu", theta0, NodeStore(tmp_path, CFG.run_id, key))
+    huge = _huge(theta0, "eu-1", 5, 2.0**127)
+    decision, _ = node.push(huge)
+    assert decision.code == INVALID
+    node.close()
+    entries = verify_tape(tmp_path / "tape", TrustedKeys.of([key])).entries
+    rejections = [RejectionEntry.from_body(e.body) for e in entries if e.kind == "rejection"]
+    assert [(r.sender, r.sync_step, r.digest) for r in rejections] == [("eu-1", 5, huge.digest)]
+    assert "its values reach" in rejections[0].reason
+    assert not (tmp_path / "published" / huge.digest).exists()
