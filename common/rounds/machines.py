@@ -578,6 +578,13 @@ class _Level:
             )
         return None
 
+    def authentic(self, d: Delta) -> bool:
+        """Is ``d`` signed by its claimed sender's pinned key?  (True where no keys are
+        pinned: such a node authenticates nobody and takes every sender at its word.)"""
+        return self.trusted is None or (
+            d.sender in self.roster and self._check_signature(d) is None
+        )
+
     def _check_signature(self, d: Delta) -> Decision | None:
         assert self.trusted is not None
         if not d.signature:

@@ -76,6 +76,12 @@ Publisher = Callable[[Delta], None]
 """Keeps an accepted delta's bytes under its digest (the driver may move a spooled file)."""
 
 
+#: Refusals taped per sender and round (evidence); a sender refused more often than that
+#: is only counted and logged, so no sender, even with a valid key, can grow a tape
+#: without bound.
+MAX_TAPED_REFUSALS = 8
+
+
 class _Node:
     """Shared by both nodes: the store, rejections, fetch answers, final bookkeeping."""
 
@@ -86,6 +92,9 @@ class _Node:
         self.cfg = cfg
         self.store = store
         self.finals: set[str] = store.finals() if store is not None else set()
+        self._refusals: dict[tuple[str, int], int] = {}  # (sender, round) -> taped
+        self.refusal_taped = False
+        """Whether the last refusal was taped (else only counted: ``tapes_refusal``)."""
         self.max_delta_bytes = 4 * numel + (1 << 16)
         """No encoding of a ``numel``-parameter delta is larger (fp32 plus a header): what
         a transport refuses before receiving it all."""
@@ -105,6 +114,7 @@ class _Node:
     def _decided(
         self, decision: Decision, delta: Delta, effects: list[Effect], publisher: Publisher | None
     ) -> None:
+        self.refusal_taped = False
         if not decision.accepted:
             # A stale or out-of-bounds delta was whole (and signed, where keys are
             # pinned): its digest is kept as evidence.
@@ -151,24 +161,44 @@ class _Node:
     def settle(self) -> None:
         """Finish what was made fetchable before it was durable (nothing here)."""
 
-    def reject(
-        self, code: str, reason: str, delta: Delta | None, digest: str | None = None
-    ) -> None:
-        """Tape a refused push (evidence; changes nothing); ``digest``: the refused bytes'
-        sha256, for a delta that was whole and signed.  After ``close`` it is only refused
-        (the daemon logs it), not taped."""
+    def reject(self, code: str, reason: str, delta: Delta, digest: str | None = None) -> bool:
+        """Tape a refused delta as evidence against its sender (changes nothing), if it is
+        authenticated and its sender's allowance is not spent (``tapes_refusal``);
+        ``digest``: the refused bytes' sha256, for one whose bytes are the evidence.  After
+        ``close`` it is only refused (the daemon logs it), not taped.  True if taped
+        (``refusal_taped`` says so too)."""
         self.settle()
-        if self.store is None or self.store.closed:
-            return
+        self.refusal_taped = False
+        if self.store is None or self.store.closed or not self.tapes_refusal(delta):
+            return False
         rec = RejectionEntry(
             code=code,
             reason=reason,
-            sender=delta.sender if delta else None,
-            sync_step=delta.sync_step if delta else None,
-            round=delta.round if delta else None,
+            sender=delta.sender,
+            sync_step=delta.sync_step,
+            round=delta.round,
             digest=digest,
         )
         self.store.record(rec)
+        self.refusal_taped = True
+        return True
+
+    def tapes_refusal(self, delta: Delta) -> bool:
+        """Would a refusal of ``delta`` be taped?  Only one whose signature verifies
+        against its claimed sender's pinned key (where keys are pinned: anyone can claim a
+        name, and a flood of refusals must not grow the tape), and at most
+        ``MAX_TAPED_REFUSALS`` per sender and round of this node (its open round, not the
+        one the delta claims, which the sender chooses); the rest are only counted and
+        logged by the daemon."""
+        lv = self.machine.level
+        if not lv.authentic(delta):
+            return False
+        key = (delta.sender, lv.schedule.round_of(lv.open_step))
+        taped = self._refusals.get(key, 0)
+        if taped >= MAX_TAPED_REFUSALS:
+            return False
+        self._refusals[key] = taped + 1
+        return True
 
     def fetch(
         self, run_id: str, requester: str, sync_step: int, kind: str | None = None

@@ -90,8 +90,7 @@ class LocalUpstream:
 
     def push(self, delta: Delta) -> Decision:
         refused = transfer_refusal(delta, self.node.max_delta_bytes)
-        if refused is not None:
-            self.node.reject(refused.code, refused.reason, None)
+        if refused is not None:  # not a delta, from nobody known: not taped
             return refused
         decision, _ = self.node.push(delta)
         return decision

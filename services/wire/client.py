@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from hypertrain.common.rounds.machines import Delta
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
 from hypertrain.wire import frames
@@ -94,6 +95,21 @@ def relay_stub(channel: grpc.Channel) -> pb_grpc.RelayStub:
 def aggregator_stub(channel: grpc.Channel) -> pb_grpc.AggregatorStub:
     """An Aggregator stub, PushRegional / FetchGlobal with the chunk codec."""
     return _fast_stub(pb_grpc.AggregatorStub(channel), channel, "Aggregator")
+
+
+def transfer_header(delta: Delta) -> pb.TransferHeader:
+    """The header a delta is pushed under: its transfer fields, size and signature."""
+    return pb.TransferHeader(
+        run_id=delta.run_id,
+        round=delta.round,
+        sync_step=delta.sync_step,
+        sender=delta.sender,
+        digest=delta.digest,
+        size=len(delta.data),
+        codec=delta.codec,
+        signature=delta.signature,
+        shard=delta.shard,
+    )
 
 
 def push_delta(

@@ -150,6 +150,14 @@ class Metrics:
             ["role", "region", "reason"],
             registry=r,
         )
+        self.untaped = Counter(
+            "hypertrain_refusals_untaped_total",
+            "Refusals not taped: transfers that were no delta, deltas not signed by their "
+            "claimed sender's pinned key, and a sender's refusals past the per-round "
+            "allowance of evidence",
+            ["role", "region"],
+            registry=r,
+        )
         self.stale_deltas = Counter(
             "hypertrain_stale_deltas_total",
             "Deltas this island sent after their sync step closed without it (not aggregated)",

@@ -210,10 +210,9 @@ class Intake:
     def push(self, chunks: Iterator[Any]) -> pb.PushAck:
         try:
             rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
-        except WireError as e:
+        except WireError as e:  # not a delta yet, from nobody known: counted, not taped
             self.metrics.rejected.labels(*self.labels, e.code.name.lower()).inc()
-            with self.board.cond:
-                self.node.reject(e.code.name.lower(), e.message, None)
+            self.metrics.untaped.labels(*self.labels).inc()
             raise
         h = rx.header
         delta = Delta(
@@ -240,6 +239,8 @@ class Intake:
                 discard(rx)
                 if not decision.accepted:
                     self.metrics.rejected.labels(*self.labels, decision.code).inc()
+                    if not self.node.refusal_taped:
+                        self.metrics.untaped.labels(*self.labels).inc()
                     raise refusal(decision)
                 return pb.PushAck(digest=rx.digest, duplicate=True)
             self._handle(effects, t0)

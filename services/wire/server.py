@@ -32,6 +32,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from types import FrameType
@@ -228,13 +229,48 @@ def _reject(method: Callable[..., Any], context: grpc.ServicerContext, exc: Exce
     # "Not yet" answers (a round not open, a merge not committed) are part of the
     # protocol's waiting, asked again every few seconds: not worth a warning each.
     level = logging.DEBUG if status[0] in _NOT_YET else logging.WARNING
-    log.log(level, "%s rejected: %s: %s", method.__qualname__, status[0].name, status[1])
+    more = _LOG_LIMIT.admit((method.__qualname__, status[0]))
+    if more is not None:
+        extra = f" (and {more} more like it in the last {LOG_EVERY_S:g} s)" if more else ""
+        log.log(
+            level, "%s rejected: %s: %s%s", method.__qualname__, status[0].name, status[1], extra
+        )
     if isinstance(exc, WireError) and (exc.stale or exc.over):
         context.set_trailing_metadata(((STALE_KEY if exc.stale else OVER_KEY, "1"),))
     abort(context, *status)
 
 
 _NOT_YET = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+#: Refusals of one kind (method and status) are logged at most once per this many seconds;
+#: the next line says how many were left out (a flood of bad calls cannot flood the log).
+LOG_EVERY_S = 1.0
+
+
+class RateLimit:
+    """At most one admission per key every ``every`` seconds (monotonic clock)."""
+
+    def __init__(self, every: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self._last: dict[Any, float] = {}
+        self._skipped: dict[Any, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, key: Any) -> int | None:
+        """None: leave this one out; otherwise how many of ``key`` were left out since the
+        last one admitted."""
+        now = self.clock()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.every:
+                self._skipped[key] = self._skipped.get(key, 0) + 1
+                return None
+            self._last[key] = now
+            return self._skipped.pop(key, 0)
+
+
+_LOG_LIMIT = RateLimit(LOG_EVERY_S)
 
 
 def maps_errors(method: F) -> F:

@@ -33,7 +33,7 @@ from hypertrain.common.rounds.machines import (
 )
 from hypertrain.common.rounds.transport import Unavailable, Upstream
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.client import fetch_merge, push_delta
+from hypertrain.wire.client import fetch_merge, push_delta, transfer_header
 from hypertrain.wire.errors import OVER_KEY, STALE_KEY, StaleDelta, WireError
 from hypertrain.wire.peers import FETCH_DEADLINE_S, Peer
 from hypertrain.wire.protocol_codes import STATUS
@@ -93,17 +93,7 @@ class GrpcUpstream:
             return self._answer(what, e)
 
     def push(self, delta: Delta) -> Decision:
-        header = pb.TransferHeader(
-            run_id=delta.run_id,
-            round=delta.round,
-            sync_step=delta.sync_step,
-            sender=delta.sender,
-            digest=delta.digest,
-            size=len(delta.data),
-            codec=delta.codec,
-            signature=delta.signature,
-            shard=delta.shard,
-        )
+        header = transfer_header(delta)
         got = self._call(
             f"push of step {delta.sync_step} from {delta.sender}",
             lambda: push_delta(self.peer._push, header, delta.data),

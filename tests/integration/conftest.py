@@ -39,6 +39,33 @@ class Cluster:
         self.children.append(child)
         return child
 
+    def spawn_region(self, region: str = "eu", keys: Path | None = None) -> Child:
+        """The aggregator and ``region``'s relay, each with its signing key from ``keys``
+        (None: unsigned, no tape); returns the relay, listening."""
+        signed = (lambda name: ("--signing-key", str(keys / f"{name}.key"))) if keys else None
+        agg = self.spawn(
+            "aggregator",
+            "hypertrain.aggregator",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(self.run_dir / "aggregator"),
+            *(signed("aggregator") if signed else ()),
+        )
+        relay = self.spawn(
+            f"relay-{region}",
+            "hypertrain.relay",
+            "--region",
+            region,
+            "--aggregator",
+            agg.wait_listening(timeout=300),
+            "--state-dir",
+            str(self.run_dir / f"relay-{region}"),
+            *(signed(f"relay-{region}") if signed else ()),
+        )
+        relay.wait_listening(timeout=300)
+        return relay
+
     def run_all(
         self, timeout_s: float = 300, island_ranks: dict[str, int] | None = None
     ) -> Child | None:

@@ -53,25 +53,7 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Pa
 
     cluster = Cluster(CFG, tmp_path_factory.mktemp("bad-input"))
     try:
-        agg = cluster.spawn(
-            "aggregator",
-            "hypertrain.aggregator",
-            "--listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            str(cluster.run_dir / "aggregator"),
-        )
-        rel = cluster.spawn(
-            "relay-eu",
-            "hypertrain.relay",
-            "--region",
-            "eu",
-            "--aggregator",
-            agg.wait_listening(),
-            "--state-dir",
-            str(cluster.run_dir / "relay-eu"),
-        )
-        stub = relay_stub(connect(rel.wait_listening()))
+        stub = relay_stub(connect(cluster.spawn_region("eu").wait_listening()))
         yield stub, cluster.run_dir / "relay-eu" / "published"
     finally:
         cluster.stop()

@@ -46,24 +46,7 @@ def test_large_delta_streams_intact_with_bounded_relay_memory(tmp_path: Path) ->
     assert len(blob) > 64 * 2**20 and len(blob) > 16 * CHUNK_BYTES
     cluster = Cluster(CFG, tmp_path / "run")
     try:
-        agg = cluster.spawn(
-            "aggregator",
-            "hypertrain.aggregator",
-            "--listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            str(cluster.run_dir / "aggregator"),
-        )
-        relay = cluster.spawn(
-            "relay-eu",
-            "hypertrain.relay",
-            "--region",
-            "eu",
-            "--aggregator",
-            agg.wait_listening(timeout=300),
-            "--state-dir",
-            str(cluster.run_dir / "relay-eu"),
-        )
+        relay = cluster.spawn_region("eu")
         stub = relay_stub(connect(relay.wait_listening(timeout=300)))
         pid = relay.proc.pid
         before = _rss(pid)

@@ -23,7 +23,7 @@ from hypertrain.common.rounds.machines import (
     Publish,
     RelayMachine,
 )
-from hypertrain.common.rounds.node import RelayNode
+from hypertrain.common.rounds.node import MAX_TAPED_REFUSALS, RelayNode
 from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.schema import RejectionEntry
@@ -248,3 +248,30 @@ def test_a_refusal_for_out_of_bounds_values_is_taped_with_the_digest(
     assert [(r.sender, r.sync_step, r.digest) for r in rejections] == [("eu-1", 5, huge.digest)]
     assert "its values reach" in rejections[0].reason
     assert not (tmp_path / "published" / huge.digest).exists()
+
+
+def test_only_authenticated_refusals_are_taped_and_at_most_a_few_per_sender_and_round(
+    tmp_path: Path, theta0: torch.Tensor
+) -> None:
+    relay_key = SigningKey.generate("relay-eu")
+    island = {s: SigningKey.generate(f"island-{s}") for s in ("eu-0", "eu-1")}
+    trusted = TrustedKeys.of([relay_key, *island.values()])
+    node = RelayNode(CFG, "eu", theta0, NodeStore(tmp_path, CFG.run_id, relay_key), trusted)
+    ahead = _delta(theta0, "eu-0", 10)  # not open yet: refused
+    forged = ahead.signed(island["eu-1"].sign(ahead.transfer_message()))  # eu-1 posing as eu-0
+    for d in (ahead, forged):  # unsigned, and signed with another island's key
+        decision, _ = node.push(d)
+        assert not decision.accepted and not node.refusal_taped
+    taped = []
+    for k in range(MAX_TAPED_REFUSALS + 3):
+        claim = _delta(theta0, "eu-0", 10, round=k)  # a round of its choosing each time
+        signed = claim.signed(island["eu-0"].sign(claim.transfer_message()))
+        decision, _ = node.push(signed)
+        assert not decision.accepted
+        taped.append(node.refusal_taped)
+    assert taped == [True] * MAX_TAPED_REFUSALS + [False] * 3  # counted by the open round
+    node.close()
+    entries = verify_tape(tmp_path / "tape", trusted).entries
+    rejections = [RejectionEntry.from_body(e.body) for e in entries if e.kind == "rejection"]
+    assert len(rejections) == MAX_TAPED_REFUSALS
+    assert {r.sender for r in rejections} == {"eu-0"}
