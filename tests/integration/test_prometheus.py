@@ -471,7 +471,14 @@ def test_every_panel_and_alert_returns_data_from_a_live_cluster(tmp_path: Path) 
     argv = [sys.executable, "-m", "hypertrain", "up", "--config", str(config)]
     argv += ["--run-dir", str(run_dir), "--quiet", "--prometheus"]
     up = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+        # A shell's background job ignores SIGINT, and a child inherits that: `up` would
+        # then never see the Ctrl-C this test sends (found running the suite with `&`).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
