@@ -4,7 +4,8 @@ gRPC transport, in front of a node (common/rounds/node.py).
 - :class:`Intake`: receive one pushed delta (chunked, sha256-checked, spooled), hand it
   to the node (which decides, publishes, tapes), and answer with a PushAck or the
   decision's status.  A transfer refused before it is a delta (bad framing, too large,
-  corrupt) is taped as a rejection by the node too.
+  corrupt) is only counted (``hypertrain_refusals_untaped_total``), never taped: it
+  comes from nobody known (``RelayNode.tapes_refusal`` says what a node tapes).
 - :class:`MergeBoard`: the lock every node call runs under, and the condition blocked
   fetches wait on.
 - The cutoff clock (in ``Intake``): when the node's machine asks for one (an
