@@ -161,10 +161,6 @@ class EarlySum:
             inputs[m] is b for m, b in zip(self.members, self.blobs, strict=True)
         )
 
-    def next_wanted(self, members: Iterable[str], delivered: Mapping[str, Blob]) -> list[str]:
-        """The delivered members to add now, in order (``next_of`` this sum's members)."""
-        return self.next_of(self.members, members, delivered)
-
     @staticmethod
     def next_of(
         summed: Sequence[str], members: Iterable[str], delivered: Mapping[str, Blob]

@@ -397,7 +397,7 @@ class RegionCore:
 
     def offer(self, delivered: Mapping[str, Blob], members: tuple[str, ...]) -> None:
         """Add the open step's delivered deltas to its sum now, ahead of its commit, as far
-        as the fixed order allows (``EarlySum.next_wanted``: ``members``, the step's,
+        as the fixed order allows (``EarlySum.next_of``: ``members``, the step's,
         delivered or not).  The commit (``merge``) then adds only the rest, and the
         mean has the same bits as one summed at the commit.
 
@@ -410,17 +410,16 @@ class RegionCore:
         every input and refuses the bad one as it always did)."""
         if not self._base_is_theta:
             return
+        early = self._early
+        wanted = EarlySum.next_of([] if early is None else early.members, members, delivered)
+        if not wanted:  # nothing is allocated until a delta can be added
+            return
         try:
-            early = self._early
             if early is None:
-                # Nothing is allocated until a delta can be added (the first member of
-                # the order has delivered).
-                if not EarlySum.next_of([], members, delivered):
-                    return
                 early = self._early = EarlySum.zeros(
                     self._buffer().view(-1), tuple(self.theta.shape)
                 )
-            for member in early.next_wanted(members, delivered):
+            for member in wanted:
                 early.add(member, delivered[member], self.codec)
         except HypertrainError:
             self._early = None

@@ -9,11 +9,21 @@ is always finite.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from hypertrain.common.codec.base import SLICE, Buffer, Codec, Mode, all_finite, tensor_view
 from hypertrain.common.errors import CodecError
 from hypertrain.common.pages import PIECE_BYTES, pieces
+
+
+class _Values(NamedTuple):
+    """A validated payload: the values, and the largest of their magnitudes."""
+
+    raw: Buffer
+    top: float
 
 
 class Fp32Codec(Codec):
@@ -34,26 +44,26 @@ class Fp32Codec(Codec):
                 raise CodecError("fp32 encode: input holds NaN or inf")
             dst[start : start + SLICE].copy_(part)
 
-    def _prepare(self, raw: Buffer, numel: int) -> Buffer:
+    def _prepare(self, raw: Buffer, numel: int) -> _Values:
+        # One read-only pass: the least and largest value of each piece say both whether
+        # every value is finite (aminmax propagates NaN) and how large they get.
+        top = 0.0
         for at in pieces(raw, 0, 4 * numel):  # a mapped input is not kept resident
             n = min(PIECE_BYTES, 4 * numel - at) // 4
-            if not all_finite(tensor_view(raw, torch.float32, at, n)):
+            lo, hi = (float(v) for v in torch.aminmax(tensor_view(raw, torch.float32, at, n)))
+            if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise CodecError("fp32 payload holds NaN or inf")
-        return raw
+            top = max(top, -lo, hi)
+        return _Values(raw, top)
 
-    def _magnitude(self, raw: Buffer, numel: int) -> float:
-        top = 0.0
-        for at in pieces(raw, 0, 4 * numel):
-            n = min(PIECE_BYTES, 4 * numel - at) // 4
-            lo, hi = torch.aminmax(tensor_view(raw, torch.float32, at, n))
-            top = max(top, abs(float(lo)), abs(float(hi)))
-        return top
+    def _magnitude(self, prepared: _Values, numel: int) -> float:
+        return prepared.top
 
-    def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:
-        out.add_(tensor_view(raw, torch.float32, 4 * start, out.numel()))
+    def _apply_range(self, prepared: _Values, numel: int, out: torch.Tensor, start: int) -> None:
+        out.add_(tensor_view(prepared.raw, torch.float32, 4 * start, out.numel()))
 
-    def _apply(self, raw: Buffer, out: torch.Tensor, mode: Mode) -> None:
-        src = tensor_view(raw, torch.float32, 0, out.numel())
+    def _apply(self, prepared: _Values, out: torch.Tensor, mode: Mode) -> None:
+        src = tensor_view(prepared.raw, torch.float32, 0, out.numel())
         if mode == "set":
             out.copy_(src)
         elif mode == "add":

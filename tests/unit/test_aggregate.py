@@ -214,14 +214,18 @@ def test_an_early_sum_takes_members_only_in_order() -> None:
     codec = make_codec("int8")
     blobs = _blobs("int8", 3, 1000, seed=4)
     early = agg.EarlySum.zeros(torch.empty(1000), (1000,))
-    assert early.next_wanted(["eu-0", "eu-1", "eu-2"], {"eu-1": blobs["eu-1"]}) == []
+    assert (
+        agg.EarlySum.next_of(early.members, ["eu-0", "eu-1", "eu-2"], {"eu-1": blobs["eu-1"]}) == []
+    )
     got = {"eu-0": blobs["eu-0"], "eu-1": blobs["eu-1"]}
-    assert early.next_wanted(["eu-0", "eu-1", "eu-2"], got) == ["eu-0", "eu-1"]
+    assert agg.EarlySum.next_of(early.members, ["eu-0", "eu-1", "eu-2"], got) == ["eu-0", "eu-1"]
     early.add("eu-1", blobs["eu-1"], codec)
     with pytest.raises(HypertrainError, match="comes before"):
         early.add("eu-0", blobs["eu-0"], codec)
     # eu-0 left before it delivered: eu-2 follows eu-1 at once
-    assert early.next_wanted(["eu-1", "eu-2"], {**got, "eu-2": blobs["eu-2"]}) == ["eu-2"]
+    assert agg.EarlySum.next_of(
+        early.members, ["eu-1", "eu-2"], {**got, "eu-2": blobs["eu-2"]}
+    ) == ["eu-2"]
 
 
 def test_an_early_sum_that_does_not_begin_the_inputs_is_refused() -> None:
