@@ -31,7 +31,7 @@ from hypertrain.common.trust.keys import TRUSTED_KEYS_FILE
 from hypertrain.common.trust.ledger import relay_key
 
 _LISTEN_EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:0, 0.0.0.0:7070 or [::1]:7070"
-_WANTED = {str: "a string", int: "an integer", Path: "a path (a string)"}
+_WANTED = {str: "a string", int: "an integer", Path: "a path (a string)", bool: "true or false"}
 
 # The one reader of config files and its tables live in common/config.py; re-exported here
 # for the daemons, which read their settings through this module.
@@ -71,12 +71,13 @@ def check_listen(role: str, name: str, listen: str) -> None:
 
 def _schema(cls: type[DaemonSettings]) -> dict[str, tuple[type, bool]]:
     """name -> (value type, whether None is allowed) for each field of ``cls``, read off
-    its annotations (``str``, ``int`` or ``Path``, each optionally ``| None``)."""
+    its annotations (``str``, ``int``, ``bool`` or ``Path``, each optionally ``| None``)."""
     schema: dict[str, tuple[type, bool]] = {}
     for f in dataclasses.fields(cls):
         annotation = str(f.type)
         base = annotation.removesuffix(" | None")
-        schema[f.name] = ({"str": str, "int": int, "Path": Path}[base], base != annotation)
+        kind = {"str": str, "int": int, "Path": Path, "bool": bool}[base]
+        schema[f.name] = (kind, base != annotation)
     return schema
 
 
@@ -101,6 +102,24 @@ class DaemonSettings:
     no tape is written."""
     trusted_keys: Path | None = None
     """Pinned public keys; None: trusted_keys.json beside the signing key."""
+    tls_cert: Path | None = None
+    """This daemon's TLS certificate (hypertrain keys init: ``<name>.crt``), naming it;
+    required unless ``insecure``."""
+    tls_key: Path | None = None
+    """Its private key; None: ``<name>.tls.key`` beside the certificate."""
+    tls_ca: Path | None = None
+    """The run CA's certificate; None: ``ca.crt`` beside the certificate."""
+    insecure: bool = False
+    """Plaintext, no peer identity: loopback development only (a server refuses to
+    listen elsewhere)."""
+    calls_per_peer: int = 4
+    """The most calls one caller (one certificate; in plaintext, one connection) may
+    have in flight at this server; more are refused RESOURCE_EXHAUSTED."""
+    call_idle_s: int = 30
+    """A streaming call that moves no data for this long is ended DEADLINE_EXCEEDED."""
+    call_min_kib_s: int = 256
+    """A streaming call must average at least this many KiB/s after its first
+    ``call_idle_s`` seconds, or it is ended DEADLINE_EXCEEDED."""
 
     def __post_init__(self) -> None:
         role = self.TABLE
@@ -119,6 +138,11 @@ class DaemonSettings:
             raise ConfigError(
                 f"{role}: metrics_port must be in [0, 65535], got {self.metrics_port}"
             )
+        for name in ("calls_per_peer", "call_idle_s", "call_min_kib_s"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{role}: {name} must be >= 1, got {getattr(self, name)}")
+        if self.insecure and self.tls_cert is not None:
+            raise ConfigError(f"{role}: give tls_cert (--tls-cert) or insecure, not both")
         if not self.metrics_host or any(c.isspace() or c == "/" for c in self.metrics_host):
             raise ConfigError(f"{role}: metrics_host {self.metrics_host!r} is not a host name")
         self._validate()

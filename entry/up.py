@@ -43,6 +43,7 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.runflags import run_config_from_args
 from hypertrain.common.shards import relay_member
+from hypertrain.common.trust.certs import cert_path, ensure_certs
 from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, python_module, torchrun
@@ -114,6 +115,12 @@ class Progress:
                 self.final_digest = e["digest"]
 
 
+def identity_flags(keys: Path, name: str) -> tuple[str, ...]:
+    """The flags that give daemon ``name`` its signing key and TLS certificate from the
+    key folder ``keys`` (``hypertrain keys init``)."""
+    return ("--signing-key", str(keys / f"{name}.key"), "--tls-cert", str(cert_path(keys, name)))
+
+
 def _spawn(
     run_dir: Path,
     name: str,
@@ -126,11 +133,18 @@ def _spawn(
     nice: int = 0,
     ranks: int = 1,
 ) -> Child:
-    """One daemon of the run in ``run_dir`` with the signing key ``keys/<name>.key``;
-    ``label`` (default ``name``): the child's name and its log's, ``logs/<label>.log``."""
-    key = run_dir / "keys" / f"{name}.key"
+    """One daemon of the run in ``run_dir`` with the signing key ``keys/<name>.key`` and
+    the TLS certificate ``keys/<name>.crt``; ``label`` (default ``name``): the child's
+    name and its log's, ``logs/<label>.log``."""
     conf = run_dir / "run.toml"
-    flags = ("--config", str(conf), "--metrics-port", "0", "--signing-key", str(key), *args)
+    flags = (
+        "--config",
+        str(conf),
+        "--metrics-port",
+        "0",
+        *identity_flags(run_dir / "keys", name),
+        *args,
+    )
     argv = python_module(module, *flags) if ranks == 1 else torchrun(ranks, module, *flags)
     label = label or name
     return Child(label, argv, run_dir / "logs" / f"{label}.log", progress.on_event, env, nice=nice)
@@ -200,8 +214,10 @@ def start_cluster(
     ``hold``: islands not started (``start_island`` starts them later: ``--chaos``).
     """
     keys = run_dir / "keys"
+    names = daemon_key_names(cfg.topology)
     if not (keys / "trusted_keys.json").exists():
-        init_keys(keys, daemon_key_names(cfg.topology))
+        init_keys(keys, names)
+    ensure_certs(keys, names)  # a run folder from before TLS has keys only
     env = child_env() | (extra_env or {})
     children: list[Child] = []
 

@@ -87,12 +87,12 @@ def daemon_key_names(topology: TopologyConfig) -> list[str]:
     relay-<region>-<i> for each shard i), island-<island id>."""
     # Imported here: they pull in torch, as the caller's config already has.
     from hypertrain.common.shards import relay_member
-    from hypertrain.common.trust.ledger import relay_key
+    from hypertrain.common.trust.ledger import island_key, relay_key
 
     names = ["aggregator"]
     s = topology.relay_shards
     names += [relay_key(relay_member(r, i, s)) for r in topology.regions for i in range(s)]
-    names += [f"island-{i}" for i in topology.island_ids()]
+    names += [island_key(i) for i in topology.island_ids()]
     return names
 
 
@@ -257,6 +257,42 @@ class TrustedKeys:
         return sorted(self._by_name)
 
 
+def read_private_file(path: str | Path, what: str = "key file") -> bytes:
+    """The bytes of a private key file, refused (KeyFileError naming the problem and
+    the fix) if missing, unreadable, not a regular file or group/world-accessible;
+    at most 64 KiB + 1 bytes are read (more is no key).  The mode is checked on the opened descriptor, so the file checked
+    is the file read."""
+    p = Path(path)
+    fix = "create keys with `hypertrain keys init DIR`"
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise KeyFileError(f"{what} {p} does not exist; {fix}") from None
+    except PermissionError:
+        raise KeyFileError(
+            f"{what} {p} is not readable by this user (uid {os.geteuid()}); it must be "
+            "owned by the daemon's user with mode 0600"
+        ) from None
+    except OSError as e:
+        raise KeyFileError(f"{what} {p} cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyFileError(f"{what} {p} is not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            how = "readable" if mode & 0o044 else "accessible"
+            raise KeyFileError(
+                f"{what} {p} is {how} by group/others (mode {mode:04o}); chmod 600 it"
+            )
+        try:
+            return os.read(fd, _MAX_KEY_FILE + 1)
+        except OSError as e:
+            raise KeyFileError(f"{what} {p} cannot be read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
 def load_signing_key(path: str | Path, name: str | None = None) -> SigningKey:
     """Load a daemon's private key file (name defaults to the file's stem).
 
@@ -265,34 +301,7 @@ def load_signing_key(path: str | Path, name: str | None = None) -> SigningKey:
     mode is checked on the opened descriptor, so the file checked is the file read.
     """
     p = Path(path)
-    fix = "create keys with `hypertrain keys init DIR`"
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise KeyFileError(f"key file {p} does not exist; {fix}") from None
-    except PermissionError:
-        raise KeyFileError(
-            f"key file {p} is not readable by this user (uid {os.geteuid()}); it must be "
-            "owned by the daemon's user with mode 0600"
-        ) from None
-    except OSError as e:
-        raise KeyFileError(f"key file {p} cannot be opened: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"key file {p} is not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            what = "readable" if mode & 0o044 else "accessible"
-            raise KeyFileError(
-                f"key file {p} is {what} by group/others (mode {mode:04o}); chmod 600 it"
-            )
-        try:
-            data = os.read(fd, _MAX_KEY_FILE + 1)
-        except OSError as e:
-            raise KeyFileError(f"key file {p} cannot be read: {e.strerror}") from None
-    finally:
-        os.close(fd)
+    data = read_private_file(p)
     return SigningKey(name or _name_of(p), _parse_private(p, data))
 
 
@@ -357,14 +366,14 @@ def init_keys(directory: str | Path, names: Sequence[str], *, force: bool = Fals
                 raise
     new = [SigningKey.generate(n) for n in names]
     for k in new:
-        _write_new(d / f"{k.name}{KEY_SUFFIX}", k.pem(), mode=0o600, replace=force)
+        write_new(d / f"{k.name}{KEY_SUFFIX}", k.pem(), mode=0o600, replace=force)
     old.update({k.name: k.trusted() for k in new})
     doc = json.dumps(TrustedKeys(old.values()).to_json(), indent=2, sort_keys=True) + "\n"
-    _write_new(trusted_path, doc.encode(), mode=0o644, replace=True)
+    write_new(trusted_path, doc.encode(), mode=0o644, replace=True)
     return trusted_path
 
 
-def _write_new(path: Path, data: bytes, *, mode: int, replace: bool) -> None:
+def write_new(path: Path, data: bytes, *, mode: int, replace: bool) -> None:
     """Write ``data`` at ``path`` atomically with ``mode`` from creation on.
 
     A temporary file in the same folder is created with O_EXCL and the final

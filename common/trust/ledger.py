@@ -61,6 +61,7 @@ def member_message(run_id: str, change: str, member: str, step: int, issued: int
 
 
 def island_key(island: str) -> str:
+    """The key (and certificate) name of an island: ``eu-0`` signs as ``island-eu-0``."""
     return f"island-{island}"
 
 

@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from hypertrain.aggregator.server import AggregatorService
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import AggregatorSettings
+from hypertrain.common.trust.ledger import AGGREGATOR_KEY
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
     load_identity,
     load_run_config,
+    load_security,
     load_settings,
     log_event,
     start_metrics,
@@ -37,13 +39,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_run_config(args)
         settings = load_settings(args, AggregatorSettings)
         shutdown = Shutdown()
+        security = load_security(settings, AGGREGATOR_KEY)
         key, trusted = load_identity(settings)
         metrics = Metrics("aggregator")
         start_metrics(settings, metrics)
-        service = AggregatorService(cfg, settings.state_path, shutdown, metrics, key, trusted)
+        service = AggregatorService(
+            cfg, settings.state_path, shutdown, metrics, key, trusted, security
+        )
         server = make_server()
         add_servicer(service, server, "Aggregator")
-        address = bind(server, settings.listen)
+        address = bind(server, settings.listen, security)
     except (HypertrainError, ValueError) as e:
         return fail("aggregator", str(e))
     server.start()

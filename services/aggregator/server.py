@@ -40,7 +40,9 @@ from hypertrain.common.reference import open_dataset
 from hypertrain.common.rounds.machines import Committed
 from hypertrain.common.rounds.node import AggregatorNode
 from hypertrain.common.rounds.store import NodeStore
+from hypertrain.common.shards import relay_members
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import relay_key
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
@@ -48,6 +50,7 @@ from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.rounds import Intake, MergeBoard, refusal
 from hypertrain.wire.server import Shutdown, maps_errors
+from hypertrain.wire.tls import PLAINTEXT, Callers, Security
 
 _DONE_REASON = "run complete: every relay has applied the final state"
 #: How long the aggregator keeps serving the final state, once every relay of the last
@@ -150,8 +153,16 @@ class AggregatorService:
         metrics: Metrics | None = None,
         key: SigningKey | None = None,
         trusted: TrustedKeys | None = None,
+        security: Security = PLAINTEXT,
     ) -> None:
+        """``security``: with TLS, only relays may push, fetch or report, each as
+        itself (``tls.Callers``)."""
         self.cfg = cfg
+        topo = cfg.topology
+        self.callers = Callers(
+            security,
+            {m: relay_key(m) for m in relay_members(topo.regions, topo.relay_shards)},
+        )
         self.layout, theta0 = starting_parameters(cfg)
         self.numel = theta0.numel()
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -214,7 +225,9 @@ class AggregatorService:
     @maps_errors
     def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
         self.t_first = self.t_first or time.perf_counter()
-        ack = self.intake.push(chunks)
+        ack = self.intake.push(
+            chunks, lambda header: self.callers.check(context, header.sender, "push")
+        )
         self._after()
         return ack
 
@@ -236,6 +249,7 @@ class AggregatorService:
 
     @maps_errors
     def FetchGlobal(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.callers.check(context, request.requester, "fetch")
         node = self.node
         merge = self.board.wait(
             lambda s: node.fetch(request.run_id, request.requester, s), request.sync_step, context
@@ -246,6 +260,7 @@ class AggregatorService:
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         m = self.node.machine
         if request.requester or request.applied_step:
+            self.callers.check(context, request.requester, "report")
             with self.board.cond:
                 refused = self.node.applied(request.requester, request.applied_step)
             if refused is not None:

@@ -12,6 +12,8 @@ import torch
 
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import IslandSettings
+from hypertrain.common.shards import relay_member
+from hypertrain.common.trust.ledger import island_key, relay_key
 from hypertrain.island import ranks as island_ranks
 from hypertrain.island.daemon import Island
 from hypertrain.wire.daemon import (
@@ -20,6 +22,7 @@ from hypertrain.wire.daemon import (
     fail,
     load_identity,
     load_run_config,
+    load_security,
     load_settings,
     log_event,
     start_metrics,
@@ -66,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not torch.cuda.is_available():
                 return fail("island", "--device cuda: no CUDA device is visible to this process")
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        security = load_security(settings, island_key(settings.island_id))
         key, _ = load_identity(settings)
         stop = threading.Event()
         if island_ranks.world_size() > 1:
@@ -76,7 +80,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if lead:  # one island, one metrics endpoint
             start_metrics(settings, metrics)
         # Connected lazily: an island started before its relay waits for it (and says so).
-        peers = [relay_peer(r, wait_ready=False) for r in relays] if lead else None
+        names = [
+            relay_key(relay_member(settings.region or "", i, len(relays)))
+            for i in range(len(relays))
+        ]
+        peers = (
+            [
+                relay_peer(r, wait_ready=False, security=security, name=n)
+                for r, n in zip(relays, names, strict=True)
+            ]
+            if lead
+            else None
+        )
         island = Island(
             cfg, settings.island_id, peers, metrics, key, settings.state_path, ranks, stop, device
         )

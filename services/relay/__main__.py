@@ -7,12 +7,15 @@ from collections.abc import Sequence
 
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import RelaySettings
+from hypertrain.common.shards import relay_member
+from hypertrain.common.trust.ledger import relay_key
 from hypertrain.relay.server import RelayService
 from hypertrain.wire.daemon import (
     daemon_parser,
     fail,
     load_identity,
     load_run_config,
+    load_security,
     load_settings,
     log_event,
     start_metrics,
@@ -49,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shard = settings.shard_index(cfg.topology)
         state_dir = settings.state_path
         shutdown = Shutdown()
+        name = relay_key(relay_member(region, shard, cfg.topology.relay_shards))
+        security = load_security(settings, name)
         key, trusted = load_identity(settings)
         metrics = Metrics("relay")
         start_metrics(settings, metrics)
@@ -60,16 +65,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             # aggregator is reachable yet (it recovers without the network, and its
             # forwarder waits while the aggregator is down), and one restarted after
             # the run may never need it.
-            aggregator_peer(aggregator, wait_ready=False),
+            aggregator_peer(aggregator, wait_ready=False, security=security),
             shutdown,
             metrics,
             key,
             trusted,
             shard,
+            security,
         )
         server = make_server()
         add_servicer(service, server, "Relay")
-        address = bind(server, settings.listen)
+        address = bind(server, settings.listen, security)
     except (HypertrainError, WireError, ValueError) as e:
         return fail("relay", str(e))
     server.start()

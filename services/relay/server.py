@@ -40,6 +40,7 @@ from hypertrain.common.rounds.node import RelayNode
 from hypertrain.common.rounds.store import NodeStore, atomic_write
 from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import island_key
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
@@ -49,6 +50,7 @@ from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
 from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, maps_errors
+from hypertrain.wire.tls import PLAINTEXT, Callers, Security
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
 #: How often an idle forwarder checks whether its region has no member left to follow
@@ -76,9 +78,11 @@ class RelayService:
         key: SigningKey | None = None,
         trusted: TrustedKeys | None = None,
         shard: int = 0,
+        security: Security = PLAINTEXT,
     ) -> None:
         """``shard``: which of the region's relay shards this is (common/shards.py); it
-        keeps, serves and forwards only its range of the parameters."""
+        keeps, serves and forwards only its range of the parameters.  ``security``: with
+        TLS, each island may act only as itself (``tls.Callers``)."""
         self.cfg = cfg
         self.region = region
         _, theta0 = starting_parameters(cfg)
@@ -109,6 +113,9 @@ class RelayService:
                 "waiting", role="relay", region=region, **self.where, message=message
             ),
         )
+        self.callers = Callers(
+            security, {i: island_key(i) for i in cfg.topology.islands_of(region)}
+        )
         self.board = MergeBoard(cfg, shutdown)
         self.metrics = metrics or Metrics("relay")
         self.intake = Intake(
@@ -129,7 +136,9 @@ class RelayService:
     # -- RPCs -----------------------------------------------------------------------
     @maps_errors
     def PushDelta(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
-        return self.intake.push(chunks)
+        return self.intake.push(
+            chunks, lambda header: self.callers.check(context, header.sender, "push")
+        )
 
     def _on_effect(self, effect: Effect) -> None:
         if isinstance(effect, Committed):
@@ -139,6 +148,7 @@ class RelayService:
 
     @maps_errors
     def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.callers.check(context, request.requester, "fetch")
         node = self.node
         merge = self.board.wait(
             lambda s: node.fetch(request.run_id, request.requester, s, request.kind),
@@ -155,6 +165,7 @@ class RelayService:
 
     @maps_errors
     def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
+        self.callers.check(context, request.member, request.change or "join or leave")
         decision = self.intake.member(
             MemberRequest(
                 request.run_id,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,13 +131,20 @@ def _check_delta_header(header: pb.TransferHeader, max_size: int) -> None:
 
 
 def receive_delta(
-    chunks: Iterable[DeltaPart], *, max_size: int, spool_dir: Path | None = None
+    chunks: Iterable[DeltaPart],
+    *,
+    max_size: int,
+    spool_dir: Path | None = None,
+    admit: Callable[[pb.TransferHeader], None] = lambda header: None,
 ) -> ReceivedDelta:
-    """Read, verify and (optionally) spool one delta transfer; see the module docstring."""
+    """Read, verify and (optionally) spool one delta transfer; see the module docstring.
+    ``admit`` sees the header before any data is read, and refuses the transfer by
+    raising (e.g. the caller's certificate is not the sender's)."""
     parts = iter(chunks)
     header = _first_header(parts, pb.DeltaChunk)
     assert isinstance(header, pb.TransferHeader)
     _check_delta_header(header, max_size)
+    admit(header)
     size = header.size
     sink = spool.Sink(size, spool_dir)
     try:

@@ -1,13 +1,15 @@
 """Client side: connect to a daemon, stubs with the chunk codec, pushes, fetches, retries.
 
     channel = connect("127.0.0.1:41237")                 # waits until ready, or WireError(UNAVAILABLE)
+    channel = connect(address, security=tls, peer="relay-eu")   # mutual TLS (wire/tls.py)
     relay = relay_stub(channel)
     ack = retrying(lambda: push_delta(relay.PushDelta, header, blob), attempts=5, backoff=0.5)
     header, theta = fetch_merge(relay.FetchMerge, request, numel=model_numel)
 
 Invariants:
 
-- Channels use ``options.CHANNEL_OPTIONS``, the same limits and keepalive as servers.
+- Channels use ``options.CHANNEL_OPTIONS``, the same limits and keepalive as servers,
+  and mutual TLS unless given ``tls.PLAINTEXT`` (the default of in-process tools).
 - The stubs have the generated stubs' methods and wire format; only the streaming chunk
   messages use the zero-copy codec (``frames.py``), so ``delta_chunks`` and
   ``merge_chunks`` parts can be sent as they are.
@@ -32,22 +34,19 @@ from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
 from hypertrain.wire import frames
 from hypertrain.wire.chunks import delta_chunks, receive_merge
 from hypertrain.wire.errors import WireError
-from hypertrain.wire.options import CHANNEL_OPTIONS, tune_allocator
+from hypertrain.wire.tls import PLAINTEXT, Security
 
 log = logging.getLogger("hypertrain.wire")
 T = TypeVar("T")
 _CHUNKS = (pb.DeltaChunk, pb.MergeChunk)
 
 
-def insecure_channel(address: str) -> grpc.Channel:
-    """A channel to "HOST:PORT" with hypertrain's options; it connects at the first call."""
-    tune_allocator()
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-
-def connect(address: str, timeout: float = 30.0) -> grpc.Channel:
-    """An insecure channel to "HOST:PORT", once it is ready; WireError(UNAVAILABLE) if not."""
-    channel = insecure_channel(address)
+def connect(
+    address: str, timeout: float = 30.0, security: Security = PLAINTEXT, peer: str = ""
+) -> grpc.Channel:
+    """A channel to "HOST:PORT" (daemon ``peer`` under TLS), once it is ready;
+    WireError(UNAVAILABLE) if not."""
+    channel = security.channel(address, peer)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:

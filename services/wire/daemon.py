@@ -25,14 +25,17 @@ from typing import Any, TypeVar
 import torch
 
 from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.settings import DaemonSettings, load_tables
+from hypertrain.common.trust.certs import TlsFiles
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.metrics import Metrics, announce_metrics
 from hypertrain.wire.options import trim_heap
+from hypertrain.wire.tls import Security, check_insecure_listen
 
 
 def _fmt(value: object) -> str:
@@ -88,6 +91,34 @@ def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
         type=Path,
         help="pinned public keys (default: trusted_keys.json beside the signing key)",
     )
+    tls = p.add_argument_group("transport security (mutual TLS)")
+    tls.add_argument(
+        "--tls-cert",
+        type=Path,
+        help="this daemon's certificate (hypertrain keys init: DIR/<name>.crt); its key "
+        "and the run CA are read from beside it unless given",
+    )
+    tls.add_argument("--tls-key", type=Path, help="default: <name>.tls.key beside the cert")
+    tls.add_argument("--tls-ca", type=Path, help="the run CA (default: ca.crt beside the cert)")
+    tls.add_argument(
+        "--insecure",
+        action="store_const",
+        const=True,
+        help="plaintext without identities, for development on loopback only",
+    )
+    tls.add_argument(
+        "--calls-per-peer", type=int, help="calls one peer may have in flight (default 4)"
+    )
+    tls.add_argument(
+        "--call-idle-s",
+        type=int,
+        help="end a streaming call that moves nothing for this long (default 30)",
+    )
+    tls.add_argument(
+        "--call-min-kib-s",
+        type=int,
+        help="end a streaming call slower than this on average (default 256 KiB/s)",
+    )
     return p
 
 
@@ -113,6 +144,27 @@ def load_identity(settings: DaemonSettings) -> tuple[SigningKey | None, TrustedK
         )
         return None, None
     return load_signing_key(settings.signing_key), TrustedKeys.load(trusted)
+
+
+def load_security(settings: DaemonSettings, name: str) -> Security:
+    """Mutual TLS with the daemon's certificate, which must name it (``name``:
+    island-eu-0, relay-eu, aggregator), or plaintext with ``insecure`` (a server then
+    only on loopback); ConfigError / KeyFileError naming the problem otherwise."""
+    role = settings.TABLE
+    if settings.insecure:
+        if role != "island":  # an island serves nothing
+            check_insecure_listen(role, settings.listen)
+        log_event("warning", role=role, message="--insecure: plaintext, peers not identified")
+        return Security.insecure()
+    if settings.tls_cert is None:
+        raise ConfigError(
+            "no TLS certificate: give --tls-cert DIR/<name>.crt (hypertrain keys init makes "
+            "one per daemon) or --insecure for plaintext on loopback"
+        )
+    files = TlsFiles.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    if files.name != name:
+        raise ConfigError(f"certificate {settings.tls_cert} names {files.name}, not {name}")
+    return Security.tls(files)
 
 
 def start_metrics(settings: DaemonSettings, metrics: Metrics) -> None:

@@ -46,6 +46,9 @@ assert CHUNK_BYTES + (64 << 10) <= MAX_MESSAGE_BYTES
 
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
+#: Longest a server waits for a new connection's handshake (gRPC's default: 120 s); a
+#: client that connects and says nothing holds a socket no longer than this.
+HANDSHAKE_TIMEOUT_MS = 10_000
 
 _COMMON: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -64,6 +67,7 @@ _COMMON: list[tuple[str, int]] = [
 SERVER_OPTIONS: list[tuple[str, int]] = [
     *_COMMON,
     ("grpc.so_reuseport", 0),
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
 ]

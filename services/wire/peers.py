@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypertrain.common.trust.ledger import AGGREGATOR_KEY
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.client import aggregator_stub, connect, insecure_channel, relay_stub
+from hypertrain.wire.client import aggregator_stub, connect, relay_stub
+from hypertrain.wire.tls import PLAINTEXT, Security
 
 FETCH_DEADLINE_S = 120.0
 """The deadline of one merge download (the server holds a not-yet-committed fetch at most
@@ -21,12 +23,24 @@ FETCH_DEADLINE_S = 120.0
 class Peer:
     """A channel to an upstream daemon and its stubs."""
 
-    def __init__(self, address: str, service: str, wait_ready: bool = True) -> None:
+    def __init__(
+        self,
+        address: str,
+        service: str,
+        wait_ready: bool = True,
+        security: Security = PLAINTEXT,
+        name: str = "",
+    ) -> None:
         """``wait_ready``: fail now (UNAVAILABLE) if the peer is not reachable within
-        ``connect``'s timeout; False: connect lazily, at the first call."""
+        ``connect``'s timeout; False: connect lazily, at the first call.  ``name``: the
+        daemon's name its certificate must carry (with TLS)."""
         self.address = address
         self.service = service
-        self.channel = connect(address) if wait_ready else insecure_channel(address)
+        self.channel = (
+            connect(address, security=security, peer=name)
+            if wait_ready
+            else security.channel(address, name)
+        )
         stub: Any = (
             relay_stub(self.channel) if service == "Relay" else aggregator_stub(self.channel)
         )
@@ -43,9 +57,11 @@ class Peer:
         self.channel.close()
 
 
-def relay_peer(address: str, wait_ready: bool = True) -> Peer:
-    return Peer(address, "Relay", wait_ready)
+def relay_peer(
+    address: str, wait_ready: bool = True, security: Security = PLAINTEXT, name: str = ""
+) -> Peer:
+    return Peer(address, "Relay", wait_ready, security, name)
 
 
-def aggregator_peer(address: str, wait_ready: bool = True) -> Peer:
-    return Peer(address, "Aggregator", wait_ready)
+def aggregator_peer(address: str, wait_ready: bool = True, security: Security = PLAINTEXT) -> Peer:
+    return Peer(address, "Aggregator", wait_ready, security, AGGREGATOR_KEY)

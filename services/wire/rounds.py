@@ -208,9 +208,15 @@ class Intake:
             if cp is not None:
                 self.metrics.tape_checkpoint.labels(*self.labels).set(cp.size)
 
-    def push(self, chunks: Iterator[Any]) -> pb.PushAck:
+    def push(
+        self,
+        chunks: Iterator[Any],
+        admit: Callable[[pb.TransferHeader], None] = lambda header: None,
+    ) -> pb.PushAck:
+        """Receive a delta and hand it to the node; ``admit`` may refuse it on its header
+        (``receive_delta``)."""
         try:
-            rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool)
+            rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool, admit=admit)
         except WireError as e:  # not a delta yet, from nobody known: counted, not taped
             self.metrics.rejected.labels(*self.labels, e.code.name.lower()).inc()
             self.metrics.untaped.labels(*self.labels).inc()

@@ -47,6 +47,7 @@ from hypertrain.wire import frames
 from hypertrain.wire.errors import OVER_KEY, STALE_KEY, WireError, status_of
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
+from hypertrain.wire.tls import PLAINTEXT, Security
 
 log = logging.getLogger("hypertrain.wire")
 
@@ -129,11 +130,12 @@ def _why_not(host: str, port: int) -> str:
     return "gRPC refused the address"
 
 
-def bind(server: grpc.Server, listen: str) -> str:
-    """Add an insecure port for "HOST:PORT" (port 0: any free one); the bound "HOST:PORT"."""
+def bind(server: grpc.Server, listen: str, security: Security = PLAINTEXT) -> str:
+    """Add a port for "HOST:PORT" (port 0: any free one), with mutual TLS or plaintext
+    (``tls.Security``); the bound "HOST:PORT"."""
     host, port = parse_listen(listen)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = security.bind(server, f"{host}:{port}")
     except RuntimeError:
         bound = 0
     if not bound:

@@ -10,7 +10,7 @@ import pytest
 
 from hypertrain.common.config import RunConfig
 from hypertrain.procs import Child, child_env, python_module
-from hypertrain.up import Progress, config_toml, start_cluster, supervise
+from hypertrain.up import Progress, config_toml, identity_flags, start_cluster, supervise
 
 
 def free_port() -> int:
@@ -32,17 +32,29 @@ class Cluster:
         self.children: list[Child] = []
 
     def spawn(self, name: str, module: str, *args: str) -> Child:
-        argv = python_module(module, "--config", str(self.run_dir / "run.toml"), *args)
+        """Start a daemon; plaintext (``--insecure``) unless ``args`` give a certificate."""
+        tls = () if "--tls-cert" in args else ("--insecure",)
+        argv = python_module(module, "--config", str(self.run_dir / "run.toml"), *tls, *args)
         child = Child(
             name, argv, self.run_dir / "logs" / f"{name}.log", self.progress.on_event, child_env()
         )
         self.children.append(child)
         return child
 
-    def spawn_region(self, region: str = "eu", keys: Path | None = None) -> Child:
+    def spawn_region(
+        self, region: str = "eu", keys: Path | None = None, tls: bool = False
+    ) -> Child:
         """The aggregator and ``region``'s relay, each with its signing key from ``keys``
-        (None: unsigned, no tape); returns the relay, listening."""
-        signed = (lambda name: ("--signing-key", str(keys / f"{name}.key"))) if keys else None
+        (None: unsigned, no tape) and with ``tls`` its certificate (else plaintext);
+        returns the relay, listening."""
+
+        def signed(name: str) -> tuple[str, ...]:
+            if keys is None:
+                return ()
+            return (
+                identity_flags(keys, name) if tls else ("--signing-key", str(keys / f"{name}.key"))
+            )
+
         agg = self.spawn(
             "aggregator",
             "hypertrain.aggregator",
@@ -50,7 +62,7 @@ class Cluster:
             "127.0.0.1:0",
             "--state-dir",
             str(self.run_dir / "aggregator"),
-            *(signed("aggregator") if signed else ()),
+            *signed("aggregator"),
         )
         relay = self.spawn(
             f"relay-{region}",
@@ -61,7 +73,7 @@ class Cluster:
             agg.wait_listening(timeout=300),
             "--state-dir",
             str(self.run_dir / f"relay-{region}"),
-            *(signed(f"relay-{region}") if signed else ()),
+            *signed(f"relay-{region}"),
         )
         relay.wait_listening(timeout=300)
         return relay

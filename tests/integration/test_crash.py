@@ -19,8 +19,10 @@ import pytest
 from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
 from hypertrain.common.trust.audit import audit_run
-from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
+from hypertrain.common.trust.certs import init_daemons
+from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names
 from hypertrain.procs import Child, child_env
+from hypertrain.up import identity_flags
 from tests.integration.conftest import Cluster, free_port
 
 CFG = RunConfig.from_dict(
@@ -49,15 +51,15 @@ def reference_digest() -> str:
 def _trial(tmp: Path, point: str, n: int, reference: str) -> None:
     cluster = Cluster(CFG, tmp / "run")
     run_dir = cluster.run_dir
-    init_keys(run_dir / "keys", daemon_key_names(CFG.topology))
+    keys = run_dir / "keys"
+    init_daemons(keys, daemon_key_names(CFG.topology))
     port = free_port()
     args = (
         "--listen",
         f"127.0.0.1:{port}",
         "--state-dir",
         str(run_dir / "aggregator"),
-        "--signing-key",
-        str(run_dir / "keys" / "aggregator.key"),
+        *identity_flags(keys, "aggregator"),
     )
 
     def start_aggregator(fault: str | None, k: int) -> Child:
@@ -89,8 +91,7 @@ def _trial(tmp: Path, point: str, n: int, reference: str) -> None:
                 f"127.0.0.1:{port}",
                 "--state-dir",
                 str(run_dir / f"relay-{region}"),
-                "--signing-key",
-                str(run_dir / "keys" / f"relay-{region}.key"),
+                *identity_flags(keys, f"relay-{region}"),
             )
         for island in CFG.topology.island_ids():
             region, _, index = island.rpartition("-")
@@ -103,8 +104,7 @@ def _trial(tmp: Path, point: str, n: int, reference: str) -> None:
                 index,
                 "--relay",
                 relays[region].wait_listening(),
-                "--signing-key",
-                str(run_dir / "keys" / f"island-{island}.key"),
+                *identity_flags(keys, f"island-{island}"),
                 "--state-dir",
                 str(run_dir / f"island-{island}"),
             )

@@ -23,9 +23,11 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
 from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.audit import audit_run
-from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
+from hypertrain.common.trust.certs import init_daemons
+from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.procs import Child, child_env, python_module
+from hypertrain.up import identity_flags
 from tests.integration.conftest import Cluster, free_port
 
 CFG = RunConfig.from_dict(
@@ -98,15 +100,13 @@ def _trial(tmp_path: Path, reference_digest: str, fault: str, cfg: RunConfig = C
     cluster = Cluster(cfg, tmp_path / "run")
     run_dir = cluster.run_dir
     keys = run_dir / "keys"
-    init_keys(keys, daemon_key_names(cfg.topology))
+    init_daemons(keys, daemon_key_names(cfg.topology))
     port = free_port()
     count = cfg.topology.relay_shards
 
     def start(name: str, module: str, *args: str, env: dict[str, str] | None = None) -> Child:
-        key = keys / f"{name.removesuffix('-again')}.key"
-        argv = python_module(
-            module, "--config", str(run_dir / "run.toml"), "--signing-key", str(key), *args
-        )
+        who = identity_flags(keys, name.removesuffix("-again"))
+        argv = python_module(module, "--config", str(run_dir / "run.toml"), *who, *args)
         child = Child(
             name,
             argv,
@@ -203,6 +203,7 @@ def test_a_relay_without_a_tape_refuses_to_resume_an_earlier_state(tmp_path: Pat
             "hypertrain.relay",
             "--config",
             str(cluster.run_dir / "run.toml"),
+            "--insecure",
         ]
         argv += ["--region", "eu", "--aggregator", agg.wait_listening(), "--state-dir", str(state)]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=child_env())

@@ -243,7 +243,7 @@ def test_cli_default_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert _cli(["keys", "init", str(d)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in out[:-1]] == [f"name={n}" for n in DEFAULT_NAMES]
-    assert out[-1] == f"keys init: keys=7 dir={d} trusted={d / TRUSTED_KEYS_FILE}"
+    assert out[-1] == f"keys init: keys=7 dir={d} trusted={d / TRUSTED_KEYS_FILE} ca={d / 'ca.crt'}"
     assert TrustedKeys.load(d / TRUSTED_KEYS_FILE).names == sorted(DEFAULT_NAMES)
     assert all(_mode(d / f"{n}.key") == 0o600 for n in DEFAULT_NAMES)
 

@@ -26,7 +26,15 @@ from hypertrain.relay.__main__ import main as relay_main
 from hypertrain.wire.daemon import daemon_parser, load_settings
 
 CLASSES: list[type[DaemonSettings]] = [IslandSettings, RelaySettings, AggregatorSettings]
-SHARED = {"listen", "state_dir", "metrics_port", "metrics_host", "signing_key", "trusted_keys"}
+SHARED = {"listen", "state_dir", "metrics_port", "metrics_host", "signing_key", "trusted_keys"} | {
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "insecure",
+    "calls_per_peer",
+    "call_idle_s",
+    "call_min_kib_s",
+}
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.TABLE)
@@ -333,3 +341,13 @@ def test_every_config_the_repo_ships_or_writes_loads(tmp_path: Path) -> None:
         assert sorted(load_tables(written)) == ["run"]
     for path in (shipped, copy):
         assert sorted(load_tables(path)) == ["run"]
+
+
+def test_transport_settings_are_checked() -> None:
+    assert AggregatorSettings.resolve({"insecure": True}).insecure is True
+    with pytest.raises(ConfigError, match=r"key 'insecure' must be true or false, got a string"):
+        AggregatorSettings.resolve({"insecure": "yes"})
+    with pytest.raises(ConfigError, match=r"give tls_cert \(--tls-cert\) or insecure, not both"):
+        AggregatorSettings.resolve({"insecure": True, "tls_cert": "a.crt"})
+    with pytest.raises(ConfigError, match=r"calls_per_peer must be >= 1, got 0"):
+        RelaySettings.resolve({"calls_per_peer": 0})
