@@ -10,6 +10,7 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import AggregatorSettings
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY
 from hypertrain.wire.daemon import (
+    call_guard,
     daemon_parser,
     fail,
     load_identity,
@@ -46,8 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         service = AggregatorService(
             cfg, settings.state_path, shutdown, metrics, key, trusted, security
         )
-        server = make_server()
-        add_servicer(service, server, "Aggregator")
+        guard = call_guard(settings, metrics)
+        server = make_server(guard.limits.pool_size(len(service.callers.names)))
+        add_servicer(service, server, "Aggregator", guard)
         address = bind(server, settings.listen, security)
     except (HypertrainError, ValueError) as e:
         return fail("aggregator", str(e))

@@ -11,6 +11,7 @@ from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.relay.server import RelayService
 from hypertrain.wire.daemon import (
+    call_guard,
     daemon_parser,
     fail,
     load_identity,
@@ -73,8 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard,
             security,
         )
-        server = make_server()
-        add_servicer(service, server, "Relay")
+        guard = call_guard(settings, metrics)
+        server = make_server(guard.limits.pool_size(len(cfg.topology.islands_of(region))))
+        add_servicer(service, server, "Relay", guard)
         address = bind(server, settings.listen, security)
     except (HypertrainError, WireError, ValueError) as e:
         return fail("relay", str(e))

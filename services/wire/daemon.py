@@ -32,6 +32,7 @@ from hypertrain.common.runflags import add_run_config_flags, run_config_from_arg
 from hypertrain.common.settings import DaemonSettings, load_tables
 from hypertrain.common.trust.certs import TlsFiles
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
+from hypertrain.wire.calls import CallGuard, CallLimits
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.metrics import Metrics, announce_metrics
 from hypertrain.wire.options import trim_heap
@@ -165,6 +166,18 @@ def load_security(settings: DaemonSettings, name: str) -> Security:
     if files.name != name:
         raise ConfigError(f"certificate {settings.tls_cert} names {files.name}, not {name}")
     return Security.tls(files)
+
+
+def call_guard(settings: DaemonSettings, metrics: Metrics) -> CallGuard:
+    """The bounds on the daemon's calls (``calls.py``) from its settings, counted in
+    ``hypertrain_calls_refused_total``."""
+    limits = CallLimits(
+        per_peer=settings.calls_per_peer,
+        idle_s=float(settings.call_idle_s),
+        min_bytes_s=settings.call_min_kib_s * 1024.0,
+    )
+    refused = metrics.calls_refused
+    return CallGuard(limits, on_refused=lambda reason: refused.labels(metrics.role, reason).inc())
 
 
 def start_metrics(settings: DaemonSettings, metrics: Metrics) -> None:

@@ -158,6 +158,13 @@ class Metrics:
             ["role", "region"],
             registry=r,
         )
+        self.calls_refused = Counter(
+            "hypertrain_calls_refused_total",
+            "Calls refused past a caller's cap (per_peer) or ended by a bound on streaming "
+            "calls (idle, slow)",
+            ["role", "reason"],
+            registry=r,
+        )
         self.stale_deltas = Counter(
             "hypertrain_stale_deltas_total",
             "Deltas this island sent after their sync step closed without it (not aggregated)",

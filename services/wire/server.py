@@ -44,6 +44,7 @@ from hypertrain.common.errors import ConfigError
 from hypertrain.common.settings import parse_address
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
+from hypertrain.wire.calls import CallGuard
 from hypertrain.wire.errors import OVER_KEY, STALE_KEY, WireError, status_of
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
@@ -64,23 +65,28 @@ F = TypeVar("F", bound=Callable[..., Any])
 def make_server(max_workers: int = 16) -> grpc.Server:
     """A gRPC server with hypertrain's options (``options.SERVER_OPTIONS``); not started.
 
-    ``max_workers`` bounds concurrent RPCs: each in-flight push or a blocked FetchMerge
-    holds one thread.
+    ``max_workers`` threads run RPCs (``CallLimits.pool_size``): each in-flight push or
+    a blocked FetchMerge holds one.  As many calls again may wait for a thread; past
+    that gRPC answers RESOURCE_EXHAUSTED at once.
     """
     tune_allocator()
     pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc")
-    return grpc.server(pool, options=SERVER_OPTIONS, maximum_concurrent_rpcs=None)
+    return grpc.server(pool, options=SERVER_OPTIONS, maximum_concurrent_rpcs=2 * max_workers)
 
 
-def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
+def add_servicer(
+    servicer: object, server: grpc.Server, service: str, guard: CallGuard | None = None
+) -> None:
     """Register ``servicer`` for ``service`` ("Relay", "Aggregator") of the .proto.
 
     Same methods and wire format as the generated ``add_<Service>Servicer_to_server``,
     with the zero-copy chunk codec (``frames.py``) for DeltaChunk and MergeChunk: a
     streaming request then yields ``DeltaChunk`` headers and memoryview data parts
     (give it to ``receive_delta``), and a streaming response may yield memoryviews
-    (what ``merge_chunks`` produces).
+    (what ``merge_chunks`` produces).  Every method runs under ``guard``'s bounds
+    (``calls.py``; default: ``CallLimits()``).
     """
+    guard = guard or CallGuard()
     desc = pb.DESCRIPTOR.services_by_name[service]
     handlers = {}
     for method in desc.methods:
@@ -93,7 +99,12 @@ def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
-            getattr(servicer, method.name),
+            _guarded(
+                getattr(servicer, method.name),
+                guard,
+                method.client_streaming,
+                method.server_streaming,
+            ),
             request_deserializer=frames.decoder(request)
             if request in _CHUNKS
             else request.FromString,
@@ -105,6 +116,48 @@ def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
         (grpc.method_handlers_generic_handler(desc.full_name, handlers),)
     )
     server.add_registered_method_handlers(desc.full_name, handlers)
+
+
+def _guarded(
+    method: Callable[..., Any], guard: CallGuard, client_streaming: bool, server_streaming: bool
+) -> Callable[..., Any]:
+    """``method`` under ``guard``: the caller's cap, and a watch on a streaming call's
+    data (requests received, responses sent)."""
+    clock = guard.clock
+    streaming = client_streaming or server_streaming
+
+    if server_streaming:
+
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                with guard.call(context, streaming) as watch:
+                    assert watch is not None
+                    if client_streaming:
+                        request = watch.requests(request, clock)
+                    for part in method(request, context):
+                        yield part
+                        watch.moved(_size(part), clock())
+            except WireError as exc:  # refused at the cap (the method maps its own)
+                _reject(method, context, exc)
+                raise
+
+        return stream
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            with guard.call(context, streaming) as watch:
+                if watch is not None:
+                    request = watch.requests(request, clock)
+                return method(request, context)
+        except WireError as exc:
+            _reject(method, context, exc)
+            raise
+
+    return unary
+
+
+def _size(part: object) -> int:
+    return len(part) if isinstance(part, bytes | bytearray | memoryview) else 0
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
