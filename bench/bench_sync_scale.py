@@ -300,7 +300,10 @@ class Cluster:
     def spawn(self, name: str, module: str, *args: str, nice: int = 0) -> Child:
         d = self.run_dir
         key = d / "keys" / f"{name}.key"
+        # Plaintext, as the results this bench keeps were measured (its islands are
+        # in-process clients); bench_transport.py --tls measures what TLS costs.
         flags = ("--config", str(d / "run.toml"), "--metrics-port", "0", "--signing-key", str(key))
+        flags += ("--insecure",)
         argv = python_module(module, *flags, *args)
         log = d / "logs" / f"{name}.log"
         child = Child(name, argv, log, self.events.on_event, child_env(), nice=nice)

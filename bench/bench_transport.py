@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_transport.py                       # 256 MiB, table on stdout
     .venv/bin/python bench/bench_transport.py --sweep --json experiments/results/bench_transport.json
     .venv/bin/python bench/bench_transport.py --size-mib 32 --repeat 2   # a smoke run
+    .venv/bin/python bench/bench_transport.py --tls --json experiments/results/bench_tls.json
 
 Baseline: the same bytes over a loopback TCP socket, ``sendall`` from a thread and
 ``recv_into`` a preallocated buffer, best of N.  Figures, each best of N after a warm-up:
@@ -26,6 +27,11 @@ Baseline: the same bytes over a loopback TCP socket, ``sendall`` from a thread a
   an input only once it is verified and on disk, so push/spool cannot beat the slower
   of the two however well the rest overlaps: on a machine whose disk is slower than its
   loopback, the disk, not the transport, caps the ratio.
+
+- ``--tls``: every figure again against a second server that requires mutual TLS
+  (``wire/tls.py``, certificates from ``hypertrain keys init``), the client presenting
+  an island's certificate, interleaved with the plaintext runs; ``tls_over_plain`` is
+  push/spool over TLS against push/spool in plaintext, target >= 0.8 (issue 14).
 
 Both processes tune glibc's allocator as every daemon does (``options.tune_allocator``,
 called by ``make_server`` and ``connect``).
@@ -60,6 +66,7 @@ from typing import Any
 import torch
 
 TARGETS = {"push/spool": 0.6, "merge/reuse": 0.35}  # push/spool: issue 12 (was 0.3)
+TLS_TARGET = 0.8  # push/spool over TLS / push/spool in plaintext (issue 14)
 SWEEP_KIB = [256, 512, 1024, 2048, 4096]
 
 
@@ -94,13 +101,15 @@ def write_durably(data: bytes, folder: Path) -> None:
 
 
 # -- the server process ---------------------------------------------------------------
-def serve(conn: Connection, size: int, chunk_bytes: int, work_dir: str) -> None:
-    """Child process: a Relay server with bench modes chosen by ``TransferHeader.codec``."""
+def serve(conn: Connection, size: int, chunk_bytes: int, work_dir: str, keys: str) -> None:
+    """Child process: a Relay server with bench modes chosen by ``TransferHeader.codec``;
+    with ``keys`` (a ``keys init`` folder) it requires mutual TLS as relay-eu."""
     from hypertrain.common.digest import tensor_digest
     from hypertrain.v1 import hypertrain_pb2 as pb
     from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
     from hypertrain.wire import chunks, spool
     from hypertrain.wire.server import add_servicer, bind, make_server
+    from hypertrain.wire.tls import PLAINTEXT
 
     torch.manual_seed(0)
     theta = torch.randn(size // 4)
@@ -133,21 +142,29 @@ def serve(conn: Connection, size: int, chunk_bytes: int, work_dir: str) -> None:
 
     server = make_server()
     add_servicer(Bench(), server, "Relay")
-    address = bind(server, "127.0.0.1:0")
+    security = _security(keys, "relay-eu") if keys else PLAINTEXT
+    address = bind(server, "127.0.0.1:0", security)
     server.start()
     conn.send(address)
     conn.recv()  # any message: stop
     server.stop(0)
 
 
+def _security(keys: str, name: str) -> Any:
+    from hypertrain.common.trust.certs import TlsFiles, cert_path
+    from hypertrain.wire.tls import Security
+
+    return Security.tls(TlsFiles.load(cert_path(Path(keys), name)))
+
+
 class Server:
     """A bench server in a child process (spawned: no forked gRPC state)."""
 
-    def __init__(self, size: int, chunk_bytes: int, work_dir: str) -> None:
+    def __init__(self, size: int, chunk_bytes: int, work_dir: str, keys: str = "") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=serve, args=(child, size, chunk_bytes, work_dir), daemon=True
+            target=serve, args=(child, size, chunk_bytes, work_dir, keys), daemon=True
         )
         self.proc.start()
         if not self.conn.poll(120):
@@ -162,44 +179,36 @@ class Server:
 
 # -- the figures --------------------------------------------------------------------
 def measure(
-    data: bytes, chunk_bytes: int, repeats: int, work_dir: str, modes: list[str]
+    data: bytes, chunk_bytes: int, repeats: int, work_dir: str, modes: list[str], keys: str = ""
 ) -> dict[str, float]:
-    """Best seconds per transfer of the TCP baseline ("tcp") and of each figure.
+    """Best seconds per transfer of the TCP baseline ("tcp") and of each figure; with
+    ``keys``, each figure also over mutual TLS ("<figure>+tls").
 
     Runs are interleaved (baseline, figure, figure, ..., and again), so a change in the
     machine's load hits the baseline and the figures alike; round 0 is a warm-up.
     """
-    from hypertrain.v1 import hypertrain_pb2 as pb
-    from hypertrain.wire import chunks
-    from hypertrain.wire.client import connect, fetch_merge, relay_stub
+    from hypertrain.wire.client import connect, relay_stub
 
     digest = hashlib.sha256(data).hexdigest()
     buf = bytearray(len(data))
-    server = Server(len(data), chunk_bytes, work_dir)
-    channel = None
+    servers = {"": Server(len(data), chunk_bytes, work_dir)}
+    if keys:
+        tls_dir = Path(work_dir, "tls")
+        tls_dir.mkdir(exist_ok=True)
+        servers["+tls"] = Server(len(data), chunk_bytes, str(tls_dir), keys)
+    channels = []
     try:
-        channel = connect(server.address)
-        stub = relay_stub(channel)
         runs: dict[str, Callable[[], object]] = {"tcp": lambda: tcp_once(data, buf)}
         if "push/spool" in modes:  # the floors of a durable, verified receive
             runs["ceiling/sha256"] = lambda: hashlib.sha256(data).digest()
             runs["ceiling/disk"] = lambda: write_durably(data, Path(work_dir))
-        for mode in modes:
-            if mode.startswith("merge"):
-                keep = torch.empty(len(data) // 4) if mode == "merge/reuse" else None
-
-                def fetch(keep: torch.Tensor | None = keep) -> None:
-                    fetch_merge(stub.FetchMerge, pb.MergeRequest(kind="global"), out=keep)
-
-                runs[mode] = fetch
-                continue
-            header = pb.TransferHeader(size=len(data), digest=digest, codec=mode.split("/")[1])
-
-            def push(header: Any = header) -> None:
-                ack = stub.PushDelta(chunks.delta_chunks(header, data, chunk_bytes=chunk_bytes))
-                assert ack.digest in (digest, str(len(data))), ack
-
-            runs[mode] = push
+        for suffix, server in servers.items():
+            if suffix:
+                security = _security(keys, "island-eu-0")
+                channels.append(connect(server.address, security=security, peer="relay-eu"))
+            else:
+                channels.append(connect(server.address))
+            runs.update(_runs(relay_stub(channels[-1]), data, digest, chunk_bytes, modes, suffix))
         best = {name: float("inf") for name in runs}
         for round_ in range(repeats + 1):
             for name, fn in runs.items():
@@ -208,10 +217,39 @@ def measure(
                 if round_:
                     best[name] = min(best[name], time.perf_counter() - start)
     finally:
-        if channel is not None:
+        for channel in channels:
             channel.close()
-        server.close()
+        for server in servers.values():
+            server.close()
     return best
+
+
+def _runs(
+    stub: Any, data: bytes, digest: str, chunk_bytes: int, modes: list[str], suffix: str
+) -> dict[str, Callable[[], object]]:
+    """The figures' transfers through ``stub``, named ``<mode><suffix>``."""
+    from hypertrain.v1 import hypertrain_pb2 as pb
+    from hypertrain.wire import chunks
+    from hypertrain.wire.client import fetch_merge
+
+    runs: dict[str, Callable[[], object]] = {}
+    for mode in modes:
+        if mode.startswith("merge"):
+            keep = torch.empty(len(data) // 4) if mode == "merge/reuse" else None
+
+            def fetch(keep: torch.Tensor | None = keep) -> None:
+                fetch_merge(stub.FetchMerge, pb.MergeRequest(kind="global"), out=keep)
+
+            runs[mode + suffix] = fetch
+            continue
+        header = pb.TransferHeader(size=len(data), digest=digest, codec=mode.split("/")[1])
+
+        def push(header: Any = header) -> None:
+            ack = stub.PushDelta(chunks.delta_chunks(header, data, chunk_bytes=chunk_bytes))
+            assert ack.digest in (digest, str(len(data))), ack
+
+        runs[mode + suffix] = push
+    return runs
 
 
 def machine_busy_s() -> float:
@@ -266,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also try chunk sizes 256 KiB .. 4 MiB")
     ap.add_argument("--dir", default=None, help="spool/publish folder (default: a temp folder)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tls", action="store_true", help="also every figure over mutual TLS")
     args = ap.parse_args(argv)
 
     from hypertrain.wire.chunks import CHUNK_BYTES
@@ -276,8 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["push/bare", "push/memory", "push/spool", "push/serial-spool", "merge", "merge/reuse"]
     sweep: list[dict[str, Any]] = []
     wall0, busy0, own0 = time.perf_counter(), machine_busy_s(), own_cpu_s()
+    tls: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-transport-") as work:
-        rows = rows_of(measure(data, chunk, args.repeat, work, modes), size)
+        keys = ""
+        if args.tls:
+            from hypertrain.common.trust.certs import init_daemons
+
+            keys = str(Path(work, "keys"))
+            init_daemons(Path(keys), ["relay-eu", "island-eu-0"])
+        best = measure(data, chunk, args.repeat, work, modes, keys)
+        rows = rows_of(best, size)
+        if args.tls:
+            tls = {m: best[m] / best[m + "+tls"] for m in modes}
         if args.sweep:
             for kib in SWEEP_KIB:
                 best = measure(data, kib << 10, args.repeat, work, ["push/spool", "merge/reuse"])
@@ -290,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         f"kept {others:.2f} cores busy on average during the run"
     )
     print(table(rows))
+    if tls:
+        print("\n# over mutual TLS, as a share of the same figure in plaintext (same run)")
+        for m, ratio in tls.items():
+            verdict = ("PASS" if ratio >= TLS_TARGET else "FAIL") if m == "push/spool" else ""
+            target = f"{TLS_TARGET:.2f}" if m == "push/spool" else "-"
+            print(f"{m + ' tls/plain':<28}{'':>9}{ratio:>8.3f}{target:>8}  {verdict}")
     if sweep:
         print("\n# chunk-size sweep (each with its own interleaved baseline)")
         print(table(sweep))
@@ -304,9 +359,12 @@ def main(argv: list[str] | None = None) -> int:
             "other_processes_cores": others,
             "figures": rows,
             "sweep": sweep,
+            **({"tls_over_plain": tls["push/spool"], "tls": tls} if tls else {}),
         }
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     failed = [r["figure"] for r in rows if r["target"] and r["ratio"] < r["target"]]
+    if tls and tls["push/spool"] < TLS_TARGET:
+        failed.append("push/spool tls/plain")
     return 1 if failed else 0
 
 
