@@ -78,7 +78,8 @@ def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
     with the zero-copy chunk codec (``frames.py``) for DeltaChunk and MergeChunk: a
     streaming request then yields ``DeltaChunk`` headers and memoryview data parts
     (give it to ``receive_delta``), and a streaming response may yield memoryviews
-    (what ``merge_chunks`` produces).
+    (what ``merge_chunks`` produces).  Bytes that do not parse are answered
+    INVALID_ARGUMENT naming the problem, never INTERNAL (``frames.Malformed``).
     """
     desc = pb.DESCRIPTOR.services_by_name[service]
     handlers = {}
@@ -92,10 +93,12 @@ def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
-            getattr(servicer, method.name),
+            getattr(servicer, method.name)
+            if method.client_streaming
+            else _parsed(getattr(servicer, method.name)),
             request_deserializer=frames.decoder(request)
             if request in _CHUNKS
-            else request.FromString,
+            else frames.parser(request),
             response_serializer=frames.encode
             if response in _CHUNKS
             else response.SerializeToString,
@@ -104,6 +107,21 @@ def add_servicer(servicer: object, server: grpc.Server, service: str) -> None:
         (grpc.method_handlers_generic_handler(desc.full_name, handlers),)
     )
     server.add_registered_method_handlers(desc.full_name, handlers)
+
+
+def _parsed(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+    """``behavior`` (a servicer's method for a unary request) behind a check: a request
+    that did not parse (``frames.Malformed``) is refused INVALID_ARGUMENT naming the
+    problem, and the method never sees it.  (Streamed requests reach the method, whose
+    readers refuse it: ``chunks.receive_delta``.)"""
+
+    @functools.wraps(behavior)
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, frames.Malformed):
+            _reject(behavior, context, request.error())
+        return behavior(request, context)
+
+    return handle
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
