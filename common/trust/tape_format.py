@@ -224,7 +224,7 @@ def parse_entry(record: Record) -> Entry:
             parse_float=no_float,
             parse_constant=no_float,
         )
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested past the stack
         raise bad(f"not canonical JSON ({e})") from None
     if not isinstance(obj, dict) or set(obj) != ENTRY_FIELDS:
         raise bad(f"fields must be exactly {sorted(ENTRY_FIELDS)}")
