@@ -25,6 +25,7 @@ from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import rounds
 from hypertrain.wire.peers import aggregator_peer
 from hypertrain.wire.server import Shutdown, add_servicer, bind, make_server
+from tests.integration.conftest import raw_call
 from tests.unit.test_wire_fuzz import mangled
 
 CFG = RunConfig.from_dict(
@@ -41,15 +42,11 @@ FUZZ = settings(
 )
 #: What no request may get: a bug's status (UNKNOWN) or a failure of ours (INTERNAL).
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
-METHODS = {
-    "/hypertrain.v1.Relay/PushDelta": "stream",
-    "/hypertrain.v1.Relay/FetchMerge": "unary_stream",
-    "/hypertrain.v1.Relay/Status": "unary",
-    "/hypertrain.v1.Relay/Member": "unary",
-    "/hypertrain.v1.Aggregator/PushRegional": "stream",
-    "/hypertrain.v1.Aggregator/FetchGlobal": "unary_stream",
-    "/hypertrain.v1.Aggregator/Status": "unary",
-}
+METHODS = [
+    f"/{service.full_name}/{method.name}"
+    for service in pb.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+]
 
 u64 = st.one_of(st.integers(0, 30), st.sampled_from([2**63 - 1, 2**63, 2**64 - 1]))
 VALID = st.sampled_from(["eu-0", "eu-1", "eu", CFG.run_id, "regional", "global"])
@@ -94,43 +91,26 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[grpc.Cha
         rounds.HOLD_S = hold
 
 
-def _call(channel: grpc.Channel, path: str, messages: list[bytes]) -> grpc.RpcError | None:
-    """Send ``messages`` as they are (a unary request: the first); the error or None."""
-    kind = METHODS[path]
-    raw = {"request_serializer": None, "response_deserializer": None}
-    try:
-        if kind == "stream":
-            channel.stream_unary(path, **raw)(iter(messages), timeout=10)
-        elif kind == "unary":
-            channel.unary_unary(path, **raw)(messages[0], timeout=10)
-        else:
-            for _ in channel.unary_stream(path, **raw)(messages[0], timeout=10):
-                pass
-    except grpc.RpcError as e:
-        return e
-    return None
-
-
 @FUZZ
-@given(path=st.sampled_from(sorted(METHODS)), messages=st.lists(mangled(st.one_of(st.binary(max_size=60), requests)), min_size=1,
+@given(path=st.sampled_from(METHODS), messages=st.lists(mangled(st.one_of(st.binary(max_size=60), requests)), min_size=1,
                                                                 max_size=4))  # fmt: skip
 def test_no_request_gets_unknown_or_internal(
     servers: tuple[grpc.Channel, Any], path: str, messages: list[bytes]
 ) -> None:
     channel, _ = servers
-    err = _call(channel, path, messages)
+    err = raw_call(channel, path, messages)
     event("ok" if err is None else err.code().name)
     if err is not None:
         assert err.code() not in NEVER, (path, err.code(), err.details())
         assert err.details(), (path, err.code())
 
 
-@pytest.mark.parametrize("path", sorted(METHODS))
+@pytest.mark.parametrize("path", METHODS)
 def test_garbage_is_refused_invalid_argument_naming_the_message(
     servers: tuple[grpc.Channel, Any], path: str
 ) -> None:
     channel, _ = servers
-    err = _call(channel, path, [b"\x0a\x05abc"])  # a field 1 of 5 bytes with 3 left
+    err = raw_call(channel, path, [b"\x0a\x05abc"])  # a field 1 of 5 bytes with 3 left
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
     assert err.details().startswith("malformed ") and "(5 bytes): Wire format was corrupt" in (
         err.details()
@@ -149,7 +129,7 @@ def test_a_malformed_push_is_counted_as_an_untaped_refusal(
     before = (count(m.rejected, "relay", "eu", "invalid_argument"), count(m.untaped, "relay", "eu"))
     header = pb.DeltaChunk(header=pb.TransferHeader(run_id=CFG.run_id, sender="eu-0"))
     truncated = header.SerializeToString()[:-1]
-    err = _call(channel, "/hypertrain.v1.Relay/PushDelta", [truncated])
+    err = raw_call(channel, "/hypertrain.v1.Relay/PushDelta", [truncated])
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details().startswith("malformed DeltaChunk")
     after = (count(m.rejected, "relay", "eu", "invalid_argument"), count(m.untaped, "relay", "eu"))
