@@ -73,6 +73,7 @@ from hypertrain.common.trust.schema import (
     RegionalMergeEntry,
     tape_safe,
 )
+from hypertrain.common.trust.tape_format import INT_LIMIT
 
 # Decision codes: the driver maps them to transport status codes.
 OK = "ok"
@@ -206,6 +207,17 @@ class Decision:
 #: rate, far under 2^128.  Without it two islands with huge finite values made a region's
 #: sum overflow to inf, and the relay could never forward again.
 MAX_VALUE: dict[str, float] = {"regional": 2.0**64, "global": 2.0**96}
+
+
+def out_of_range(**fields: int) -> Decision | None:
+    """INVALID naming the first of ``fields`` (a round, step or time a message carries)
+    outside 0 .. 2^63 - 1, what a tape entry can hold; None if all are in range.  Checked
+    before anything is decided, so no such value reaches a machine's state or a tape."""
+    for name, value in fields.items():
+        if not 0 <= value < INT_LIMIT:
+            return Decision(INVALID, f"{name} {value} is out of range: at most 2^63 - 1")
+    return None
+
 
 # -- events -------------------------------------------------------------------------------
 JOIN, LEAVE = "join", "leave"
@@ -485,6 +497,8 @@ class _Level:
         against the taped digest by the aggregate's commitment), so its payload was
         validated when it was accepted and is not decoded twice; its signature is."""
         cfg, sched = self.cfg, self.schedule
+        if (refusal := out_of_range(round=d.round, sync_step=d.sync_step)) is not None:
+            return refusal
         if d.run_id != cfg.run_id:
             return Decision(
                 INVALID, f"wrong run: {d.run_id!r}, this {self.role} serves {cfg.run_id!r}"
@@ -869,6 +883,8 @@ class RelayMachine:
 
     def _member_refusal(self, req: MemberRequest) -> Decision | None:
         lv = self.level
+        if (refusal := out_of_range(step=req.step, issued=req.issued)) is not None:
+            return refusal
         if req.run_id != self.cfg.run_id:
             return Decision(
                 INVALID, f"wrong run: {req.run_id!r}, this relay serves {self.cfg.run_id!r}"

@@ -59,6 +59,7 @@ from hypertrain.common.rounds.machines import (
     Publish,
     RelayMachine,
     RelaySnapshot,
+    out_of_range,
 )
 from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, ReplayError
 from hypertrain.common.rounds.store import NodeStore, load_state
@@ -184,14 +185,14 @@ class _Node:
         return True
 
     def tapes_refusal(self, delta: Delta) -> bool:
-        """Would a refusal of ``delta`` be taped?  Only one whose signature verifies
-        against its claimed sender's pinned key (where keys are pinned: anyone can claim a
-        name, and a flood of refusals must not grow the tape), and at most
-        ``MAX_TAPED_REFUSALS`` per sender and round of this node (its open round, not the
-        one the delta claims, which the sender chooses); the rest are only counted and
-        logged by the daemon."""
+        """Would a refusal of ``delta`` be taped?  Only one whose round and step an entry
+        can hold (``out_of_range``), whose signature verifies against its claimed sender's
+        pinned key (where keys are pinned: anyone can claim a name, and a flood of refusals
+        must not grow the tape), and at most ``MAX_TAPED_REFUSALS`` per sender and round of
+        this node (its open round, not the one the delta claims, which the sender chooses);
+        the rest are only counted and logged by the daemon."""
         lv = self.machine.level
-        if not lv.authentic(delta):
+        if out_of_range(round=delta.round, sync_step=delta.sync_step) or not lv.authentic(delta):
             return False
         key = (delta.sender, lv.schedule.round_of(lv.open_step))
         taped = self._refusals.get(key, 0)
@@ -214,6 +215,8 @@ class _Node:
         self, run_id: str, requester: str, sync_step: int, kind: str | None
     ) -> Decision | Committed | None:
         """The merge of ``sync_step`` itself, a refusal, or None."""
+        if (refusal := out_of_range(sync_step=sync_step)) is not None:
+            return refusal
         if run_id != self.cfg.run_id:
             return Decision(INVALID, f"wrong run {run_id!r}")
         if requester not in self.machine.level.roster:

@@ -63,7 +63,8 @@ MAX_ENTRY_BYTES = 1 << 24
 ZERO_HASH = "0" * 64
 CHECKPOINT = "checkpoint"
 ENTRY_FIELDS = frozenset({"body", "kind", "prev", "run_id", "seq", "signer", "v"})
-_INT_LIMIT = 1 << 63
+#: Integers in entries are in (-INT_LIMIT, INT_LIMIT): a signed 64-bit integer in any language.
+INT_LIMIT = 1 << 63
 _KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
 _HEX16_RE = re.compile(r"[0-9a-f]{16}")
@@ -86,7 +87,7 @@ def check_body(value: Any, where: str = "body") -> None:
     if value is None or isinstance(value, (bool, str)):
         return
     if isinstance(value, int):
-        if not -_INT_LIMIT < value < _INT_LIMIT:
+        if not -INT_LIMIT < value < INT_LIMIT:
             raise TapeError(
                 f"{where}: integer {value} does not fit in 64 bits; store it as a string"
             )
@@ -223,7 +224,7 @@ def parse_entry(record: Record) -> Entry:
             parse_float=no_float,
             parse_constant=no_float,
         )
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested past the stack
         raise bad(f"not canonical JSON ({e})") from None
     if not isinstance(obj, dict) or set(obj) != ENTRY_FIELDS:
         raise bad(f"fields must be exactly {sorted(ENTRY_FIELDS)}")

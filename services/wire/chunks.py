@@ -9,7 +9,9 @@ Use the stubs and servicer registration of ``hypertrain.wire.client`` /
 ``hypertrain.wire.server``: their codec (``frames.py``) sends data parts without
 building protobuf messages.  The generators below yield the header as a message and
 the data as memoryviews, which the generated stubs cannot serialize; the receivers
-accept both forms, so peers on the generated stubs still interoperate with us.
+accept both forms, so peers on the generated stubs still interoperate with us.  Every
+part must parse: one that did not (``frames.Malformed``) ends the transfer with
+INVALID_ARGUMENT "malformed DeltaChunk (n bytes): <protobuf's reason>" (or MergeChunk).
 
 Delta (island -> relay, relay -> aggregator), ``TransferHeader`` then bytes:
     receive_delta checks, in this order: first part is a header; ``header.digest`` is
@@ -43,7 +45,7 @@ import torch
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import spool
 from hypertrain.wire.errors import WireError
-from hypertrain.wire.frames import Data, DeltaPart, MergePart
+from hypertrain.wire.frames import Data, DeltaPart, Malformed, MergePart
 from hypertrain.wire.tensorhash import TensorHasher
 
 #: Data bytes per chunk message.  Between 256 KiB and 4 MiB the loopback figures of
@@ -95,7 +97,10 @@ def delta_chunks(
 def _split(
     part: object, message: type[pb.DeltaChunk] | type[pb.MergeChunk]
 ) -> tuple[object, Data | None]:
-    """(header or None, data or None) of one received part."""
+    """(header or None, data or None) of one received part; a part that did not parse
+    (``frames.Malformed``) is refused INVALID_ARGUMENT with protobuf's reason."""
+    if isinstance(part, Malformed):
+        raise part.error()
     if isinstance(part, message):
         kind = part.WhichOneof("part")
         if kind == "header":

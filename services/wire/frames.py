@@ -18,14 +18,24 @@ Invariants:
   falls back to ``FromString``).  Peers using the generated stubs interoperate.
 - ``decode`` returns a view of the buffer gRPC handed us; it stays valid as long as the
   view is referenced, and nobody writes to it.
+- The deserializers here (``decoder``, ``parser``) never raise: bytes that are not the
+  message (garbage, a truncated message, bad UTF-8 in a string) come back as a
+  :class:`Malformed`, which the receivers refuse INVALID_ARGUMENT naming the problem.  A
+  deserializer that raised would make gRPC answer INTERNAL "Exception deserializing
+  request!" before any of our code ran.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
+import grpc
+from google.protobuf.message import DecodeError, Message
+
 from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.errors import WireError
 
 #: Tag of field 2 (``data``), wire type 2 (length-delimited), in both chunk messages.
 DATA_TAG = 0x12
@@ -34,6 +44,26 @@ Data = bytes | bytearray | memoryview
 DeltaPart = pb.DeltaChunk | Data
 MergePart = pb.MergeChunk | Data
 M = TypeVar("M", pb.DeltaChunk, pb.MergeChunk)
+P = TypeVar("P", bound=Message)
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """What a deserializer returns for bytes that do not parse as the message expected."""
+
+    message: str
+    """The message's name: "DeltaChunk", "MergeRequest", ..."""
+    size: int
+    """How many bytes arrived."""
+    reason: str
+    """protobuf's reason: "Wire format was corrupt", "String field had bad UTF-8"."""
+
+    def error(self) -> WireError:
+        """The refusal: INVALID_ARGUMENT, "malformed DeltaChunk (7 bytes): <reason>"."""
+        return WireError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"malformed {self.message} ({self.size} bytes): {self.reason}",
+        )
 
 
 def _varint(n: int) -> bytes:
@@ -70,11 +100,27 @@ def _data_view(raw: bytes) -> memoryview | None:
     return None
 
 
-def decoder(message: type[M]) -> Callable[[bytes], M | memoryview]:
-    """A gRPC deserializer for ``message`` that returns data parts as memoryviews."""
+def parser(message: type[P]) -> Callable[[bytes], P | Malformed]:
+    """A gRPC deserializer for ``message`` that returns a ``Malformed`` where
+    ``message.FromString`` would raise."""
+    prefix = f"Error parsing message with type '{message.DESCRIPTOR.full_name}': "
 
-    def decode(raw: bytes) -> M | memoryview:
+    def parse(raw: bytes) -> P | Malformed:
+        try:
+            return message.FromString(raw)
+        except DecodeError as e:
+            return Malformed(message.__name__, len(raw), str(e).removeprefix(prefix))
+
+    return parse
+
+
+def decoder(message: type[M]) -> Callable[[bytes], M | memoryview | Malformed]:
+    """A gRPC deserializer for ``message`` that returns data parts as memoryviews (and a
+    ``Malformed`` for bytes that are not a ``message``)."""
+    parse = parser(message)
+
+    def decode(raw: bytes) -> M | memoryview | Malformed:
         view = _data_view(raw)
-        return view if view is not None else message.FromString(raw)
+        return view if view is not None else parse(raw)
 
     return decode

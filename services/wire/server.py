@@ -83,8 +83,9 @@ def add_servicer(
     with the zero-copy chunk codec (``frames.py``) for DeltaChunk and MergeChunk: a
     streaming request then yields ``DeltaChunk`` headers and memoryview data parts
     (give it to ``receive_delta``), and a streaming response may yield memoryviews
-    (what ``merge_chunks`` produces).  Every method runs under ``guard``'s bounds
-    (``calls.py``; default: ``CallLimits()``).
+    (what ``merge_chunks`` produces).  Bytes that do not parse are answered
+    INVALID_ARGUMENT naming the problem, never INTERNAL (``frames.Malformed``).  Every
+    method runs under ``guard``'s bounds (``calls.py``; default: ``CallLimits()``).
     """
     guard = guard or CallGuard()
     desc = pb.DESCRIPTOR.services_by_name[service]
@@ -100,14 +101,16 @@ def add_servicer(
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             _guarded(
-                getattr(servicer, method.name),
+                getattr(servicer, method.name)
+                if method.client_streaming
+                else _parsed(getattr(servicer, method.name)),
                 guard,
                 method.client_streaming,
                 method.server_streaming,
             ),
             request_deserializer=frames.decoder(request)
             if request in _CHUNKS
-            else request.FromString,
+            else frames.parser(request),
             response_serializer=frames.encode
             if response in _CHUNKS
             else response.SerializeToString,
@@ -158,6 +161,21 @@ def _guarded(
 
 def _size(part: object) -> int:
     return len(part) if isinstance(part, bytes | bytearray | memoryview) else 0
+
+
+def _parsed(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+    """``behavior`` (a servicer's method for a unary request) behind a check: a request
+    that did not parse (``frames.Malformed``) is refused INVALID_ARGUMENT naming the
+    problem, and the method never sees it.  (Streamed requests reach the method, whose
+    readers refuse it: ``chunks.receive_delta``.)"""
+
+    @functools.wraps(behavior)
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, frames.Malformed):
+            _reject(behavior, context, request.error())
+        return behavior(request, context)
+
+    return handle
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -6,6 +6,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from hypertrain.common.config import RunConfig
@@ -18,6 +19,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def raw_call(channel: grpc.Channel, path: str, messages: list[bytes]) -> grpc.RpcError | None:
+    """Call ``path`` ("/hypertrain.v1.Relay/PushDelta") sending ``messages`` as they are
+    (bytes, no serializer; a call with a unary request sends the first); the error it
+    ended with, or None.  Its kind (streamed request or reply) is read from the .proto."""
+    from hypertrain.v1 import hypertrain_pb2 as pb
+
+    service, name = path.strip("/").rsplit("/", 1)
+    method = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[1]].methods_by_name[name]
+    raw = {"request_serializer": None, "response_deserializer": None}
+    try:
+        if method.client_streaming:
+            channel.stream_unary(path, **raw)(iter(messages), timeout=30)
+        elif method.server_streaming:
+            list(channel.unary_stream(path, **raw)(messages[0], timeout=30))
+        else:
+            channel.unary_unary(path, **raw)(messages[0], timeout=30)
+    except grpc.RpcError as e:
+        return e
+    return None
 
 
 class Cluster:

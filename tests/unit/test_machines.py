@@ -13,13 +13,16 @@ from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.machines import (
     CONFLICT,
     INVALID,
+    LEAVE,
     MAX_VALUE,
     PRECONDITION,
     AggregatorMachine,
     Committed,
+    Decision,
     Delta,
     Forward,
     GlobalArrived,
+    MemberRequest,
     Publish,
     RelayMachine,
 )
@@ -275,3 +278,30 @@ def test_only_authenticated_refusals_are_taped_and_at_most_a_few_per_sender_and_
     rejections = [RejectionEntry.from_body(e.body) for e in entries if e.kind == "rejection"]
     assert len(rejections) == MAX_TAPED_REFUSALS
     assert {r.sender for r in rejections} == {"eu-0"}
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1])
+def test_a_round_step_or_time_beyond_the_tape_s_integers_is_refused_by_name(
+    tmp_path: Path, theta0: torch.Tensor, value: int
+) -> None:
+    """uint64 on the wire, signed 64-bit on the tape: a value the tape cannot hold is
+    refused naming its field, is not taped, and changes nothing (a leave with such a
+    ``step`` used to change the members, then fail to tape)."""
+    key = SigningKey.generate("relay-eu")
+    node = RelayNode(CFG, "eu", theta0, NodeStore(tmp_path, CFG.run_id, key))  # tapes refusals
+    refusals = [
+        node.push(_delta(theta0, "eu-0", 5, round=value))[0],
+        node.push(_delta(theta0, "eu-0", 5, sync_step=value))[0],
+        node.on_member(MemberRequest(CFG.run_id, LEAVE, "eu-1", value, 1))[0],
+        node.on_member(MemberRequest(CFG.run_id, LEAVE, "eu-1", 3, value))[0],
+        node.fetch(CFG.run_id, "eu-0", value, "regional"),
+    ]
+    fields = ["round", "sync_step", "step", "issued", "sync_step"]
+    for decision, field in zip(refusals, fields, strict=True):
+        assert isinstance(decision, Decision) and decision.code == INVALID
+        assert decision.reason == f"{field} {value} is out of range: at most 2^63 - 1"
+    assert node.machine.members == ("eu-0", "eu-1") and node.machine.level.inputs == {}
+    assert node.push(_delta(theta0, "eu-0", 5))[0].accepted
+    node.close()
+    kinds = [e.kind for e in verify_tape(tmp_path / "tape", TrustedKeys.of([key])).entries]
+    assert "rejection" not in kinds and "member" not in kinds and "input" in kinds
