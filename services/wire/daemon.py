@@ -177,6 +177,8 @@ def call_guard(settings: DaemonSettings, metrics: Metrics) -> CallGuard:
         min_bytes_s=settings.call_min_kib_s * 1024.0,
     )
     refused = metrics.calls_refused
+    for reason in ("per_peer", "idle", "slow"):  # exported at 0 from the start
+        refused.labels(metrics.role, reason)
     return CallGuard(limits, on_refused=lambda reason: refused.labels(metrics.role, reason).inc())
 
 

@@ -199,6 +199,7 @@ class Intake:
         self.board = board
         self.metrics = metrics
         self.labels = (metrics.role, region)
+        metrics.untaped.labels(*self.labels)  # exported at 0 from the start
         self.level = "regional" if metrics.role == "relay" else "global"
 
     def _taped(self, effect: Effect) -> None:

@@ -52,11 +52,13 @@ import yaml
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.schedule import Schedule
+from hypertrain.common.trust.certs import TlsFiles, cert_path
 from hypertrain.procs import LISTEN_RE, child_env
 from hypertrain.prom import prometheus_config, start_prometheus, write_config
 from hypertrain.up import config_toml, write_scrape_targets
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import connect, push_delta, relay_stub
+from hypertrain.wire.tls import Security
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -417,7 +419,9 @@ def _push_bad_deltas(run_dir: Path) -> None:
     """Two refused deltas at relay-eu: another run's, and one for a step far ahead."""
     log = (run_dir / "logs" / "relay-eu.log").read_text().splitlines()
     (address,) = [m.group("address") for line in log if (m := LISTEN_RE.match(line))]
-    channel = connect(address)
+    keys = run_dir / "keys"  # as island eu-0, which the relay lets push as eu-0
+    security = Security.tls(TlsFiles.load(cert_path(keys, "island-eu-0")))
+    channel = connect(address, security=security, peer="relay-eu")
     stub = relay_stub(channel)
     data = b"\0" * 64
     step = LIVE_CFG.steps
