@@ -5,7 +5,7 @@
 #   torchrun ARGS...                  a multi-rank island: torchrun ... -m hypertrain.island ...
 #   hypertrain ARGS...                the CLI (keys init, plan, data prepare, ...)
 #   sh|python|python3 ARGS...         a shell or an interpreter (debugging, init containers)
-#   relay-key FROM TO RELAY_ARGS...   install this relay shard's signing key (see below)
+#   relay-key FROM TO RELAY_ARGS...   install this relay shard's keys and certificate (below)
 #
 # Relay shards (docs/design.md §4.9, deploy/README.md "Relay shards").  When
 # HYPERTRAIN_SHARD_INDEX is set (Kubernetes: the StatefulSet pod's ordinal), this process
@@ -14,10 +14,13 @@
 # relay_shards in [run.topology] of their --config, else 1.  Then
 #   relay ARGS...      adds --shard=i/S to ARGS when S > 1 (and nothing when S = 1);
 #   relay-key FROM TO RELAY_ARGS...
-#                      copies FROM/<key name>.key to TO, mode 0400, where the key name
-#                      is the one `hypertrain keys init` gives this shard:
+#                      copies into the folder TO this shard's files that
+#                      `hypertrain keys init` wrote to FROM: FROM/<name>.key as
+#                      TO/signing.key and FROM/<name>.tls.key as TO/tls.key (mode 0400),
+#                      FROM/<name>.crt as TO/tls.crt (0444), where the name is
 #                      relay-<region> when S = 1, relay-<region>-<i> when S > 1
-#                      (<region>: --region in RELAY_ARGS).
+#                      (<region>: --region in RELAY_ARGS).  The relay then takes
+#                      --signing-key TO/signing.key --tls-cert TO/tls.crt --tls-key TO/tls.key.
 # Either refuses (exit 2) an index that is no shard of S: i >= S means the StatefulSet
 # has more replicas than the run has relay shards.  Without HYPERTRAIN_SHARD_INDEX,
 # relay passes ARGS through unchanged.
@@ -81,15 +84,20 @@ case "$cmd" in
         exec hypertrain-relay "$@"
         ;;
     relay-key)
-        [ "$#" -ge 2 ] || die "usage: relay-key FROM_DIR TO_FILE RELAY_ARGS..."
+        [ "$#" -ge 2 ] || die "usage: relay-key FROM_DIR TO_DIR RELAY_ARGS..."
         from=$1
         to=$2
         shift 2
         relay_shard "$@"
         [ -n "$region" ] || die "relay-key: --region REGION is required"
         if [ "$shards" -gt 1 ]; then name="relay-$region-$index"; else name="relay-$region"; fi
-        [ -e "$from/$name.key" ] || die "relay-key: no $name.key in $from (the region's key Secret must hold every shard's key, named as \`hypertrain keys init\` names them)"
-        exec install -m 0400 "$from/$name.key" "$to"
+        for file in "$name.key" "$name.tls.key" "$name.crt"; do
+            [ -e "$from/$file" ] || die "relay-key: no $file in $from (the region's key Secret must hold every shard's signing key, TLS key and certificate, named as \`hypertrain keys init\` names them)"
+        done
+        [ -d "$to" ] || die "relay-key: $to is not a folder"
+        install -m 0400 "$from/$name.key" "$to/signing.key"
+        install -m 0400 "$from/$name.tls.key" "$to/tls.key"
+        exec install -m 0444 "$from/$name.crt" "$to/tls.crt"
         ;;
     aggregator|island) exec "hypertrain-$cmd" "$@" ;;
     torchrun|hypertrain|sh|python|python3) exec "$cmd" "$@" ;;

@@ -27,8 +27,10 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from hypertrain.common.config import RunConfig, TopologyConfig
+from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import IslandSettings, RelaySettings
-from hypertrain.common.trust.keys import daemon_key_names
+from hypertrain.common.trust.certs import CA_CERT, CA_KEY, TlsFiles, init_daemons
+from hypertrain.common.trust.keys import daemon_key_names, load_signing_key
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -39,9 +41,13 @@ IMAGE_UID = 10001
 ENTRYPOINT = DEPLOY / "container" / "entrypoint.sh"
 # The downward-API source of a relay pod's shard index (its StatefulSet ordinal).
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
-# Flags the deploy files pass that the daemons do not take yet.  --signing-key: the
-# daemons load their Ed25519 key from it once signing lands (common/trust/keys.py).
+# Flags the deploy files pass that the daemons do not take yet (none at present).
 PENDING_FLAGS: set[str] = set()
+# The Secret of the run CA's certificate, which every pod mounts (--tls-ca).
+CA_SECRET = "hypertrain-tls-ca"
+# What the image's `relay-key FROM TO ...` installs in the folder TO, by the relay flag
+# that reads it (deploy/container/entrypoint.sh).
+RELAY_KEY_FILES = {"--signing-key": "signing.key", "--tls-cert": "tls.crt", "--tls-key": "tls.key"}
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -100,6 +106,24 @@ def region_relay_keys(topology: TopologyConfig, region: str) -> list[str]:
     (and so ``hypertrain keys init``) gives them."""
     one = dataclasses.replace(topology, regions=(region,))
     return [n for n in daemon_key_names(one) if n.startswith("relay-")]
+
+
+def relay_files(name: str) -> list[str]:
+    """The files ``hypertrain keys init`` writes for daemon ``name`` that it needs: its
+    signing key, its TLS certificate and its TLS key."""
+    return [f"{name}.key", f"{name}.crt", f"{name}.tls.key"]
+
+
+def secret_source(secret: str, key: str) -> str:
+    """The file of ``hypertrain keys init``'s folder that goes under ``key`` in the Secret
+    ``secret``, as the commands of secrets.yaml and docs/operations.md make them
+    (test_secret_commands_agree checks those): a daemon's Secret holds its files as
+    ``signing.key``, ``tls.crt`` and ``tls.key``, a region's relay Secret every shard's
+    files under their own names, the CA's Secret ``ca.crt``."""
+    name = secret.removeprefix("hypertrain-key-")
+    if secret == CA_SECRET or name.startswith("relay-"):
+        return key
+    return dict(zip(["signing.key", "tls.crt", "tls.key"], relay_files(name), strict=True))[key]
 
 
 def relay_addresses(sts: dict[str, Any], resources: list[dict[str, Any]]) -> list[str]:
@@ -339,20 +363,25 @@ def test_every_daemon_pins_the_trusted_keys_config_map() -> None:
 
 
 def test_one_secret_per_daemon_named_like_keys_init(run_config: RunConfig) -> None:
-    """One Secret per daemon (``signing.key``), but one per region for the relay, holding
-    every relay shard's key file under the name ``hypertrain keys init`` gives it."""
+    """One Secret per daemon (``signing.key``, ``tls.crt``, ``tls.key``), but one per
+    region for the relay, holding every relay shard's signing key, certificate and TLS key
+    under the names ``hypertrain keys init`` gives them; and one for the run CA's
+    certificate alone (never its private key)."""
     topo = run_config.topology
     secrets = {
         d["metadata"]["name"]: d for d in manifests()["secrets.yaml"] if d["kind"] == "Secret"
     }
     relay_keys = {r: region_relay_keys(topo, r) for r in topo.regions}
     want = {f"hypertrain-key-{n}" for n in daemon_key_names(topo) if not n.startswith("relay-")}
-    assert set(secrets) == want | {f"hypertrain-key-relay-{r}" for r in topo.regions}
+    assert set(secrets) == want | {f"hypertrain-key-relay-{r}" for r in topo.regions} | {CA_SECRET}
     for name, s in secrets.items():
         region = name.removeprefix("hypertrain-key-relay-")
-        files = (
-            [f"{k}.key" for k in relay_keys[region]] if region in relay_keys else ["signing.key"]
-        )
+        if name == CA_SECRET:
+            files = [CA_CERT]
+        elif region in relay_keys:
+            files = [f for k in relay_keys[region] for f in relay_files(k)]
+        else:
+            files = ["signing.key", "tls.crt", "tls.key"]
         assert list(s["stringData"]) == files, name
         for value in s["stringData"].values():
             assert "BEGIN PRIVATE KEY" not in value  # placeholders only
@@ -403,8 +432,9 @@ def shard_wiring_errors(resources: list[dict[str, Any]]) -> list[str]:
         own = [a for a in main["args"] if a.split("=")[0] in ("--shard", "--relay-shards")]
         if own:
             errors.append(f"{where}: {own}: the entry point passes --shard, from run.toml")
-        # The key: the init container's relay-key FROM TO ... installs this shard's key
-        # file from the region's Secret as the relay's --signing-key.
+        # The keys: the init container's relay-key FROM TO ... installs this shard's files
+        # from the region's Secret into the folder TO, as the relay's --signing-key
+        # (TO/signing.key), --tls-cert (TO/tls.crt) and --tls-key (TO/tls.key).
         inits = [c for c in spec.get("initContainers", []) if c["args"][:1] == ["relay-key"]]
         secret = next(
             (v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == f"hypertrain-key-relay-{region}"),
@@ -419,18 +449,20 @@ def shard_wiring_errors(resources: list[dict[str, Any]]) -> list[str]:
             mounts = {m["name"]: m["mountPath"] for m in inits[0]["volumeMounts"]}
             if args[1] != mounts.get(secret["name"]) or "items" in secret["secret"]:
                 errors.append(f"{where}: relay-key does not read every file of the key Secret")
-            if args[2] != flag(main["args"], "--signing-key"):
-                errors.append(
-                    f"{where}: relay-key installs {args[2]}, the relay signs with another"
-                )
+            for name, file in RELAY_KEY_FILES.items():
+                if f"{args[2]}/{file}" != flag(main["args"], name):
+                    errors.append(
+                        f"{where}: relay-key installs {args[2]}/{file}, the relay's {name} is "
+                        f"{flag(main['args'], name)}"
+                    )
             for name in ("--config", "--region"):
                 if flag(args[3:], name) != flag(main["args"], name):
                     errors.append(f"{where}: relay-key {name} is not the relay's")
         key_secret = by.get(("Secret", f"hypertrain-key-relay-{region}"), {})
         files = list(key_secret.get("stringData", {}))
-        want = [f"{k}.key" for k in region_relay_keys(topo, region)]
+        want = [f for k in region_relay_keys(topo, region) for f in relay_files(k)]
         if files != want:
-            errors.append(f"{where}: Secret holds {files}, the shards sign with {want}")
+            errors.append(f"{where}: Secret holds {files}, the shards' files are {want}")
         # The islands: every shard's address, in shard order.
         job = by[("Job", f"hypertrain-islands-{region}")]
         island = job["spec"]["template"]["spec"]["containers"][0]
@@ -468,7 +500,9 @@ def scaled(resources: list[dict[str, Any]], shards: int) -> list[dict[str, Any]]
             for a in island["args"]
         ]
         secret = by[("Secret", f"hypertrain-key-relay-{region}")]
-        secret["stringData"] = {f"{k}.key": "REPLACE" for k in region_relay_keys(topo, region)}
+        secret["stringData"] = {
+            f: "REPLACE" for k in region_relay_keys(topo, region) for f in relay_files(k)
+        }
     return out
 
 
@@ -504,6 +538,10 @@ def test_relay_shard_wiring_check_catches_breakage() -> None:
         data = by[("Secret", "hypertrain-key-relay-eu")]["stringData"]
         data[new] = data.pop(old)
 
+    def set_relay_arg(by: dict[Any, Any], name: str, value: str) -> None:
+        args = relay(by)["spec"]["template"]["spec"]["containers"][0]["args"]
+        args[:] = [f"{name}={value}" if a.startswith(f"{name}=") else a for a in args]
+
     def drop_index(by: dict[Any, Any]) -> None:
         main = relay(by)["spec"]["template"]["spec"]["containers"][0]
         main["env"] = [e for e in main["env"] if e["name"] != "HYPERTRAIN_SHARD_INDEX"]
@@ -527,6 +565,10 @@ def test_relay_shard_wiring_check_catches_breakage() -> None:
         ("a shard key named for S = 1", 2, lambda by: rename(by, "relay-eu-0.key", "relay-eu.key")),
         ("the S > 1 key name at S = 1", 1, lambda by: rename(by, "relay-eu.key", "relay-eu-0.key")),
         ("the old signing.key", 1, lambda by: rename(by, "relay-eu.key", "signing.key")),
+        ("a shard's certificate missing", 2, lambda by: by[("Secret", "hypertrain-key-relay-eu")]["stringData"].pop("relay-eu-1.crt")),
+        ("a certificate named for S = 1", 2, lambda by: rename(by, "relay-eu-0.crt", "relay-eu.crt")),
+        ("--tls-cert not the installed one", 1, lambda by: set_relay_arg(by, "--tls-cert", "/run/hypertrain/keys/relay-eu.crt")),
+        ("--tls-key not the installed one", 2, lambda by: set_relay_arg(by, "--tls-key", "/var/run/secrets/hypertrain/relay-eu-0.tls.key")),
         ("a --shard in the args", 2, lambda by: relay(by)["spec"]["template"]["spec"]["containers"][0]["args"].append("--shard=0/2")),
         ("no pod index", 1, drop_index),
         ("not headless", 1, lambda by: by[("Service", "hypertrain-relay-eu")]["spec"].pop("clusterIP")),
@@ -551,8 +593,9 @@ def entrypoint_shard_errors(script: Path, shards: int, tmp_path: Path) -> list[s
     """What the entry point ``script`` gets wrong for every relay pod of the manifests
     when the run has ``shards`` relay shards ([] if nothing): pod i's relay must get
     exactly its arguments plus --shard=i/S when S > 1 (no --shard when S = 1), and its
-    init container must install the key daemon_key_names gives shard i; pod S (a replica
-    too many) must be refused by both."""
+    init container must install the signing key, TLS key (both mode 0400) and certificate
+    (0444) of the name daemon_key_names gives shard i; pod S (a replica too many) must be
+    refused by both."""
     errors: list[str] = []
     bin_dir = tmp_path / f"bin-{shards}"
     bin_dir.mkdir()
@@ -575,7 +618,8 @@ def entrypoint_shard_errors(script: Path, shards: int, tmp_path: Path) -> list[s
         secret = tmp_path / f"secret-{shards}-{region}"
         secret.mkdir()
         for k in keys:
-            (secret / f"{k}.key").write_text(k)
+            for f in relay_files(k):
+                (secret / f).write_text(f)
         for i in range(shards + 1):
             where = f"{region} pod {i} of S = {shards}"
             out = run_entrypoint(script, main, i, bin_dir)
@@ -593,15 +637,17 @@ def entrypoint_shard_errors(script: Path, shards: int, tmp_path: Path) -> list[s
             if settings.shard_index(topo) != i:
                 errors.append(f"{where}: the relay would be shard {settings.shard_index(topo)}")
             dest = tmp_path / f"key-{shards}-{region}-{i}"
+            dest.mkdir()
             key_args = [str(secret), str(dest), *[local.get(a, a) for a in init["args"][3:]]]
             out = run_entrypoint(script, ["relay-key", *key_args], i, bin_dir)
-            if out.returncode != 0 or not dest.exists():
+            if out.returncode != 0:
                 errors.append(f"{where}: relay-key failed: {out.stderr.strip()}")
                 continue
-            if dest.read_text() != keys[i] or dest.stat().st_mode & 0o777 != 0o400:
-                errors.append(
-                    f"{where}: installed {dest.read_text()} mode {dest.stat().st_mode:o}, want {keys[i]}"
-                )
+            want_files = dict(zip(RELAY_KEY_FILES.values(), relay_files(keys[i]), strict=True))
+            got_files = {f.name: (f.read_text(), f.stat().st_mode & 0o777) for f in dest.iterdir()}
+            modes = {"signing.key": 0o400, "tls.key": 0o400, "tls.crt": 0o444}
+            if got_files != {f: (src, modes[f]) for f, src in want_files.items()}:
+                errors.append(f"{where}: installed {got_files}, want {want_files}")
         out = run_entrypoint(
             script, ["relay-key", str(secret), str(tmp_path / "x"), *main[1:]], shards, bin_dir
         )
@@ -621,6 +667,9 @@ def test_relay_shard_entrypoint_check_catches_breakage(tmp_path: Path) -> None:
         ("always --shard", 1, '[ "$shards" -gt 1 ]; then\n                set --', '[ "$shards" -ge 1 ]; then\n                set --'),
         ("index from 1", 2, '"--shard=$index/$shards"', '"--shard=$((index + 1))/$shards"'),
         ("shard key name at S = 1", 1, 'else name="relay-$region"; fi', 'else name="relay-$region-$index"; fi'),
+        ("the TLS key readable", 2, 'install -m 0400 "$from/$name.tls.key"', 'install -m 0444 "$from/$name.tls.key"'),
+        ("no certificate", 1, 'exec install -m 0444 "$from/$name.crt" "$to/tls.crt"', "exit 0"),
+        ("shard 0's certificate", 2, '"$from/$name.crt" "$to/tls.crt"', '"$from/relay-$region-0.crt" "$to/tls.crt"'),
         ("no upper bound", 1, 'if [ "$index" -ge "$shards" ]; then', 'if false; then'),
     ]  # fmt: skip
     for what, shards, old, new in breakages:
@@ -640,6 +689,234 @@ def test_relay_shard_entrypoint_check_catches_breakage(tmp_path: Path) -> None:
     # ... and with it, a --shard of its own is refused rather than silently overridden.
     (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
     assert run_entrypoint(ENTRYPOINT, args, 1, bin_dir).returncode == 2
+
+
+# -- Kubernetes: mutual TLS ----------------------------------------------------------------
+
+
+def daemon_name(workload: dict[str, Any], index: int, topo: TopologyConfig) -> str:
+    """The name daemon ``index`` of ``workload`` (pod ordinal or Job completion index)
+    has in ``hypertrain keys init``'s folder: its key's and its certificate's."""
+    component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+    region = workload["metadata"]["labels"].get("hypertrain/region", "")
+    if component == "relay":
+        return region_relay_keys(topo, region)[index]
+    return {"aggregator": "aggregator", "island": f"island-{region}-{index}"}[component]
+
+
+def pod_tls_errors(
+    workload: dict[str, Any], resources: list[dict[str, Any]], index: int, keys: Path, root: Path
+) -> list[str]:
+    """What goes wrong when pod ``index`` of ``workload`` starts with the Secrets made from
+    the real files of ``keys`` (``hypertrain keys init``) as secrets.yaml says
+    (``secret_source``) ([] if nothing): its volumes are laid out under ``root``, Secret
+    files with the volume's mode, its init containers run on them, and the main container's
+    --signing-key, --tls-cert, --tls-key and --tls-ca must then load (the daemon's checks:
+    keys mode 0600 or less, the key the certificate's, signed by the CA, valid now) as its
+    own name.  A mounted file missing from its Secret, or the CA's key anywhere in the pod,
+    is an error."""
+    name = workload["metadata"]["name"]
+    spec = workload["spec"]["template"]["spec"]
+    by = {(d["kind"], d["metadata"]["name"]): d for d in resources}
+    topo = RunConfig.from_dict(
+        tomllib.loads(by[("ConfigMap", "hypertrain-config")]["data"]["run.toml"])["run"]
+    ).topology
+    own = daemon_name(workload, index, topo)
+    errors: list[str] = []
+
+    def put(folder: Path, secret: str, key: str, path: str, mode: int) -> None:
+        data = by.get(("Secret", secret), {}).get("stringData", {})
+        if key not in data:
+            errors.append(f"{name}: mounts {key} of Secret {secret}, which has {list(data)}")
+            return
+        (folder / path).write_bytes((keys / secret_source(secret, key)).read_bytes())
+        (folder / path).chmod(mode)
+
+    for vol in spec["volumes"]:
+        folder = root / vol["name"]
+        folder.mkdir()
+        if "secret" in vol:
+            s = vol["secret"]
+            items = s.get("items") or [
+                {"key": k, "path": k}
+                for k in by.get(("Secret", s["secretName"]), {}).get("stringData", {})
+            ]
+            for item in items:
+                put(folder, s["secretName"], item["key"], item["path"], s.get("defaultMode", 0o644))
+        for src in vol.get("projected", {}).get("sources", []):
+            for item in src["secret"]["items"]:
+                mode = vol["projected"].get("defaultMode", 0o644)
+                put(folder, src["secret"]["name"], item["key"], item["path"], mode)
+        if "configMap" in vol:
+            for file, text in by[("ConfigMap", vol["configMap"]["name"])]["data"].items():
+                (folder / file).write_text(text)
+
+    def local(container: dict[str, Any]) -> Any:
+        """Paths in the container -> paths under root, in one pass (mounts nest: /tmp)."""
+        mounts = {m["mountPath"]: str(root / m["name"]) for m in container["volumeMounts"]}
+        alternatives = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
+        pattern = re.compile(rf"(?<![\w./-])({alternatives})(?=/|$|\s)")
+        return lambda text: pattern.sub(lambda m: mounts[m.group(1)], text)
+
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for c in spec.get("initContainers", []):
+        path = local(c)
+        env |= {e["name"]: str(index) for e in c.get("env", []) if "valueFrom" in e}
+        args = [path(a) for a in c["args"]]
+        argv = args if args[0] == "sh" else ["sh", str(ENTRYPOINT), *args]
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            errors.append(f"{name} {index}: init container {c['name']}: {out.stderr.strip()}")
+    main = spec["containers"][0]
+    path = local(main)
+    try:
+        files = TlsFiles.load(
+            *(Path(path(flag(main["args"], f))) for f in ("--tls-cert", "--tls-key", "--tls-ca"))
+        )
+        key = load_signing_key(path(flag(main["args"], "--signing-key")))
+    except (HypertrainError, AssertionError) as e:
+        return [*errors, f"{name} {index}: {e}"]
+    if files.name != own:
+        errors.append(f"{name} {index}: its certificate names {files.name}, not {own}")
+    if key.key_id != load_signing_key(keys / f"{own}.key").key_id:
+        errors.append(f"{name} {index}: its signing key is not {own}'s")
+    if any(p.name == CA_KEY or p.read_bytes() == (keys / CA_KEY).read_bytes()
+           for p in root.rglob("*") if p.is_file()):  # fmt: skip
+        errors.append(f"{name} {index}: the CA's private key is in the pod")
+    return errors
+
+
+def cluster_tls_errors(resources: list[dict[str, Any]], tmp_path: Path) -> list[str]:
+    """pod_tls_errors for every pod of every workload of ``resources``, with keys made by
+    ``hypertrain keys init`` for the run config of its ConfigMap."""
+    by = {(d["kind"], d["metadata"]["name"]): d for d in resources}
+    run = RunConfig.from_dict(
+        tomllib.loads(by[("ConfigMap", "hypertrain-config")]["data"]["run.toml"])["run"]
+    )
+    keys = tmp_path / "keys"
+    init_daemons(keys, daemon_key_names(run.topology))
+    errors: list[str] = []
+    for d in resources:
+        if d["kind"] not in ("StatefulSet", "Job"):
+            continue
+        pods = d["spec"]["replicas"] if d["kind"] == "StatefulSet" else d["spec"]["completions"]
+        for i in range(pods):
+            root = tmp_path / f"{d['metadata']['name']}-{i}"
+            root.mkdir()
+            errors += pod_tls_errors(d, resources, i, keys, root)
+    return errors
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_every_pod_serves_and_calls_with_its_own_certificate(shards: int, tmp_path: Path) -> None:
+    """Every daemon runs mutual TLS with the certificate naming it (the name its peers
+    check: aggregator, relay-<region> or relay-<region>-<i>, island-<region>-<i>), its key
+    and the run CA, from its Secrets the way its signing key comes; the CA's key reaches
+    no pod."""
+    assert cluster_tls_errors(scaled(all_resources(), shards), tmp_path) == []
+
+
+def test_pod_tls_check_catches_breakage(tmp_path: Path) -> None:
+    def main_args(by: dict[Any, Any], kind: str, name: str) -> list[str]:
+        return by[(kind, name)]["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
+
+    def set_arg(args: list[str], name: str, value: str) -> None:
+        args[:] = [f"{name}={value}" if a.startswith(f"{name}=") else a for a in args]
+
+    def key_from_the_secret(by: dict[Any, Any]) -> None:
+        args = main_args(by, "StatefulSet", "hypertrain-aggregator")
+        set_arg(args, "--tls-key", "/var/run/secrets/hypertrain/tls.key")  # mode 0440
+        spec = by[("StatefulSet", "hypertrain-aggregator")]["spec"]["template"]["spec"]
+        spec["containers"][0]["volumeMounts"].append(
+            {"name": "key-secret", "mountPath": "/var/run/secrets/hypertrain"}
+        )
+
+    def swap_islands(by: dict[Any, Any]) -> None:
+        vol = next(
+            v for v in by[("Job", "hypertrain-islands-us")]["spec"]["template"]["spec"]["volumes"]
+            if v["name"] == "key-secret"
+        )  # fmt: skip
+        a, b = vol["projected"]["sources"]
+        a["secret"]["name"], b["secret"]["name"] = b["secret"]["name"], a["secret"]["name"]
+
+    def ca_key_shipped(by: dict[Any, Any]) -> None:
+        by[("Secret", CA_SECRET)]["stringData"][CA_KEY] = "REPLACE"
+
+    cases = [
+        ("the CA's key in its Secret", ca_key_shipped),
+        ("an island's certificate from another's Secret", swap_islands),
+        ("the TLS key read from the Secret volume", key_from_the_secret),
+        ("its own certificate as the CA", lambda by: set_arg(
+            main_args(by, "StatefulSet", "hypertrain-aggregator"), "--tls-ca", "/run/hypertrain/keys/tls.crt")),
+        ("a Secret without the certificate", lambda by: by[("Secret", "hypertrain-key-island-ap-1")]["stringData"].pop("tls.crt")),
+        ("the relay's key file as its TLS key", lambda by: set_arg(
+            main_args(by, "StatefulSet", "hypertrain-relay-eu"), "--tls-key", "/run/hypertrain/keys/signing.key")),
+    ]  # fmt: skip
+    for i, (what, edit) in enumerate(cases):
+        resources = copy.deepcopy(all_resources())
+        edit({(d["kind"], d["metadata"]["name"]): d for d in resources})
+        work = tmp_path / str(i)
+        work.mkdir()
+        assert cluster_tls_errors(resources, work), what
+
+
+def deploy_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.is_file())
+
+
+def test_no_plaintext_and_no_ca_key_in_the_deploy_files() -> None:
+    """No daemon is started without TLS (the word is in no deploy file, so neither is the
+    flag nor the config key), and no deploy file ships the CA's private key: no Secret
+    entry, no volume item, no argument names ca.key."""
+    for p in deploy_files():
+        assert "insecure" not in p.read_text().lower(), p
+    for _, template in pod_specs():
+        spec = template["spec"]
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            assert not any(CA_KEY in a for a in c["args"]), c["name"]
+        for vol in spec["volumes"]:
+            items = [*vol.get("secret", {}).get("items", [])] + [
+                i for s in vol.get("projected", {}).get("sources", []) for i in s["secret"]["items"]
+            ]
+            assert not any(CA_KEY in (i["key"], i["path"]) for i in items), vol["name"]
+        main = spec["containers"][0]
+        for name in ("--tls-cert", "--tls-key", "--tls-ca"):
+            flag(main["args"], name)  # present
+    for s in manifests()["secrets.yaml"]:
+        assert CA_KEY not in s.get("stringData", {}) and CA_KEY not in s.get("data", {})
+
+
+def from_files(text: str) -> list[tuple[str, str]]:
+    """(Secret key, file under keys/) of every --from-file in ``text``'s commands, with
+    the shell loops' $name and $r as the aggregator's and region eu's."""
+    text = text.replace("$name", "aggregator").replace("$r", "eu")
+    return [
+        (m.group(1) or m.group(2).rpartition("/")[2], m.group(2).rpartition("/")[2])
+        for m in re.finditer(r'--from-file="?(?:([\w.-]+)=)?"?keys/([\w./$-]+)"?', text)
+    ]
+
+
+def test_secret_commands_agree() -> None:
+    """The kubectl commands that make the Secrets (secrets.yaml's comments, docs/operations.md)
+    put the files where secret_source (and so the pods) expects them, and never ca.key."""
+    for doc in (K8S / "secrets.yaml", REPO / "docs" / "operations.md"):
+        pairs = from_files(doc.read_text())
+        assert pairs, doc
+        for key, file in pairs:
+            assert file != CA_KEY, doc
+            if key == "trusted_keys.json":
+                continue
+            stem = file.split(".")[0]
+            secret = (
+                CA_SECRET
+                if file == CA_CERT
+                else f"hypertrain-key-{'relay-eu' if stem.startswith('relay-eu') else stem}"
+            )
+            assert secret_source(secret, key) == file, (doc, key, file)
+        assert {k for k, _ in pairs} >= {"signing.key", "tls.crt", "tls.key", CA_CERT}, doc
 
 
 def test_daemons_take_the_flags_the_deploy_files_pass(capsys: pytest.CaptureFixture[str]) -> None:
@@ -828,6 +1105,10 @@ def test_systemd_unit_structure(name: str) -> None:
     assert key is not None
     role = name.removeprefix("hypertrain-").split("@")[0].split(".")[0]
     assert key.group(1) == (f"{role}-%i" if instance else role)
+    # ... and so is its TLS certificate, with its key and the CA beside it (the defaults).
+    cert = re.search(r"--tls-cert /etc/hypertrain/keys/(\S+)\.crt", svc["ExecStart"])
+    assert cert is not None and cert.group(1) == key.group(1)
+    assert "--tls-key" not in svc["ExecStart"] and "--tls-ca" not in svc["ExecStart"]
 
 
 def test_systemd_env_examples_and_sysusers(run_config: RunConfig) -> None:
@@ -907,6 +1188,9 @@ def relay_unit_errors(unit: dict[str, dict[str, str]], topology: TopologyConfig)
             errors.append(f"{instance}: key {key}, --shard {shard} for S = {shards}")
         if argv[argv.index("--state-dir") + 1] != f"/var/lib/hypertrain/{key}":
             errors.append(f"{instance}: state dir is not named like the key")
+        cert = argv[argv.index("--tls-cert") + 1] if "--tls-cert" in argv else None
+        if cert != f"/etc/hypertrain/keys/{key}.crt":
+            errors.append(f"{instance}: --tls-cert {cert} is not the certificate of {key}")
     # Instances that disagree with their env file.
     shard_env = {**env_file(examples / "relay-eu-1.env"), "HYPERTRAIN_REGION": "eu"}
     for instance, args in (("eu-0", "--shard 1/2"), ("eu", "--shard 1/2"), ("eu-1", ""),
@@ -929,11 +1213,85 @@ def test_systemd_relay_instances_are_regions_or_shards(run_config: RunConfig) ->
         ("shard args dropped", "ExecStart", lambda v: v.replace(" $HYPERTRAIN_SHARD_ARGS", "")),
         ("region from the instance", "ExecStart", lambda v: v.replace("${HYPERTRAIN_REGION}", "%i")),
         ("shard args as one word", "ExecStart", lambda v: v.replace("$HYPERTRAIN_SHARD_ARGS", "${HYPERTRAIN_SHARD_ARGS}")),
+        ("the region's certificate for a shard", "ExecStart", lambda v: v.replace("relay-%i.crt", "relay-${HYPERTRAIN_REGION}.crt")),
     ]  # fmt: skip
     for what, key, edit in broken:
         unit = parse_unit(path)
         unit["Service"][key] = edit(unit["Service"][key])
         assert relay_unit_errors(unit, run_config.topology), what
+
+
+def arg_path(argv: list[str], name: str) -> Path | None:
+    """The path after flag ``name`` in ``argv`` (None without it)."""
+    return Path(argv[argv.index(name) + 1]) if name in argv else None
+
+
+def unit_tls_errors(units: dict[str, dict[str, dict[str, str]]], tmp_path: Path) -> list[str]:
+    """What goes wrong when the units (file name -> parse_unit) start the aggregator, relay
+    eu (relay_shards = 1), relay shard eu-1 (relay_shards = 2) and island eu-0 with the
+    example env files, on hosts whose /etc/hypertrain/keys holds what docs/operations.md
+    installs there from `hypertrain keys init`: the daemon's signing key, certificate and
+    TLS key (mode 0600), ca.crt and trusted_keys.json, never ca.key.  Each must load its
+    signing key and its TLS files (as the daemon checks them: valid, signed by the CA,
+    the key the certificate's) under its own name, and be given no plaintext flag."""
+    errors: list[str] = []
+    examples = DEPLOY / "systemd" / "env"
+    cases = [  # (unit, instance, env file, relay_shards, the daemon's name)
+        ("hypertrain-aggregator.service", "", "aggregator.env", 1, "aggregator"),
+        ("hypertrain-relay@.service", "eu", "relay-eu.env", 1, "relay-eu"),
+        ("hypertrain-relay@.service", "eu-1", "relay-eu-1.env", 2, "relay-eu-1"),
+        ("hypertrain-island@.service", "eu-0", "island-eu-0.env", 1, "island-eu-0"),
+    ]
+    for i, (unit, instance, file, shards, own) in enumerate(cases):
+        topo = dataclasses.replace(TopologyConfig(regions=("eu", "us")), relay_shards=shards)
+        made = tmp_path / f"made-{i}"
+        init_daemons(made, daemon_key_names(topo))
+        host = tmp_path / f"host-{i}"
+        host.mkdir(mode=0o700)
+        for f in [*relay_files(own), CA_CERT, "trusted_keys.json"]:
+            shutil.copy2(made / f, host / f)
+        svc = units[unit]["Service"]
+        defaults = dict(kv.split("=", 1) for kv in svc["Environment"].split())
+        env = {k: unit_argv(v, instance, {})[0] if v else "" for k, v in defaults.items()}
+        env |= env_file(examples / file)
+        argv = [
+            a.replace("/etc/hypertrain/keys/", f"{host}/")
+            for a in unit_argv(svc["ExecStart"], instance, env)
+        ]
+        if any("insecure" in a for a in argv):
+            errors.append(f"{unit} {instance}: plaintext ({argv})")
+        try:
+            cert = arg_path(argv, "--tls-cert")
+            if cert is None:
+                errors.append(f"{unit} {instance}: no --tls-cert")
+                continue
+            files = TlsFiles.load(cert, arg_path(argv, "--tls-key"), arg_path(argv, "--tls-ca"))
+            signing = arg_path(argv, "--signing-key")
+            key = load_signing_key(signing) if signing else None
+        except HypertrainError as e:
+            errors.append(f"{unit} {instance}: {e}")
+            continue
+        if files.name != own:
+            errors.append(f"{unit} {instance}: its certificate names {files.name}, not {own}")
+        if key is None or key.key_id != load_signing_key(made / f"{own}.key").key_id:
+            errors.append(f"{unit} {instance}: its signing key is not {own}'s")
+    return errors
+
+
+def test_systemd_units_run_mutual_tls_with_their_own_certificate(tmp_path: Path) -> None:
+    units = {n: parse_unit(DEPLOY / "systemd" / n) for n in UNITS}
+    assert unit_tls_errors(units, tmp_path / "good") == []
+    # ... and the check fails on units that get it wrong.
+    broken = [
+        ("no certificate", "hypertrain-aggregator.service", lambda v: re.sub(r" --tls-cert \S+", "", v)),
+        ("plaintext", "hypertrain-island@.service", lambda v: re.sub(r"--tls-cert \S+", "--insecure", v)),
+        ("a CA key path", "hypertrain-relay@.service", lambda v: v + " --tls-ca /etc/hypertrain/keys/ca.key"),
+        ("the region's certificate for a shard", "hypertrain-relay@.service", lambda v: v.replace("relay-%i.crt", "relay-${HYPERTRAIN_REGION}.crt")),
+    ]  # fmt: skip
+    for i, (what, name, edit) in enumerate(broken):
+        units = {n: parse_unit(DEPLOY / "systemd" / n) for n in UNITS}
+        units[name]["Service"]["ExecStart"] = edit(units[name]["Service"]["ExecStart"])
+        assert unit_tls_errors(units, tmp_path / str(i)), what
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")

@@ -165,7 +165,7 @@ CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 FENCED_NAME = re.compile(rf"(?<![\w./-])((?:hypertrain|[A-Z][A-Za-z0-9_]*)(?:\.{IDENT})+)")
 _EXTENSIONS = "py pyi md json jsonl csv png svg pt toml yaml yml txt key env service sysusers sh"
 FILE_EXTENSIONS = frozenset(
-    f"{_EXTENSIONS} proto log gz tar whl cfg ini lock conf pem html dockerignore".split(" ")
+    f"{_EXTENSIONS} proto log gz tar whl cfg ini lock conf pem crt html dockerignore".split(" ")
 )
 
 
