@@ -20,6 +20,12 @@ Invariants:
 - The first inputs of the order may be added before the others arrive (``EarlySum``, a
   relay adding each delta as it is accepted): per value the operations are the same, in
   the same order, so the mean has the same bits whichever way it was computed.
+- A robust rule (``RobustConfig``: norm clipping, a coordinate-wise trimmed mean, leaving
+  out deltas far above the median norm) replaces the mean where the run asks for one;
+  it is as deterministic (fixed member order, a stable sort, fp32 adds in order), and
+  what it decided (each input's norm, who was left out, the clip or trim) is part of
+  the commitment (``Commitment.robust``).  With the plain mean the commitment is what
+  it always was, byte for byte.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from statistics import median_low
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from hypertrain.common.codec import Codec
@@ -38,6 +46,9 @@ from hypertrain.common.codec.header import read_header
 from hypertrain.common.digest import CHUNK_BYTES, TensorHasher, blob_digest
 from hypertrain.common.errors import CodecError, HypertrainError
 from hypertrain.common.pages import drop_pages
+
+if TYPE_CHECKING:
+    from hypertrain.common.config import RobustConfig
 
 Blob = bytes | bytearray | memoryview
 """Encoded bytes as received (the transport fills a bytearray)."""
@@ -55,13 +66,18 @@ class Commitment:
     """sha256 of each member's encoded bytes, in the same order."""
     output_digest: str
     """tensor digest of the fp32 mean."""
+    robust: dict[str, Any] | None = None
+    """What a robust rule decided (``robust_record``); None: the plain mean."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "codec": self.codec,
             "inputs": [[m, d] for m, d in zip(self.members, self.input_digests, strict=True)],
             "output": self.output_digest,
         }
+        if self.robust is not None:  # the plain mean's commitments keep their digests
+            d["robust"] = self.robust
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Commitment:
@@ -72,9 +88,13 @@ class Commitment:
             codec, output = d["codec"], d["output"]
         except (KeyError, TypeError, ValueError) as e:
             raise HypertrainError(f"malformed commitment: {e!r}") from None
+        robust = d.get("robust")
         if not isinstance(codec, dict) or not isinstance(output, str):
             raise HypertrainError("malformed commitment: codec must be an object, output a string")
-        return cls(codec, tuple(m for m, _ in pairs), tuple(x for _, x in pairs), output)
+        if robust is not None and not isinstance(robust, dict):
+            raise HypertrainError("malformed commitment: robust must be an object")
+        members = tuple(m for m, _ in pairs)
+        return cls(codec, members, tuple(x for _, x in pairs), output, robust)
 
     @property
     def digest(self) -> str:
@@ -187,6 +207,7 @@ def streamed_mean(
     digests: Mapping[str, str] | None = None,
     prepare: Callable[[], None] | None = None,
     early: EarlySum | None = None,
+    robust: RobustConfig | None = None,
 ) -> Commitment:
     """The fixed-order fp32 mean of ``inputs``, one range of values at a time.
 
@@ -204,11 +225,14 @@ def streamed_mean(
     ``early``: the sum of the first inputs, already added (``EarlySum.begins`` them; they
     were validated when added).  The mean is then computed in ``early.acc``, range by
     range, and each range is handed to ``visit``, which may write over it; ``out`` must
-    be None."""
+    be None.
+
+    ``robust``: the rule that replaces the mean where it is not the plain one
+    (``robust_record``; no early sum then)."""
     if not inputs:
         raise HypertrainError("aggregate: no inputs")
     segment = Segment(0, math.prod(shape), inputs)
-    return segmented_mean([segment], codec, shape, visit, out, digests, prepare, early)
+    return segmented_mean([segment], codec, shape, visit, out, digests, prepare, early, robust)
 
 
 def segmented_mean(
@@ -220,6 +244,7 @@ def segmented_mean(
     digests: Mapping[str, str] | None = None,
     prepare: Callable[[], None] | None = None,
     early: EarlySum | None = None,
+    robust: RobustConfig | None = None,
 ) -> Commitment:
     """``streamed_mean`` of a tensor whose ranges have their own inputs: ``segments`` tile
     ``[0, numel)`` in order, and each range is the fixed-order mean of its segment's
@@ -269,6 +294,33 @@ def segmented_mean(
     longest = max(seg.numel for seg in segments)
     scratch = torch.empty(min(step, longest), dtype=torch.float32) if flat is None else None
     hasher = TensorHasher(torch.float32, tuple(shape))
+    if robust is not None and not robust.plain:
+        if len(segments) != 1 or early is not None:
+            raise HypertrainError("aggregate: a robust rule needs one segment and no early sum")
+        seg = segments[0]
+        rule = _Rule(robust, codec, dict(zip(sorted(seg.inputs), opened[0], strict=True)), step)
+        rule.decide(seg.numel)
+        if prepare is not None:
+            prepare()
+        for start in range(0, seg.numel, step):
+            n = min(step, seg.numel - start)
+            acc = flat[start : start + n] if flat is not None else scratch[:n]  # type: ignore[index]
+            rule.combine(acc, start)
+            for blob in seg.inputs.values():
+                drop_pages(blob)
+            hasher.update(acc)
+            if visit is not None:
+                visit(start, acc)
+        return Commitment(
+            codec=codec.spec.to_dict(),
+            members=tuple(rule.kept),
+            input_digests=tuple(
+                digests[m] if digests is not None and m in digests else blob_digest(seg.inputs[m])
+                for m in rule.kept
+            ),
+            output_digest=hasher.hexdigest(),
+            robust=rule.record(),
+        )
     if prepare is not None:
         prepare()
     for seg, ops in zip(segments, opened, strict=True):
@@ -303,6 +355,94 @@ def segmented_mean(
         input_digests=tuple(input_digests),
         output_digest=hasher.hexdigest(),
     )
+
+
+def delta_norm(codec: Codec, header: Any, prepared: Any, numel: int) -> float:
+    """The L2 norm of a validated input (``codec.open``'s ``header`` and ``prepared``),
+    decoded one range at a time into scratch (never whole), its squares summed in
+    float64 by numpy's pairwise sum, range after range.  Not torch's ``sum``: its
+    parallel reduction groups the terms by the process's thread count, and a relay, an
+    in-process run and an auditor must get the same bits whatever theirs are."""
+    step = _range_length(codec)
+    scratch = torch.empty(min(step, numel), dtype=torch.float32)
+    total = 0.0
+    for start in range(0, numel, step):
+        part = scratch[: min(step, numel - start)]
+        part.zero_()
+        codec.accumulate_range(header, prepared, part, start)
+        values = part.numpy().astype(np.float64)
+        total += float(np.sum(values * values))
+    return math.sqrt(total)
+
+
+class _Rule:
+    """A robust rule at one commit: what it decides from the inputs' norms, and how it
+    combines one range of them (``RobustConfig``)."""
+
+    def __init__(
+        self, cfg: RobustConfig, codec: Codec, ops: dict[str, tuple[Any, Any]], step: int
+    ) -> None:
+        self.cfg, self.codec, self.ops, self.step = cfg, codec, ops, step
+        self.norms: dict[str, float] = {}
+        self.kept: list[str] = sorted(ops)
+        self.bound: float | None = None  # norm_median's bound, where it applied
+        self.scale: dict[str, float] = dict.fromkeys(self.kept, 1.0)
+        self.clip_norm: float | None = None
+        self.trim = 0
+
+    def decide(self, numel: int) -> None:
+        cfg = self.cfg
+        self.norms = {m: delta_norm(self.codec, *self.ops[m], numel) for m in self.kept}
+        if cfg.norm_median and len(self.kept) >= 3:
+            self.bound = cfg.norm_median * median_low(self.norms.values())
+            self.kept = [m for m in self.kept if self.norms[m] <= self.bound]
+        if cfg.rule == "clip":
+            c = self.clip_norm = cfg.clip * median_low(self.norms[m] for m in self.kept)
+            self.scale = {m: c / self.norms[m] if self.norms[m] > c else 1.0 for m in self.kept}
+        elif cfg.rule == "trimmed_mean":
+            self.trim = min(cfg.trim, (len(self.kept) - 1) // 2)
+
+    def combine(self, acc: torch.Tensor, start: int) -> None:
+        """``acc`` = the rule's combination of every kept input's values at
+        ``[start, start + acc.numel())``."""
+        kept, n = self.kept, acc.numel()
+        if self.trim:
+            rows = torch.zeros((len(kept), n), dtype=torch.float32)
+            for row, m in zip(rows, kept, strict=True):
+                self.codec.accumulate_range(*self.ops[m], row, start)
+            ordered = torch.sort(rows, dim=0, stable=True).values
+            acc.zero_()
+            for row in ordered[self.trim : len(kept) - self.trim]:
+                acc.add_(row)
+            acc.div_(len(kept) - 2 * self.trim)
+            return
+        acc.zero_()
+        tmp = None
+        for m in kept:
+            s = self.scale[m]
+            if s == 1.0:
+                self.codec.accumulate_range(*self.ops[m], acc, start)
+                continue
+            tmp = torch.zeros(n, dtype=torch.float32) if tmp is None else tmp.zero_()
+            self.codec.accumulate_range(*self.ops[m], tmp, start)
+            acc.add_(tmp.mul_(s))
+        acc.div_(len(kept))
+
+    def record(self) -> dict[str, Any]:
+        """What was decided, for the commitment and the tape (figures as exact decimal
+        strings: a tape holds no floats)."""
+        out: dict[str, Any] = {
+            "rule": self.cfg.rule,
+            "norms": {m: repr(v) for m, v in sorted(self.norms.items())},
+        }
+        if self.bound is not None:
+            out["bound"] = repr(self.bound)
+            out["left_out"] = sorted(set(self.norms) - set(self.kept))
+        if self.clip_norm is not None:
+            out["clip_norm"] = repr(self.clip_norm)
+        if self.cfg.rule == "trimmed_mean":
+            out["trim"] = self.trim
+        return out
 
 
 def aggregate(

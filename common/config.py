@@ -163,6 +163,61 @@ class MembershipConfig:
         return max(1, min(units, need))
 
 
+ROBUST_RULES = ("mean", "clip", "trimmed_mean")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RobustConfig:
+    """Defences of a region's mean against islands that send well-formed but hostile
+    deltas (docs/design.md): bounds on a delta's L2 norm, and the rule that combines a
+    step's deltas.  Regional only: the aggregator's inputs are the relays' forwards.
+    Omitted from the canonical config while every field has its default (the plain mean,
+    no bound)."""
+
+    rule: str = "mean"
+    """How a regional sync step's deltas are combined: ``mean`` (fixed-order fp32 mean);
+    ``clip`` (each delta scaled down to at most ``clip`` times the median of the step's
+    deltas' norms, then the mean); ``trimmed_mean`` (per coordinate, the ``trim``
+    largest and ``trim`` smallest values are left out; fewer when the step has too few
+    deltas to leave one)."""
+    clip: float = 2.0
+    """``clip``: the largest norm a delta keeps, as a multiple of the step's median."""
+    trim: int = 1
+    """``trimmed_mean``: values left out at each end, per coordinate."""
+    max_norm: float = 0.0
+    """An island's delta whose L2 norm is above this is refused when it arrives (taped
+    with its norm); 0: no bound."""
+    norm_median: float = 0.0
+    """At a regional commit with at least 3 deltas, a delta whose norm is above this
+    multiple of the median norm is left out of the mean (the merge entry names it with
+    its norm); 0: never."""
+
+    def __post_init__(self) -> None:
+        if self.rule not in ROBUST_RULES:
+            raise ConfigError(
+                f"robust: rule must be one of {', '.join(ROBUST_RULES)}, got {self.rule!r}"
+            )
+        for name in ("clip", "max_norm", "norm_median"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < float("inf"):
+                raise ConfigError(f"robust: {name} must be a finite number >= 0, got {v!r}")
+        if self.rule == "clip" and not self.clip >= 1:
+            raise ConfigError(
+                f"robust: clip must be >= 1 (a multiple of the median), got {self.clip}"
+            )
+        if self.norm_median and self.norm_median < 1:
+            raise ConfigError(
+                f"robust: norm_median must be 0 (off) or >= 1, got {self.norm_median}"
+            )
+        if isinstance(self.trim, bool) or not isinstance(self.trim, int) or self.trim < 1:
+            raise ConfigError(f"robust: trim must be an integer >= 1, got {self.trim!r}")
+
+    @property
+    def plain(self) -> bool:
+        """The plain mean of every delta: nothing to measure at a commit."""
+        return self.rule == "mean" and not self.norm_median
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """Everything that changes the numbers of a run."""
@@ -199,6 +254,9 @@ class RunConfig:
     count, so it is part of the config: equal threads give equal bits."""
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     """Cutoffs and quorums (absent from ``to_dict`` while all default)."""
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    """Norm bounds and the regional combination rule (absent from ``to_dict`` while all
+    default)."""
 
     def __post_init__(self) -> None:
         if self.model_shape is None:
@@ -252,6 +310,11 @@ class RunConfig:
                 "run: membership cutoffs do not work with relay_shards > 1 yet; "
                 "use one relay per region, or no cutoff"
             )
+        if not self.robust.plain and self.topology.relay_shards > 1:
+            raise ConfigError(
+                "run: a robust rule or norm_median works on whole deltas: not with "
+                "relay_shards > 1 yet"
+            )
         if self.outer.name == "sparseloco" and not self.global_codec.startswith("sparseloco"):
             raise ConfigError(
                 "run: the sparseloco outer optimizer needs a sparseloco global_codec "
@@ -281,6 +344,8 @@ class RunConfig:
                 if "standby" in mem:
                     mem["standby"] = tuple(mem["standby"])
                 d["membership"] = MembershipConfig(**mem)
+            if "robust" in d:
+                d["robust"] = RobustConfig(**d["robust"])
             if isinstance(d.get("model_shape"), dict):
                 d["model_shape"] = ModelConfig(**d["model_shape"])
             return cls(**d)
@@ -315,6 +380,8 @@ class RunConfig:
             del d["model_shape"]
         if self.topology.relay_shards == 1:  # configs from before shards keep their digest
             del d["topology"]["relay_shards"]
+        if self.robust == RobustConfig():  # ... and from before robust rules
+            del d["robust"]
         if self.membership == MembershipConfig():  # ... and from before cutoffs
             del d["membership"]
         elif not self.membership.standby:  # ... and from before joins

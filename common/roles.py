@@ -407,8 +407,9 @@ class RegionCore:
         that buffer holds the base that islands are fetching, and a separate sum would be
         a third model-sized tensor: the commit sums those steps as before.
         A delta that fails to decode here leaves no sum (the commit then validates
-        every input and refuses the bad one as it always did)."""
-        if not self._base_is_theta:
+        every input and refuses the bad one as it always did).  Never under a robust rule
+        (``RobustConfig``): it needs every delta before it adds any."""
+        if not self._base_is_theta or not self.cfg.robust.plain:
             return
         early = self._early
         wanted = EarlySum.next_of([] if early is None else early.members, members, delivered)
@@ -465,6 +466,7 @@ class RegionCore:
             out=mean if early is None else None,
             digests=digests,
             early=early,
+            robust=self.cfg.robust,
         )
         self._base_is_theta = False
         return mean, commitment

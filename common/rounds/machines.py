@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from hypertrain.common import planted
-from hypertrain.common.aggregate import Blob, Commitment
+from hypertrain.common.aggregate import Blob, Commitment, delta_norm
 from hypertrain.common.codec import Codec, ErrorFeedback
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest, zeros_digest
@@ -574,13 +574,22 @@ class _Level:
         if replayed:
             return None
         numel = self.numel if self.numel_of is None else self.numel_of(d.sender)
+        max_norm = cfg.robust.max_norm if self.level == "regional" else 0.0
         try:  # full validation (header, checksum, payload) without decoding to fp32
             header, prepared = self.codec.open(d.data, (numel,))
             reach = self.codec.magnitude(header, prepared)
+            norm = delta_norm(self.codec, header, prepared, numel) if max_norm else 0.0
         except HypertrainError as e:
             return Decision(INVALID, f"rejected delta from {d.sender} for step {s}: {e}")
         finally:
             drop_pages(d.data)  # read whole; not needed resident until the commit
+        if norm > max_norm:
+            return Decision(
+                INVALID,
+                f"rejected delta from {d.sender} for step {s}: its L2 norm {norm!r} is over "
+                f"the run's bound of {max_norm!r} (robust.max_norm)",
+                evidence=True,
+            )
         limit = MAX_VALUE[self.level]
         if reach > limit:
             return Decision(
@@ -955,6 +964,7 @@ class RelayMachine:
             pre_base=pre,
             post_base=post,
             absent=absent or None,
+            robust=tape_safe(commitment.robust) if commitment.robust is not None else None,
         )
         regional = Committed(
             "regional",

@@ -131,6 +131,7 @@ _TYPES: dict[str, Any] = {
     "str": str,
     "Members": Members,
     "dict[str, Any]": dict,
+    "dict[str, Any] | None": dict,
     "int | None": int,
     "str | None": str,
     "Names": Names,
@@ -206,7 +207,7 @@ class RegionalMergeEntry(_Record):
     """A relay's committed regional mean and how its base moved."""
 
     KIND: ClassVar[str] = "regional_merge"
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"absent"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"absent", "robust"})
     round: int
     sync_step: int
     tau: int
@@ -219,6 +220,9 @@ class RegionalMergeEntry(_Record):
     post_base: str
     absent: Names | None = None
     """Members that had not delivered when the step committed after its cutoff."""
+    robust: dict[str, Any] | None = None
+    """What the run's robust rule decided (``aggregate.Commitment.robust``: each input's
+    norm, who was left out, the clip or the trim); absent for the plain mean."""
 
 
 @dataclass(frozen=True, slots=True)
