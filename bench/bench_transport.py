@@ -30,8 +30,11 @@ Baseline: the same bytes over a loopback TCP socket, ``sendall`` from a thread a
 
 - ``--tls``: every figure again against a second server that requires mutual TLS
   (``wire/tls.py``, certificates from ``hypertrain keys init``), the client presenting
-  an island's certificate, interleaved with the plaintext runs; ``tls_over_plain`` is
-  push/spool over TLS against push/spool in plaintext, target >= 0.8 (issue 14).
+  an island's certificate, interleaved with the plaintext runs.  ``tls_over_plain``: the
+  relay's durable push (the faster of push/spool and push/serial-spool, in each mode:
+  the overlapped path is not always the faster on 2 cores) over TLS against plaintext,
+  target >= 0.8 (issue 14); ``tls`` has every figure's own ratio (push/bare: what TLS
+  costs where nothing else limits).
 
 Both processes tune glibc's allocator as every daemon does (``options.tune_allocator``,
 called by ``make_server`` and ``connect``).
@@ -327,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows_of(best, size)
         if args.tls:
             tls = {m: best[m] / best[m + "+tls"] for m in modes}
+            durable = ("push/spool", "push/serial-spool")
+            tls["durable"] = min(best[m] for m in durable) / min(best[m + "+tls"] for m in durable)
         if args.sweep:
             for kib in SWEEP_KIB:
                 best = measure(data, kib << 10, args.repeat, work, ["push/spool", "merge/reuse"])
@@ -342,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if tls:
         print("\n# over mutual TLS, as a share of the same figure in plaintext (same run)")
         for m, ratio in tls.items():
-            verdict = ("PASS" if ratio >= TLS_TARGET else "FAIL") if m == "push/spool" else ""
-            target = f"{TLS_TARGET:.2f}" if m == "push/spool" else "-"
+            verdict = ("PASS" if ratio >= TLS_TARGET else "FAIL") if m == "durable" else ""
+            target = f"{TLS_TARGET:.2f}" if m == "durable" else "-"
             print(f"{m + ' tls/plain':<28}{'':>9}{ratio:>8.3f}{target:>8}  {verdict}")
     if sweep:
         print("\n# chunk-size sweep (each with its own interleaved baseline)")
@@ -359,12 +364,12 @@ def main(argv: list[str] | None = None) -> int:
             "other_processes_cores": others,
             "figures": rows,
             "sweep": sweep,
-            **({"tls_over_plain": tls["push/spool"], "tls": tls} if tls else {}),
+            **({"tls_over_plain": tls["durable"], "tls": tls} if tls else {}),
         }
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     failed = [r["figure"] for r in rows if r["target"] and r["ratio"] < r["target"]]
-    if tls and tls["push/spool"] < TLS_TARGET:
-        failed.append("push/spool tls/plain")
+    if tls and tls["durable"] < TLS_TARGET:
+        failed.append("durable push tls/plain")
     return 1 if failed else 0
 
 

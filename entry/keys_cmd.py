@@ -5,6 +5,7 @@ run's TLS CA and certificates.
     hypertrain keys init keys/ --config run.toml   # the daemons of that run
     hypertrain keys init keys/ --names aggregator,relay-eu --force
     hypertrain keys cert keys/ relay-eu            # a new certificate (rotation)
+    hypertrain keys ca keys/ --force               # a new CA, and every certificate again
 
 ``init`` writes, for aggregator, relay-<region> and island-<island id> of the run
 config (default regions eu,us with 2 islands each): ``DIR/<name>.key`` (the signing
@@ -15,7 +16,9 @@ signed by it (``hypertrain.common.trust.certs``).  Prints one line per daemon,
 ``key name=N id=KEYID file=PATH cert=PATH expires=YYYY-MM-DD``, then
 ``keys init: keys=K dir=DIR trusted=PATH ca=PATH``.  ``cert`` issues new certificates
 and TLS keys for the named daemons with the folder's CA, replacing the old ones (one
-line each, ``cert name=N file=PATH expires=YYYY-MM-DD``).  Bad input (existing keys
+line each, ``cert name=N file=PATH expires=YYYY-MM-DD``).  ``ca`` makes a new CA
+(``--force`` to replace one) and issues every certificate in the folder again with it,
+signing keys untouched (``ca file=PATH`` then the ``cert`` lines).  Bad input (existing keys
 without --force, a bad name, a bad config, no CA) exits 2 with one line
 ``hypertrain keys <command>: error: ...`` on stderr.
 """
@@ -33,6 +36,7 @@ from hypertrain.common.trust.certs import (
     CERT_DAYS,
     TlsFiles,
     cert_path,
+    init_ca,
     init_daemons,
     issue,
 )
@@ -46,7 +50,7 @@ from hypertrain.common.trust.keys import (
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``keys`` (with its ``init`` subcommand) to the top-level parser."""
     keys = subparsers.add_parser("keys", help="signing keys and TLS certificates of the daemons")
-    sub = keys.add_subparsers(dest="keys_command", metavar="{init,cert}", required=True)
+    sub = keys.add_subparsers(dest="keys_command", metavar="{init,cert,ca}", required=True)
     p = sub.add_parser(
         "init",
         help="per daemon: a signing key and a TLS certificate; the trusted list and the CA",
@@ -89,6 +93,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--days", type=int, default=CERT_DAYS, help=f"certificate lifetime (default {CERT_DAYS})"
     )
     c.set_defaults(func=run_cert)
+    a = sub.add_parser(
+        "ca",
+        help="a new run CA, and every certificate in DIR issued again by it",
+        description=(
+            "Make a new run CA in DIR (replacing an existing one only with --force) and "
+            "issue every daemon certificate in DIR again with it; signing keys and the "
+            "trusted list are not touched. Every daemon then needs its new certificate "
+            "and the new ca.crt, and a restart."
+        ),
+    )
+    a.add_argument("dir", type=Path, metavar="DIR", help="the key folder")
+    a.add_argument("--force", action="store_true", help="replace an existing CA")
+    a.add_argument(
+        "--days", type=int, default=CERT_DAYS, help=f"certificate lifetime (default {CERT_DAYS})"
+    )
+    a.set_defaults(func=run_ca)
 
 
 def run_init(args: argparse.Namespace) -> int:
@@ -126,6 +146,21 @@ def run_cert(args: argparse.Namespace) -> int:
             print(f"cert name={n} file={cert} {_expiry(cert)}")
     except HypertrainError as e:
         return _fail("cert", str(e))
+    return 0
+
+
+def run_ca(args: argparse.Namespace) -> int:
+    """Handler of ``keys ca``; returns the exit code."""
+    try:
+        _check_days(args.days)
+        names = sorted(p.name.removesuffix(".crt") for p in args.dir.glob("*.crt"))
+        names = [n for n in names if n != CA_CERT.removesuffix(".crt")]
+        print(f"ca file={init_ca(args.dir, force=args.force)}")
+        for n in names:
+            cert = issue(args.dir, n, days=args.days, force=True)
+            print(f"cert name={n} file={cert} {_expiry(cert)}")
+    except HypertrainError as e:
+        return _fail("ca", str(e))
     return 0
 
 

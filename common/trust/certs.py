@@ -123,8 +123,8 @@ def init_ca(directory: Path, *, force: bool = False, days: int = CA_DAYS) -> Pat
     crt, key_file = directory / CA_CERT, directory / CA_KEY
     if (crt.exists() or key_file.exists()) and not force:
         raise KeyFileError(
-            f"{crt} already exists; pass --force to make a new CA (every certificate the "
-            "old one issued is then refused)"
+            f"{crt} already exists; `hypertrain keys ca DIR --force` makes a new CA (and "
+            "issues every certificate in DIR again: the old CA's are then refused)"
         )
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"hypertrain run CA {token_hex(4)}")])

@@ -40,9 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_run_config(args)
         settings = load_settings(args, AggregatorSettings)
         shutdown = Shutdown()
-        security = load_security(settings, AGGREGATOR_KEY)
-        key, trusted = load_identity(settings)
         metrics = Metrics("aggregator")
+        security = load_security(settings, AGGREGATOR_KEY, metrics)
+        key, trusted = load_identity(settings)
         start_metrics(settings, metrics)
         service = AggregatorService(
             cfg, settings.state_path, shutdown, metrics, key, trusted, security

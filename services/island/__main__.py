@@ -69,14 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not torch.cuda.is_available():
                 return fail("island", "--device cuda: no CUDA device is visible to this process")
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        security = load_security(settings, island_key(settings.island_id))
+        metrics = Metrics("island")
+        security = load_security(settings, island_key(settings.island_id), metrics)
         key, _ = load_identity(settings)
         stop = threading.Event()
         if island_ranks.world_size() > 1:
             die_with_parent(signal.SIGKILL)  # never outlive torchrun
         ranks = island_ranks.from_environment(stop, device)
         lead = ranks is None or ranks.rank == 0
-        metrics = Metrics("island")
         if lead:  # one island, one metrics endpoint
             start_metrics(settings, metrics)
         # Connected lazily: an island started before its relay waits for it (and says so).

@@ -54,9 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         state_dir = settings.state_path
         shutdown = Shutdown()
         name = relay_key(relay_member(region, shard, cfg.topology.relay_shards))
-        security = load_security(settings, name)
-        key, trusted = load_identity(settings)
         metrics = Metrics("relay")
+        security = load_security(settings, name, metrics)
+        key, trusted = load_identity(settings)
         start_metrics(settings, metrics)
         service = RelayService(
             cfg,

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import datetime as dt
 import os
 import signal
 import sys
@@ -147,10 +148,12 @@ def load_identity(settings: DaemonSettings) -> tuple[SigningKey | None, TrustedK
     return load_signing_key(settings.signing_key), TrustedKeys.load(trusted)
 
 
-def load_security(settings: DaemonSettings, name: str) -> Security:
+def load_security(settings: DaemonSettings, name: str, metrics: Metrics) -> Security:
     """Mutual TLS with the daemon's certificate, which must name it (``name``:
     island-eu-0, relay-eu, aggregator), or plaintext with ``insecure`` (a server then
-    only on loopback); ConfigError / KeyFileError naming the problem otherwise."""
+    only on loopback); ConfigError / KeyFileError naming the problem otherwise.  Logs
+    when the certificate expires (a warning within ``EXPIRY_WARNING_DAYS``) and exports
+    it (``hypertrain_tls_cert_expiry_timestamp_seconds``)."""
     role = settings.TABLE
     if settings.insecure:
         if role != "island":  # an island serves nothing
@@ -165,7 +168,23 @@ def load_security(settings: DaemonSettings, name: str) -> Security:
     files = TlsFiles.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
     if files.name != name:
         raise ConfigError(f"certificate {settings.tls_cert} names {files.name}, not {name}")
+    left = files.not_after - dt.datetime.now(dt.UTC)
+    log_event(
+        "tls" if left > dt.timedelta(days=EXPIRY_WARNING_DAYS) else "warning",
+        role=role,
+        name=name,
+        expires=f"{files.not_after:%Y-%m-%dT%H:%M:%SZ}",
+        days_left=left.days,
+        **({} if left > dt.timedelta(days=EXPIRY_WARNING_DAYS) else {
+            "message": "TLS certificate expires soon: hypertrain keys cert DIR NAME"
+        }),
+    )  # fmt: skip
+    metrics.cert_expiry.labels(metrics.role).set(files.not_after.timestamp())
     return Security.tls(files)
+
+
+#: A daemon whose certificate expires within this many days says so at start (warning).
+EXPIRY_WARNING_DAYS = 30
 
 
 def call_guard(settings: DaemonSettings, metrics: Metrics) -> CallGuard:

@@ -48,6 +48,12 @@ class Metrics:
         )
         isl = ["region", "island"]
         self.up = Gauge("hypertrain_up", "1 while the daemon serves its run", ["role"], registry=r)
+        self.cert_expiry = Gauge(
+            "hypertrain_tls_cert_expiry_timestamp_seconds",
+            "When this daemon's TLS certificate expires (Unix time; absent in plaintext)",
+            ["role"],
+            registry=r,
+        )
         self.inner_steps = Counter(
             "hypertrain_inner_steps_total", "Inner optimizer steps", isl, registry=r
         )

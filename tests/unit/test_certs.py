@@ -50,7 +50,7 @@ def test_ensure_keeps_the_ca_and_adds_only_missing_certificates(tmp_path: Path) 
     assert (tmp_path / "ca.crt").read_bytes() == ca
     assert cert_path(tmp_path, "aggregator").read_bytes() == agg
     assert TlsFiles.load(cert_path(tmp_path, "relay-eu")).name == "relay-eu"
-    with pytest.raises(KeyFileError, match="already exists; pass --force"):
+    with pytest.raises(KeyFileError, match="already exists; `hypertrain keys ca DIR --force`"):
         init_ca(tmp_path)
     with pytest.raises(KeyFileError, match="already exists; pass --force"):
         issue(tmp_path, "relay-eu")
@@ -107,3 +107,43 @@ def test_keys_cert_rotates_a_certificate_under_the_same_ca(
     assert "bad key name 'Bad Name'" in capsys.readouterr().err
     assert cli(["keys", "cert", str(tmp_path / "none"), "relay-eu"]) == 2
     assert "ca.crt does not exist" in capsys.readouterr().err
+
+
+def test_a_daemon_says_when_its_certificate_expires_and_warns_when_soon(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hypertrain.common.settings import AggregatorSettings
+    from hypertrain.wire.daemon import load_security
+    from hypertrain.wire.metrics import Metrics
+
+    init_daemons(tmp_path, ["aggregator"])
+    metrics = Metrics("aggregator")
+    settings = AggregatorSettings(tls_cert=cert_path(tmp_path, "aggregator"))
+    assert load_security(settings, "aggregator", metrics).name == "aggregator"
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("event=tls role=aggregator name=aggregator expires=")
+    expiry = metrics.cert_expiry.labels("aggregator")._value.get()
+    assert expiry == pytest.approx((NOW + dt.timedelta(days=365)).timestamp(), abs=600)
+    issue(tmp_path, "aggregator", days=10, force=True)
+    load_security(settings, "aggregator", metrics)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("event=warning") and "days_left=9" in line and "keys cert" in line
+
+
+def test_keys_ca_makes_a_new_ca_and_reissues_every_certificate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = tmp_path / "k"
+    assert cli(["keys", "init", str(d), "--names", "aggregator,relay-eu"]) == 0
+    signing = (d / "relay-eu.key").read_bytes()
+    old_ca = (d / "ca.crt").read_bytes()
+    capsys.readouterr()
+    assert cli(["keys", "ca", str(d)]) == 2  # an existing CA is replaced only with --force
+    assert "keys ca DIR --force" in capsys.readouterr().err
+    assert cli(["keys", "ca", str(d), "--force"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"ca file={d / 'ca.crt'}"
+    assert [line.split()[1] for line in out[1:]] == ["name=aggregator", "name=relay-eu"]
+    assert (d / "ca.crt").read_bytes() != old_ca and (d / "relay-eu.key").read_bytes() == signing
+    for name in ("aggregator", "relay-eu"):
+        assert TlsFiles.load(cert_path(d, name)).name == name  # issued by the new CA
