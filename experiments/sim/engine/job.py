@@ -98,9 +98,10 @@ _RUN_MAPPED = frozenset({
     "model", "model_shape", "seed", "steps", "batch_per_island", "topology", "inner", "outer",
     "regional_codec", "global_codec", "ef_beta", "data", "holdout_windows",
 })  # fmt: skip
-_RUN_FIXED = frozenset({"run_id", "threads", "membership"})
+_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust"})
 """RunConfig fields that are not the simulator's: a job's run keeps their defaults (the
-simulator has no clock and takes no cutoffs)."""
+simulator has no clock and takes no cutoffs, and its islands are all honest: robust rules
+are the daemons' defence against hostile ones)."""
 _TOPO_MAPPED = frozenset({"regions", "islands_per_region", "h_r", "h_g", "tau"})
 _TOPO_FIXED = frozenset({"relay_shards"})
 """TopologyConfig fields that are not the simulator's: how many processes a region's relay
