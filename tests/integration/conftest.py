@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from hypertrain.common.config import RunConfig
+from hypertrain.common.trust.certs import cert_path
 from hypertrain.procs import Child, child_env, python_module
-from hypertrain.up import Progress, config_toml, identity_flags, start_cluster, supervise
+from hypertrain.up import Progress, config_toml, start_cluster, supervise
 
 
 def free_port() -> int:
@@ -64,18 +65,18 @@ class Cluster:
         return child
 
     def spawn_region(
-        self, region: str = "eu", keys: Path | None = None, tls: bool = False
+        self, region: str = "eu", keys: Path | None = None, tls: bool = False, sign: bool = True
     ) -> Child:
-        """The aggregator and ``region``'s relay, each with its signing key from ``keys``
-        (None: unsigned, no tape) and with ``tls`` its certificate (else plaintext);
-        returns the relay, listening."""
+        """The aggregator and ``region``'s relay, from the key folder ``keys`` (None:
+        neither signing nor TLS): each with its signing key unless not ``sign`` (then
+        unsigned, no tape, no keys pinned), and with ``tls`` its certificate (else
+        plaintext); returns the relay, listening."""
 
         def signed(name: str) -> tuple[str, ...]:
             if keys is None:
                 return ()
-            return (
-                identity_flags(keys, name) if tls else ("--signing-key", str(keys / f"{name}.key"))
-            )
+            key = ("--signing-key", str(keys / f"{name}.key")) if sign else ()
+            return (*key, "--tls-cert", str(cert_path(keys, name))) if tls else key
 
         agg = self.spawn(
             "aggregator",

@@ -1,7 +1,9 @@
-"""Bad deltas sent by a test client to a real relay process: each gets its status, none counts."""
+"""Bad deltas sent by test clients to a real relay process over mutual TLS, each client
+holding an island's certificate: each gets its status, none counts."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,11 +14,15 @@ import torch
 
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import make_codec
+from hypertrain.common.codec.header import read_header
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.roles import initial_parameters
+from hypertrain.common.trust.certs import TlsFiles, cert_path, init_daemons
+from hypertrain.common.trust.keys import daemon_key_names
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import connect, fetch_merge, push_delta, relay_stub
+from hypertrain.wire.tls import Security
 from tests.integration.conftest import raw_call
 
 CFG = RunConfig.from_dict(
@@ -50,13 +56,29 @@ def _header(data: bytes, **changes: object) -> pb.TransferHeader:
 
 
 @pytest.fixture(scope="module")
-def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path, grpc.Channel]]:
+def relay(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Any, Path, grpc.Channel, dict[str, Any]]]:
+    """(eu-0's stub, the relay's published folder, eu-0's channel, a stub per island)."""
     from tests.integration.conftest import Cluster
 
     cluster = Cluster(CFG, tmp_path_factory.mktemp("bad-input"))
+    keys = cluster.run_dir / "keys"
+    init_daemons(keys, daemon_key_names(CFG.topology))
     try:
-        channel = connect(cluster.spawn_region("eu").wait_listening())
-        yield relay_stub(channel), cluster.run_dir / "relay-eu" / "published", channel
+        # TLS, but nothing signed: the deltas here are refused for what they hold
+        address = cluster.spawn_region("eu", keys, tls=True, sign=False).wait_listening()
+        channels = {
+            i: connect(
+                address,
+                security=Security.tls(TlsFiles.load(cert_path(keys, f"island-{i}"))),
+                peer="relay-eu",
+            )
+            for i in CFG.topology.islands_of("eu")
+        }
+        stubs = {i: relay_stub(c) for i, c in channels.items()}
+        published = cluster.run_dir / "relay-eu" / "published"
+        yield stubs["eu-0"], published, channels["eu-0"], stubs
     finally:
         cluster.stop()
 
@@ -72,7 +94,18 @@ CASES = {
         "not a sync step",
     ),
     "step ahead": (GOOD, {"sync_step": 10}, grpc.StatusCode.FAILED_PRECONDITION, "ahead"),
-    "not in region": (GOOD, {"sender": "us-0"}, grpc.StatusCode.INVALID_ARGUMENT, "not a member"),
+    "not in region": (
+        GOOD,
+        {"sender": "us-0"},
+        grpc.StatusCode.PERMISSION_DENIED,
+        "may not push as 'us-0': not a member this server serves",
+    ),
+    "another island": (
+        GOOD,
+        {"sender": "eu-1"},
+        grpc.StatusCode.PERMISSION_DENIED,
+        "names island-eu-0; only island-eu-1 may push as eu-1",
+    ),
     "wrong shape": (_blob(1, numel=1000), {}, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
     "wrong codec name": (GOOD, {"codec": "fp32"}, grpc.StatusCode.INVALID_ARGUMENT, "wrong codec"),
     "bytes of another codec": (
@@ -82,6 +115,20 @@ CASES = {
         "encoded with codec",
     ),
 }
+
+
+def _nan_scale() -> bytes:
+    """GOOD with its first int8 scale NaN, checksum recomputed: only the payload's own
+    validation can refuse it."""
+    from tests.unit.test_codec_hostile import reseal
+
+    forged = bytearray(GOOD)
+    start = read_header(forged).header_len
+    forged[start : start + 4] = struct.pack("<f", float("nan"))
+    return reseal(forged)
+
+
+CASES["NaN"] = (_nan_scale(), {}, grpc.StatusCode.INVALID_ARGUMENT, "scale holds NaN or inf")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -99,15 +146,35 @@ def test_finite_values_that_would_overflow_the_sum_are_refused(relay) -> None:  
     refused before it reaches the sum, with the figure (a relay with a key tapes it with
     its digest: tests/unit/test_machines.py); the next test completes the round with
     honest deltas and checks that the merge holds only theirs."""
-    stub, published, _ = relay
+    _, published, _, stubs = relay
     huge = CODEC.encode(torch.full((NUMEL,), 2.0**127))
     for sender in ("eu-0", "eu-1"):
         with pytest.raises(grpc.RpcError) as err:
-            push_delta(stub.PushDelta, _header(huge, sender=sender), huge)
+            push_delta(stubs[sender].PushDelta, _header(huge, sender=sender), huge)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert "its values reach 1.701e+38" in err.value.details()
         assert "overflow" in err.value.details()
     assert blob_digest(huge) not in {p.name for p in published.iterdir()}
+
+
+@pytest.mark.parametrize(
+    ("parts", "code", "words"),
+    [
+        (
+            [_header(GOOD, size=2**62)],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "over this receiver's limit",
+        ),
+        ([_header(GOOD), GOOD, b"x"], grpc.StatusCode.INVALID_ARGUMENT, "too long"),
+    ],
+    ids=["declared size near 2^62", "more bytes than declared"],
+)
+def test_a_transfer_that_lies_about_its_size_is_refused(relay, parts, code, words) -> None:  # type: ignore[no-untyped-def]
+    stub, *_ = relay
+    stream = [pb.DeltaChunk(header=p) if isinstance(p, pb.TransferHeader) else p for p in parts]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushDelta(iter(stream), timeout=30)
+    assert err.value.code() == code and words in err.value.details(), err.value.details()
 
 
 HEADER = pb.DeltaChunk(header=_header(GOOD)).SerializeToString()
@@ -155,7 +222,7 @@ def test_a_round_or_step_beyond_64_bits_is_refused_naming_the_field(  # type: ig
 ) -> None:
     """Was the tape's "does not fit in 64 bits; store it as a string" (and a leave with such
     a step changed the members before failing to tape)."""
-    stub, *_ = relay
+    stub = relay[3]["eu-1" if method == "Member" else "eu-0"]  # a leave of eu-1: by eu-1
     with pytest.raises(grpc.RpcError) as err:
         if method == "PushDelta":
             stub.PushDelta(iter(request_), timeout=30)
@@ -169,7 +236,7 @@ def test_a_round_or_step_beyond_64_bits_is_refused_naming_the_field(  # type: ig
 
 
 def test_corrupt_truncated_and_conflicting_then_the_round_is_unchanged(relay) -> None:  # type: ignore[no-untyped-def]
-    stub, published, _ = relay
+    stub, published, _, stubs = relay
     flipped = bytearray(GOOD)
     flipped[len(flipped) // 2] ^= 0xFF
     flipped_b = bytes(flipped)
@@ -206,7 +273,7 @@ def test_corrupt_truncated_and_conflicting_then_the_round_is_unchanged(relay) ->
     )
 
     second = _blob(4)
-    push_delta(stub.PushDelta, _header(second, sender="eu-1"), second)
+    push_delta(stubs["eu-1"].PushDelta, _header(second, sender="eu-1"), second)
     request = pb.MergeRequest(run_id=CFG.run_id, requester="eu-0", sync_step=5, kind="regional")
     header, merged = fetch_merge(stub.FetchMerge, request, numel=NUMEL, timeout=60)
     mean, commitment = aggregate({"eu-0": GOOD, "eu-1": second}, CODEC, (NUMEL,))

@@ -1,5 +1,6 @@
-"""A real relay with keys under a flood of refused pushes: nothing unauthenticated reaches
-its tape, and an authenticated sender's refusals are taped only up to its allowance."""
+"""A real relay with keys, over mutual TLS, under a flood of refused pushes from a holder
+of island eu-0's certificate: nothing unsigned or forged reaches its tape, and an
+authenticated sender's refusals are taped only up to its allowance."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import torch
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.rounds.node import MAX_TAPED_REFUSALS
-from hypertrain.common.trust.keys import daemon_key_names, init_keys, load_signing_key
+from hypertrain.common.trust.certs import TlsFiles, cert_path, init_daemons
+from hypertrain.common.trust.keys import daemon_key_names, load_signing_key
 from hypertrain.common.trust.tape_format import read_tape
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import connect, push_delta, relay_stub, transfer_header
+from hypertrain.wire.tls import Security
 from tests.integration.conftest import Cluster
 from tests.integration.test_bad_input import CFG, CODEC, NUMEL
 
@@ -32,9 +35,11 @@ def _delta(step: int = 5, sender: str = "eu-0") -> Delta:
 def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path, Path]]:
     cluster = Cluster(CFG, tmp_path_factory.mktemp("tape-flood"))
     keys = cluster.run_dir / "keys"
-    init_keys(keys, daemon_key_names(CFG.topology))
+    init_daemons(keys, daemon_key_names(CFG.topology))
     try:
-        stub = relay_stub(connect(cluster.spawn_region("eu", keys).wait_listening()))
+        address = cluster.spawn_region("eu", keys, tls=True).wait_listening()
+        security = Security.tls(TlsFiles.load(cert_path(keys, "island-eu-0")))
+        stub = relay_stub(connect(address, security=security, peer="relay-eu"))
         yield stub, cluster.run_dir / "relay-eu" / "tape", keys
     finally:
         cluster.stop()
