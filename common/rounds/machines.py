@@ -631,15 +631,25 @@ class _Level:
             self.deliveries += 1
         return self.complete()
 
-    def close(self) -> tuple[dict[str, Blob], dict[str, str], tuple[str, ...]]:
-        """Close the open step: the bytes of the inputs it aggregates (those of the members
-        present: a relay shard's input counts only with its whole region), their
-        (transport-verified) digests, and the members absent."""
+    def untake(self, d: Delta) -> None:
+        """Undo ``take(d)``: the step's commit failed, and ``d`` is refused."""
+        del self.inputs[d.sender]
+        del self.accepted[(d.sync_step, d.sender)]
+
+    def closing(self) -> tuple[dict[str, Blob], dict[str, str], tuple[str, ...]]:
+        """What the open step aggregates, changing nothing: the bytes of the inputs (those
+        of the members present: a relay shard's input counts only with its whole region),
+        their (transport-verified) digests, and the members absent.  ``close`` then
+        closes it, once the aggregate succeeded."""
         present = set(self.present())
         used = {m: d for m, d in self.inputs.items() if m in present}
         blobs = {m: d.data for m, d in used.items()}
         digests = {m: d.digest for m, d in used.items() if d.digest_checked}
-        absent = tuple(m for m in self.members if m not in present)
+        return blobs, digests, tuple(m for m in self.members if m not in present)
+
+    def close(self, absent: tuple[str, ...]) -> None:
+        """Close the open step (``closing`` said what it aggregated, and who was absent)."""
+        present = set(self.present())
         if absent:
             self.absent_at[self.open_step] = absent
             self.members_at[self.open_step] = tuple(m for m in self.members if m in present)
@@ -647,7 +657,6 @@ class _Level:
         self.deliveries = 0
         self.cut = False
         self.open_step = self.schedule.next_sync_step(self.level, self.open_step)
-        return blobs, digests, absent
 
     def remember(self, records: Iterable[Record]) -> None:
         """Every (step, sender) -> digest accepted in ``records`` (taped inputs), so a member
@@ -692,6 +701,24 @@ def _take_cutoff(
     if ready:
         effects.extend(commit(step))
     return decision, effects
+
+
+def _completed(
+    level: _Level, d: Delta, commit: Callable[[int], list[Effect]]
+) -> Decision | list[Effect]:
+    """``d`` completed the open step: the commit's effects; or, where the aggregate fails
+    (an input that no longer decodes: its bytes changed on disk after it was accepted),
+    the refusal of ``d`` with the level as it was before it (a decision either completes
+    or changes nothing)."""
+    try:
+        return commit(d.sync_step)
+    except HypertrainError as e:
+        level.untake(d)
+        return Decision(
+            INVALID,
+            f"the delta from {d.sender} completed step {d.sync_step}, whose aggregate "
+            f"failed: {e}; nothing changed",
+        )
 
 
 def _keep_newest(merges: dict[int, Committed], merge: Committed) -> None:
@@ -806,7 +833,10 @@ class RelayMachine:
             ), []
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
-            effects.extend(self._commit(d.sync_step))
+            done = _completed(self.level, d, self._commit)
+            if isinstance(done, Decision):
+                return done, []
+            effects.extend(done)
         else:
             self._sum_early()
             if (arm := self.level.first_armed()) is not None:
@@ -943,11 +973,13 @@ class RelayMachine:
 
     def _commit(self, step: int) -> list[Effect]:
         sched = self.schedule
-        blobs, digests, absent = self.level.close()
+        blobs, digests, absent = self.level.closing()
         pre = self._base_digest or flat_digest(self.core.base_view())
         # The mean is only folded into the base, never held whole: islands take the new
-        # base after a regional sync, and the global merge after a global one.
+        # base after a regional sync, and the global merge after a global one.  The base
+        # moves only once every input decoded (``RegionCore.merge``); the step closes after.
         _, commitment = self.core.merge(blobs, digests, keep=False)
+        self.level.close(absent)
         post = self._base_digest = flat_digest(self.core.base_view())
         global_sync = sched.sync_kind(step) == "global"
         self.bases[step] = post
@@ -1179,7 +1211,10 @@ class AggregatorMachine:
             return refusal, []
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
-            effects.append(self._commit(d.sync_step))
+            done = _completed(self.level, d, lambda s: [self._commit(s)])
+            if isinstance(done, Decision):
+                return done, []
+            effects.extend(done)
         elif (arm := self.level.first_armed()) is not None:
             effects.append(arm)
         return Decision(
@@ -1192,10 +1227,11 @@ class AggregatorMachine:
 
     def _commit(self, step: int) -> Committed:
         sched, core = self.schedule, self.core
-        blobs, digests, absent = self.level.close()
+        blobs, digests, absent = self.level.closing()
         pre = self._theta_digest or flat_digest(core.theta)
         pre_outer = self._outer_digest or outer_state_digest(core.outer.state_view())
-        commitment = core.step(blobs, digests)
+        commitment = core.step(blobs, digests)  # theta moves once every input decoded
+        self.level.close(absent)
         post = self._theta_digest = flat_digest(core.theta)
         post_outer = self._outer_digest = outer_state_digest(core.outer.state_view())
         record = GlobalMergeEntry(

@@ -1,5 +1,6 @@
 """The sans-I/O relay and aggregator machines: membership by step, idempotence, refusals."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.node import MAX_TAPED_REFUSALS, RelayNode
 from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import flat_digest
 from hypertrain.common.trust.schema import RejectionEntry
 from hypertrain.common.trust.tape import verify_tape
 
@@ -305,3 +307,31 @@ def test_a_round_step_or_time_beyond_the_tape_s_integers_is_refused_by_name(
     node.close()
     kinds = [e.kind for e in verify_tape(tmp_path / "tape", TrustedKeys.of([key])).entries]
     assert "rejection" not in kinds and "member" not in kinds and "input" in kinds
+
+
+def test_a_step_whose_aggregate_fails_refuses_the_last_delta_and_changes_nothing(
+    theta0: torch.Tensor,
+) -> None:
+    """eu-1's accepted bytes change afterwards (as a spool file's could on disk; eu-1 is
+    second in the sum's order, so it was not summed early); eu-0's delta completes the
+    step, and the aggregate cannot decode eu-1's: eu-0 is refused and the machine is
+    exactly as before it, then commits once the bytes are whole again."""
+    relay = RelayMachine(CFG, "eu", theta0)
+    second = _delta(theta0, "eu-1", 5, seed=1)
+    second = dataclasses.replace(second, data=bytearray(second.data))
+    assert relay.on_delta(second)[0].accepted
+    assert isinstance(second.data, bytearray)
+    whole = bytes(second.data)
+    second.data[len(whole) // 2] ^= 0xFF
+    before = (dict(relay.level.inputs), dict(relay.level.accepted), relay.level.open_step)
+    base = flat_digest(relay.core.base_view())
+    decision, effects = relay.on_delta(_delta(theta0, "eu-0", 5, seed=0))
+    assert decision.code == INVALID and effects == [], decision.reason
+    assert "completed step 5, whose aggregate failed" in decision.reason
+    assert "checksum" in decision.reason and "nothing changed" in decision.reason
+    after = (dict(relay.level.inputs), dict(relay.level.accepted), relay.level.open_step)
+    assert after == before and flat_digest(relay.core.base_view()) == base
+    second.data[:] = whole
+    decision, effects = relay.on_delta(_delta(theta0, "eu-0", 5, seed=0))
+    assert decision.accepted and any(isinstance(e, Committed) for e in effects)
+    assert relay.level.open_step == 10
