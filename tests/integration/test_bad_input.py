@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+import zstandard
 
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import make_codec
@@ -280,5 +281,68 @@ def test_corrupt_truncated_and_conflicting_then_the_round_is_unchanged(relay) ->
     # What islands take after a regional merge: the relay's base, theta0 - mean.
     expected = torch.sub(initial_parameters(CFG)[1], mean)
     assert torch.equal(merged, expected), "a rejected input leaked into the round"
+    # an old round's push replayed: the same bytes are a duplicate, counted once; other
+    # bytes for that step are refused
+    assert push_delta(stub.PushDelta, _header(GOOD), GOOD).duplicate
+    with pytest.raises(grpc.RpcError) as err:
+        push_delta(stub.PushDelta, _header(other), other)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    again_header, again = fetch_merge(stub.FetchMerge, request, numel=NUMEL, timeout=60)
+    assert torch.equal(again, merged) and again_header.digest == header.digest
     assert list(header.members) == ["eu-0", "eu-1"]
     assert sorted(p.name for p in published.iterdir()) == sorted(commitment.input_digests)
+
+
+ZSTD_CFG = CFG.with_overrides(run_id="zstd", regional_codec="fp32+zstd")
+ZSTD = make_codec(ZSTD_CFG.regional_codec)
+
+
+def _zstd_cases() -> dict[str, tuple[bytes, str]]:
+    """fp32+zstd deltas whose frames lie (headers sealed, so only the frame check refuses)."""
+    from tests.unit.test_codec_hostile import forged_blob
+
+    spec, shape, raw = ZSTD_CFG.regional_codec, (NUMEL,), 4 * NUMEL
+    bomb = zstandard.ZstdCompressor().compress(bytes(raw * 64))  # declares 64x the model
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(raw))
+    lying = bytearray(zstandard.ZstdCompressor().compress(bytes(raw * 2)))
+    assert lying[4] >> 6 == 2  # a 4-byte content size at [5:9]: patched to say raw
+    lying[5:9] = struct.pack("<I", raw)
+    return {
+        "declares more than the model": (
+            forged_blob(spec, shape, bomb, raw),
+            "header allows exactly",
+        ),
+        "omits its size": (
+            forged_blob(spec, shape, unsized, raw),
+            "does not record its content size",
+        ),
+        "holds more than it declares": (
+            forged_blob(spec, shape, bytes(lying), raw),
+            "zstd payload is corrupt",
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def zstd_relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.integration.conftest import Cluster
+
+    cluster = Cluster(ZSTD_CFG, tmp_path_factory.mktemp("bad-zstd"))
+    keys = cluster.run_dir / "keys"
+    init_daemons(keys, daemon_key_names(ZSTD_CFG.topology))
+    try:
+        address = cluster.spawn_region("eu", keys, tls=True, sign=False).wait_listening()
+        security = Security.tls(TlsFiles.load(cert_path(keys, "island-eu-0")))
+        yield relay_stub(connect(address, security=security, peer="relay-eu"))
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("case", list(_zstd_cases()))
+def test_zstd_frames_that_lie_about_their_size_are_refused(zstd_relay, case: str) -> None:  # type: ignore[no-untyped-def]
+    data, words = _zstd_cases()[case]
+    header = _header(data, run_id=ZSTD_CFG.run_id, codec=str(ZSTD.spec))
+    with pytest.raises(grpc.RpcError) as err:
+        push_delta(zstd_relay.PushDelta, header, data, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert words in err.value.details(), err.value.details()
