@@ -77,7 +77,7 @@ class Watch:
         WireError(DEADLINE_EXCEEDED) with its reason instead of gRPC's bare error."""
         try:
             for part in parts:
-                self.moved(_size(part), clock())
+                self.moved(part_size(part), clock())
                 yield part
         except grpc.RpcError:
             if self.ended is not None:
@@ -85,7 +85,8 @@ class Watch:
             raise
 
 
-def _size(part: object) -> int:
+def part_size(part: object) -> int:
+    """Data bytes of a chunk part (a header message counts as none)."""
     return len(part) if isinstance(part, bytes | bytearray | memoryview) else 0
 
 

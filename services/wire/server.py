@@ -44,7 +44,7 @@ from hypertrain.common.errors import ConfigError
 from hypertrain.common.settings import parse_address
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
-from hypertrain.wire.calls import CallGuard
+from hypertrain.wire.calls import CallGuard, part_size
 from hypertrain.wire.errors import OVER_KEY, STALE_KEY, WireError, status_of
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
@@ -139,7 +139,7 @@ def _guarded(
                         request = watch.requests(request, clock)
                     for part in method(request, context):
                         yield part
-                        watch.moved(_size(part), clock())
+                        watch.moved(part_size(part), clock())
             except WireError as exc:  # refused at the cap (the method maps its own)
                 _reject(method, context, exc)
                 raise
@@ -157,10 +157,6 @@ def _guarded(
             raise
 
     return unary
-
-
-def _size(part: object) -> int:
-    return len(part) if isinstance(part, bytes | bytearray | memoryview) else 0
 
 
 def _parsed(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
