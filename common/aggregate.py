@@ -67,7 +67,7 @@ class Commitment:
     output_digest: str
     """tensor digest of the fp32 mean."""
     robust: dict[str, Any] | None = None
-    """What a robust rule decided (``robust_record``); None: the plain mean."""
+    """What a robust rule decided (``_Rule.record``); None: the plain mean."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -228,7 +228,7 @@ def streamed_mean(
     be None.
 
     ``robust``: the rule that replaces the mean where it is not the plain one
-    (``robust_record``; no early sum then)."""
+    (``_Rule``; no early sum then)."""
     if not inputs:
         raise HypertrainError("aggregate: no inputs")
     segment = Segment(0, math.prod(shape), inputs)
@@ -298,7 +298,8 @@ def segmented_mean(
         if len(segments) != 1 or early is not None:
             raise HypertrainError("aggregate: a robust rule needs one segment and no early sum")
         seg = segments[0]
-        rule = _Rule(robust, codec, dict(zip(sorted(seg.inputs), opened[0], strict=True)), step)
+        opens = dict(zip(sorted(seg.inputs), opened[0], strict=True))
+        rule = _Rule(robust, codec, opens, seg.inputs)
         rule.decide(seg.numel)
         if prepare is not None:
             prepare()
@@ -380,9 +381,16 @@ class _Rule:
     combines one range of them (``RobustConfig``)."""
 
     def __init__(
-        self, cfg: RobustConfig, codec: Codec, ops: dict[str, tuple[Any, Any]], step: int
+        self,
+        cfg: RobustConfig,
+        codec: Codec,
+        ops: dict[str, tuple[Any, Any]],
+        blobs: Mapping[str, Blob],
     ) -> None:
-        self.cfg, self.codec, self.ops, self.step = cfg, codec, ops, step
+        """``ops``: each input's ``codec.open``; ``blobs``: its bytes (their pages are
+        dropped after the norm pass reads them, as after each range of the mean)."""
+        self.cfg, self.codec, self.ops, self.blobs = cfg, codec, ops, blobs
+        self._rows: torch.Tensor | None = None  # the trimmed mean's range of every input
         self.norms: dict[str, float] = {}
         self.kept: list[str] = sorted(ops)
         self.bound: float | None = None  # norm_median's bound, where it applied
@@ -392,7 +400,9 @@ class _Rule:
 
     def decide(self, numel: int) -> None:
         cfg = self.cfg
-        self.norms = {m: delta_norm(self.codec, *self.ops[m], numel) for m in self.kept}
+        for m in self.kept:
+            self.norms[m] = delta_norm(self.codec, *self.ops[m], numel)
+            drop_pages(self.blobs[m])
         if cfg.norm_median and len(self.kept) >= 3:
             self.bound = cfg.norm_median * median_low(self.norms.values())
             self.kept = [m for m in self.kept if self.norms[m] <= self.bound]
@@ -407,7 +417,10 @@ class _Rule:
         ``[start, start + acc.numel())``."""
         kept, n = self.kept, acc.numel()
         if self.trim:
-            rows = torch.zeros((len(kept), n), dtype=torch.float32)
+            if self._rows is None or self._rows.shape[1] < n:  # one range of each input
+                self._rows = torch.empty((len(kept), n), dtype=torch.float32)
+            rows = self._rows[:, :n]
+            rows.zero_()
             for row, m in zip(rows, kept, strict=True):
                 self.codec.accumulate_range(*self.ops[m], row, start)
             ordered = torch.sort(rows, dim=0, stable=True).values

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypertrain.common.aggregate import delta_norm, streamed_mean
+from hypertrain.common.aggregate import MERGE_RANGE, delta_norm, streamed_mean
 from hypertrain.common.codec import make_codec
 from hypertrain.common.config import RobustConfig, RunConfig
 from hypertrain.common.digest import blob_digest
@@ -177,3 +177,14 @@ def test_delta_norm_has_the_same_bits_whatever_the_thread_count() -> None:
     finally:
         torch.set_num_threads(before)
     assert len(norms) == 1
+
+
+def test_trimmed_mean_over_several_ranges_matches_the_whole_by_hand() -> None:
+    n = MERGE_RANGE + 1000  # a whole range, then a short one (the rows buffer is reused)
+    g = torch.Generator().manual_seed(11)
+    deltas = {f"eu-{i}": torch.randn(n, generator=g) for i in range(3)}
+    inputs = {m: CODEC.encode(x) for m, x in deltas.items()}
+    out = torch.empty(n)
+    streamed_mean(inputs, CODEC, (n,), out=out, robust=RobustConfig(rule="trimmed_mean"))
+    rows = torch.sort(torch.stack([deltas[m] for m in sorted(deltas)]), dim=0, stable=True)
+    assert torch.equal(out, rows.values[1].clone().div_(1))  # the middle of three
