@@ -151,21 +151,28 @@ class _Replay:
         try:
             return event(delta, replayed=True)
         except HypertrainError as err:
-            for (step, _), src in self.inputs.items():
-                rec = parse(src)
-                if (
-                    step == delta.sync_step
-                    and isinstance(rec, InputEntry)
-                    and blob_digest(self.blobs.load(rec)) != rec.digest
-                ):
-                    raise ReplayError(src, self._changed(Delta.from_record("", rec, b""))) from None
+            self._name_changed_input(delta.sync_step)
             raise ReplayError(e, f"cannot replay this input: {err}") from None
+
+    def _name_changed_input(self, step: int) -> None:
+        """ReplayError naming an input of ``step`` whose bytes changed, if there is one."""
+        for (s, _), src in self.inputs.items():
+            rec = parse(src)
+            if (
+                s == step
+                and isinstance(rec, InputEntry)
+                and blob_digest(self.blobs.load(rec)) != rec.digest
+            ):
+                raise ReplayError(src, self._changed(Delta.from_record("", rec, b"")))
 
     def _accepted(self, e: Entry, delta: Delta, decision_code: str, reason: str, dup: bool) -> None:
         if decision_code == OK and not dup:
             return
         if blob_digest(delta.data) != delta.digest:
             raise ReplayError(e, self._changed(delta))
+        # the step it completed could not be aggregated (the machine refused it for that,
+        # changing nothing): an input of that step changed since
+        self._name_changed_input(delta.sync_step)
         raise ReplayError(e, f"cannot replay this input: {reason}")
 
     def _cutoff(
