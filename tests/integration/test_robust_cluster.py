@@ -21,7 +21,7 @@ CFG = RunConfig.from_dict(
         "steps": 20,
         "holdout_windows": 16,
         "regional_codec": "int8",
-        "topology": {"regions": ["eu", "us"], "islands_per_region": 3, "h_r": 5, "h_g": 10},
+        "topology": {"regions": ["eu"], "islands_per_region": 3, "h_r": 5, "h_g": 10},
         "robust": {"rule": "trimmed_mean", "trim": 1, "norm_median": 4.0},
     }
 )
