@@ -56,12 +56,12 @@ class Attack:
     """The hostile callers of the module docstring, until ``stop``."""
 
     def __init__(self, keys: Path, targets: dict[str, str]) -> None:
-        from hypertrain.common.trust.certs import TlsFiles, cert_path, issue
+        from hypertrain.common.trust.certs import cert_path, issue
         from hypertrain.wire.tls import Security
 
         if not cert_path(keys, "intruder").exists():
             issue(keys, "intruder")
-        self.security = Security.tls(TlsFiles.load(cert_path(keys, "intruder")))
+        self.security = Security.of(keys, "intruder")
         self.targets = targets  # daemon name -> address
         self.stop = threading.Event()
         self.counts: dict[str, int] = {"held": 0, "refused": 0, "handshake": 0}

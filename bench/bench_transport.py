@@ -154,10 +154,9 @@ def serve(conn: Connection, size: int, chunk_bytes: int, work_dir: str, keys: st
 
 
 def _security(keys: str, name: str) -> Any:
-    from hypertrain.common.trust.certs import TlsFiles, cert_path
     from hypertrain.wire.tls import Security
 
-    return Security.tls(TlsFiles.load(cert_path(Path(keys), name)))
+    return Security.of(Path(keys), name)
 
 
 class Server:

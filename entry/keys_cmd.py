@@ -74,9 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--names", metavar="A,B", help="comma-separated key names instead of the run's daemons"
     )
     p.add_argument("--force", action="store_true", help="replace existing key files")
-    p.add_argument(
-        "--days", type=int, default=CERT_DAYS, help=f"certificate lifetime (default {CERT_DAYS})"
-    )
+    _days_flag(p)
     p.set_defaults(func=run_init)
     c = sub.add_parser(
         "cert",
@@ -89,9 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     c.add_argument("dir", type=Path, metavar="DIR", help="the key folder holding ca.crt, ca.key")
     c.add_argument("names", nargs="+", metavar="NAME", help="daemon names, e.g. relay-eu")
-    c.add_argument(
-        "--days", type=int, default=CERT_DAYS, help=f"certificate lifetime (default {CERT_DAYS})"
-    )
+    _days_flag(c)
     c.set_defaults(func=run_cert)
     a = sub.add_parser(
         "ca",
@@ -105,10 +101,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     a.add_argument("dir", type=Path, metavar="DIR", help="the key folder")
     a.add_argument("--force", action="store_true", help="replace an existing CA")
-    a.add_argument(
+    _days_flag(a)
+    a.set_defaults(func=run_ca)
+
+
+def _days_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--days", type=int, default=CERT_DAYS, help=f"certificate lifetime (default {CERT_DAYS})"
     )
-    a.set_defaults(func=run_ca)
 
 
 def run_init(args: argparse.Namespace) -> int:

@@ -169,16 +169,16 @@ def load_security(settings: DaemonSettings, name: str, metrics: Metrics) -> Secu
     if files.name != name:
         raise ConfigError(f"certificate {settings.tls_cert} names {files.name}, not {name}")
     left = files.not_after - dt.datetime.now(dt.UTC)
+    soon = left <= dt.timedelta(days=EXPIRY_WARNING_DAYS)
+    rotate = {"message": "TLS certificate expires soon: hypertrain keys cert DIR NAME"}
     log_event(
-        "tls" if left > dt.timedelta(days=EXPIRY_WARNING_DAYS) else "warning",
+        "warning" if soon else "tls",
         role=role,
         name=name,
         expires=f"{files.not_after:%Y-%m-%dT%H:%M:%SZ}",
         days_left=left.days,
-        **({} if left > dt.timedelta(days=EXPIRY_WARNING_DAYS) else {
-            "message": "TLS certificate expires soon: hypertrain keys cert DIR NAME"
-        }),
-    )  # fmt: skip
+        **(rotate if soon else {}),
+    )
     metrics.cert_expiry.labels(metrics.role).set(files.not_after.timestamp())
     return Security.tls(files)
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.settings import parse_address
-from hypertrain.common.trust.certs import TlsFiles
+from hypertrain.common.trust.certs import TlsFiles, cert_path
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.options import CHANNEL_OPTIONS, tune_allocator
 
@@ -50,6 +51,12 @@ class Security:
     @classmethod
     def insecure(cls) -> Security:
         return cls(None)
+
+    @classmethod
+    def of(cls, keys: Path, name: str) -> Security:
+        """Mutual TLS as daemon ``name``, from a ``hypertrain keys init`` folder (its
+        certificate, the key and ``ca.crt`` beside it; checked as ``TlsFiles.load`` does)."""
+        return cls(TlsFiles.load(cert_path(keys, name)))
 
     @property
     def name(self) -> str | None:

@@ -19,7 +19,7 @@ from hypertrain.common.codec.header import read_header
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.trust.certs import TlsFiles, cert_path, init_daemons
+from hypertrain.common.trust.certs import init_daemons
 from hypertrain.common.trust.keys import daemon_key_names
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import connect, fetch_merge, push_delta, relay_stub
@@ -72,7 +72,7 @@ def relay(
         channels = {
             i: connect(
                 address,
-                security=Security.tls(TlsFiles.load(cert_path(keys, f"island-{i}"))),
+                security=Security.of(keys, f"island-{i}"),
                 peer="relay-eu",
             )
             for i in CFG.topology.islands_of("eu")
@@ -332,7 +332,7 @@ def zstd_relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     init_daemons(keys, daemon_key_names(ZSTD_CFG.topology))
     try:
         address = cluster.spawn_region("eu", keys, tls=True, sign=False).wait_listening()
-        security = Security.tls(TlsFiles.load(cert_path(keys, "island-eu-0")))
+        security = Security.of(keys, "island-eu-0")
         yield relay_stub(connect(address, security=security, peer="relay-eu"))
     finally:
         cluster.stop()

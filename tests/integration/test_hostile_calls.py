@@ -16,7 +16,7 @@ import pytest
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
-from hypertrain.common.trust.certs import TlsFiles, init_daemons, issue
+from hypertrain.common.trust.certs import init_daemons, issue
 from hypertrain.common.trust.keys import daemon_key_names
 from hypertrain.up import relay_addresses, start_cluster, start_island, supervise
 from hypertrain.v1 import hypertrain_pb2 as pb
@@ -65,8 +65,9 @@ def test_stalled_and_excess_calls_are_bounded_while_the_run_completes(tmp_path: 
     cluster = Cluster(CFG, tmp_path / "run")
     keys = cluster.run_dir / "keys"
     init_daemons(keys, daemon_key_names(CFG.topology))
-    intruder = Security.tls(TlsFiles.load(issue(keys, "intruder")))  # a run cert, no member
-    island = Security.tls(TlsFiles.load(keys / "island-eu-0.crt"))
+    issue(keys, "intruder")  # a certificate of the run CA, for no member
+    intruder = Security.of(keys, "intruder")
+    island = Security.of(keys, "island-eu-0")
     with (cluster.run_dir / "run.toml").open("a") as f:
         f.write(f"\n[relay]\n{BOUNDS}\n[aggregator]\n{BOUNDS}")
     stalls: list[Stall] = []

@@ -52,7 +52,6 @@ import yaml
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.schedule import Schedule
-from hypertrain.common.trust.certs import TlsFiles, cert_path
 from hypertrain.procs import LISTEN_RE, child_env
 from hypertrain.prom import prometheus_config, start_prometheus, write_config
 from hypertrain.up import config_toml, write_scrape_targets
@@ -420,7 +419,7 @@ def _push_bad_deltas(run_dir: Path) -> None:
     log = (run_dir / "logs" / "relay-eu.log").read_text().splitlines()
     (address,) = [m.group("address") for line in log if (m := LISTEN_RE.match(line))]
     keys = run_dir / "keys"  # as island eu-0, which the relay lets push as eu-0
-    security = Security.tls(TlsFiles.load(cert_path(keys, "island-eu-0")))
+    security = Security.of(keys, "island-eu-0")
     channel = connect(address, security=security, peer="relay-eu")
     stub = relay_stub(channel)
     data = b"\0" * 64

@@ -14,7 +14,7 @@ import torch
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.rounds.node import MAX_TAPED_REFUSALS
-from hypertrain.common.trust.certs import TlsFiles, cert_path, init_daemons
+from hypertrain.common.trust.certs import init_daemons
 from hypertrain.common.trust.keys import daemon_key_names, load_signing_key
 from hypertrain.common.trust.tape_format import read_tape
 from hypertrain.v1 import hypertrain_pb2 as pb
@@ -38,7 +38,7 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Pa
     init_daemons(keys, daemon_key_names(CFG.topology))
     try:
         address = cluster.spawn_region("eu", keys, tls=True).wait_listening()
-        security = Security.tls(TlsFiles.load(cert_path(keys, "island-eu-0")))
+        security = Security.of(keys, "island-eu-0")
         stub = relay_stub(connect(address, security=security, peer="relay-eu"))
         yield stub, cluster.run_dir / "relay-eu" / "tape", keys
     finally:

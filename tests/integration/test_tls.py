@@ -42,8 +42,7 @@ class Run:
         self.log = run_dir / "logs" / "relay-eu.log"
 
     def channel(self, who: str, peer: str = "relay-eu", address: str | None = None) -> grpc.Channel:
-        files = TlsFiles.load(cert_path(self.keys, who))
-        return Security.tls(files).channel(address or self.relay, peer)
+        return Security.of(self.keys, who).channel(address or self.relay, peer)
 
     def signed(self, who: str, sender: str, step: int = 5) -> Delta:
         """A delta for ``sender`` signed with ``who``'s key."""
