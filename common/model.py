@@ -19,10 +19,12 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hypertrain.common.errors import ConfigError
 
@@ -123,15 +125,20 @@ class GPT(nn.Module):
                 std = resid_std if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, *, recompute: bool = False) -> torch.Tensor:
         """Final hidden states [B, T, d_model] (after ``ln_f``) for token ids [B, T]: what
-        the tied output head multiplies by ``wte.weight``."""
+        the tied output head multiplies by ``wte.weight``.
+
+        ``recompute``: keep only each block's input for the backward pass and run the block
+        again there (activation checkpointing), instead of keeping everything its backward
+        reads.  The values and gradients are the same to the bit (the same kernels on the
+        same inputs); it costs one more forward pass of the blocks."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ConfigError(f"model: sequence of {t} tokens exceeds seq_len {self.cfg.seq_len}")
         x = self.wte(idx) + self.wpe.weight[:t]
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -139,9 +146,98 @@ class GPT(nn.Module):
         return F.linear(self.hidden(idx), self.wte.weight)
 
     def loss(self, windows: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over windows [B, T+1] (inputs then shifted targets)."""
-        logits = self(windows[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+        """Mean next-token cross-entropy over windows [B, T+1] (inputs then shifted targets).
+
+        The value and the gradients are ``F.cross_entropy(self(windows[:, :-1]), ...)``'s to
+        the bit; the training step's working memory is smaller (see ``recomputes`` and
+        ``MeanCrossEntropy``)."""
+        inputs = windows[:, :-1]
+        recompute = torch.is_grad_enabled() and recomputes(self.cfg, inputs.shape[0])
+        logits = F.linear(self.hidden(inputs, recompute=recompute), self.wte.weight)
+        logits, targets = logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)
+        if 4 * logits.numel() <= LOGITS_BUDGET_BYTES:  # the pieces would only cost time
+            return F.cross_entropy(logits, targets)
+        return MeanCrossEntropy.apply(logits, targets)
+
+
+# The training step's working memory.
+#
+# An island must train in 5 fp32 model copies + 512 MiB (parameters, gradients, AdamW's two
+# moments, the sync base).  At gpt-125m (sequence 1024, vocabulary 50,304) a plain step's
+# backward pass held about 1.1 GiB on top of the parameters, gradients and moments: the
+# blocks' activations (about 600 MB) and the head's logits, log-softmax and their gradients
+# (197 MiB each).  Both are cut here without changing a bit of the step.
+
+#: Activations the blocks may keep for the backward pass, in bytes, before ``GPT.loss``
+#: recomputes them instead (``recomputes``).
+ACTIVATION_BUDGET_BYTES = 256 << 20
+
+#: Logits up to this size take ``F.cross_entropy`` (the same bits, in whole-tensor kernels
+#: that are faster than ``MeanCrossEntropy``'s pieces at small sizes); larger ones, whose
+#: log-softmax and gradients would each be as large again, take ``MeanCrossEntropy``.
+LOGITS_BUDGET_BYTES = 32 << 20
+
+#: What a block keeps for its backward pass, per token, in units of d_model fp32 numbers
+#: (measured with saved-tensor hooks: 16.0-16.1 at d_model 128 and 768, without its
+#: weights): its input, the LayerNorms' outputs, q/k/v, the attention's output, the MLP's
+#: two hidden tensors (mlp_ratio wide each) and the residual.
+_BLOCK_WIDTHS = 16
+
+#: Rows of logits per piece of ``MeanCrossEntropy``'s work: its temporaries are three pieces
+#: (log-softmax, the loss's gradient, the logits' gradient), 39 MiB at a 50,304 vocabulary.
+_CE_ROWS = 64
+
+
+def activation_bytes(cfg: ModelConfig, batch: int) -> int:
+    """What the blocks keep for the backward pass of a batch of ``batch`` windows, in bytes
+    (by ``_BLOCK_WIDTHS``)."""
+    return 4 * _BLOCK_WIDTHS * batch * cfg.seq_len * cfg.d_model * cfg.n_layer
+
+
+def recomputes(cfg: ModelConfig, batch: int) -> bool:
+    """Whether ``GPT.loss`` checkpoints its blocks for a batch of ``batch`` windows: when
+    their activations would exceed ``ACTIVATION_BUDGET_BYTES`` (gpt-125m at batch 1: 576 MiB;
+    the proxy preset up to batch 32 and tiny up to 512 keep them)."""
+    return activation_bytes(cfg, batch) > ACTIVATION_BUDGET_BYTES
+
+
+class MeanCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(logits, targets)`` (the mean over rows), value and gradient bit for
+    bit, that keeps only the logits for the backward pass and computes its gradient into
+    them.
+
+    ``F.cross_entropy`` keeps the log-softmax of the logits (one more logits-sized tensor)
+    and makes two more in the backward pass (the loss's gradient and the logits').  Here the
+    forward pass takes the log-softmax ``_CE_ROWS`` rows at a time and keeps only each row's
+    target entry; the mean is ``F.nll_loss`` over those entries, which sums the same values
+    in the same order as over the whole rows.  The backward pass runs the same two kernels
+    as autograd (``nll_loss``'s gradient ``-(g / n)`` at the targets, then
+    ``_log_softmax_backward_data``) a piece of rows at a time, each row's result the same in
+    any piece, and writes the logits' gradient over the logits.  Autograd's version counter
+    refuses a second backward pass through the overwritten logits."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        n = logits.shape[0]
+        picked = torch.empty((n, 1), dtype=logits.dtype, device=logits.device)
+        for a in range(0, n, _CE_ROWS):
+            log_p = torch.log_softmax(logits[a : a + _CE_ROWS], dim=1)
+            picked[a : a + _CE_ROWS] = log_p.gather(1, targets[a : a + _CE_ROWS, None])
+        ctx.save_for_backward(logits, targets)
+        return F.nll_loss(picked, torch.zeros(n, dtype=torch.long, device=logits.device))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets = ctx.saved_tensors
+        n = logits.shape[0]
+        scale = -(grad / n)  # nll_loss's gradient at each target: -(grad / total weight)
+        for a in range(0, n, _CE_ROWS):
+            rows = logits[a : a + _CE_ROWS]
+            log_p = torch.log_softmax(rows, dim=1)
+            g = torch.zeros_like(log_p)
+            g.scatter_(1, targets[a : a + _CE_ROWS, None], scale.expand(rows.shape[0], 1))
+            rows.copy_(torch._log_softmax_backward_data(g, log_p, 1, log_p.dtype))
+        return logits, None
 
 
 def build_model(cfg: ModelConfig | str, seed: int = 0) -> GPT:

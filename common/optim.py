@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
 
 from hypertrain.common.errors import ConfigError
 
@@ -70,6 +71,84 @@ def wsd_factor(step: int, total_steps: int, cfg: InnerConfig) -> float:
     return 1.0 - (1.0 - cfg.min_lr_ratio) * min(frac, 1.0)
 
 
+#: The most elements of one parameter that ``PiecewiseAdamW`` updates at a time (16 MiB of
+#: fp32): its temporaries are two of these, not two of the largest parameter.
+ADAM_PIECE = 1 << 22
+
+
+class PiecewiseAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (single-tensor path) that updates a large parameter a piece of
+    ``ADAM_PIECE`` elements at a time: the same values, bit for bit, in less memory.
+
+    torch's single-tensor AdamW is elementwise, but it makes whole-parameter temporaries
+    (the denominator ``sqrt(v) / bias_correction + eps`` and its intermediate): at gpt-125m
+    the tied embedding's two are 295 MiB on top of the parameters, gradients and moments, at
+    the moment of the training step that holds all of them.  Here each large parameter, its
+    gradient and its two moments are passed to torch's own update function as pieces (views
+    of the same memory); the per-step scalars (bias corrections, learning rate) depend only
+    on the step, which every piece carries (a copy each, incremented as one).  State, the
+    state dict and its round trip are AdamW's."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise ConfigError("inner: PiecewiseAdamW.step takes no closure")
+        self._accelerator_graph_capture_health_check()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            max_exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
+            has_complex = self._init_group(
+                group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+            )
+            if group["amsgrad"] or has_complex or group["foreach"] or group["fused"]:
+                raise ConfigError("inner: PiecewiseAdamW takes the plain single-tensor path")
+            pieces: list[list[torch.Tensor]] = [[], [], [], [], []]
+            shared: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+            for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+                whole = (p, g, m, v)
+                if p.numel() <= ADAM_PIECE or not all(x.is_contiguous() for x in whole):
+                    for out, x in zip(pieces, (*whole, t), strict=True):
+                        out.append(x)
+                    continue
+                flat = [x.view(-1) for x in whole]
+                copies: list[torch.Tensor] = []
+                for a in range(0, p.numel(), ADAM_PIECE):
+                    for out, x in zip(pieces, flat, strict=False):
+                        out.append(x[a : a + ADAM_PIECE])
+                    copies.append(t.clone())
+                    pieces[4].append(copies[-1])
+                shared.append((t, copies))
+            beta1, beta2 = group["betas"]
+            adam(
+                pieces[0],
+                pieces[1],
+                pieces[2],
+                pieces[3],
+                [],
+                pieces[4],
+                amsgrad=False,
+                has_complex=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                foreach=False,
+                capturable=group["capturable"],
+                differentiable=group["differentiable"],
+                fused=None,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
+            for t, copies in shared:
+                t.copy_(copies[0])
+        return None
+
+
 def _is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and name.startswith("blocks.")
 
@@ -101,7 +180,7 @@ class InnerOptimizer:
                 {"params": others, "weight_decay": 0.0},
             ]
         # foreach=False: the single-tensor path has one fixed op order on every machine.
-        self.optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=False))
+        self.optimizers.append(PiecewiseAdamW(groups, lr=cfg.lr, betas=betas, foreach=False))
 
     def set_lr_factor(self, factor: float) -> None:
         for opt in self.optimizers:
