@@ -436,7 +436,9 @@ def audit_timers() -> Iterator[dict[str, float]]:
     wrap(NesterovOuter, "step", "outer.step [compute]")
     wrap(SGDOuter, "step", "outer.step [compute]")
     wrap(audit_mod, "initial_parameters", "initial parameters (model init)")
-    wrap(audit_mod.Auditor, "_check_reaches_latest_checkpoint", "checkpoint reads (truncation)")
+    wrap(audit_mod.Auditor, "_checkpoint_positions", "checkpoint files (positions)")
+    wrap(audit_mod.Auditor, "_check_checkpoint_files", "checkpoint files (state digests)")
+    wrap(audit_mod.Auditor, "_check_genesis", "genesis entries")
     wrap(audit_mod, "state_digest", "final state digest")
     try:
         yield spent

@@ -2,10 +2,18 @@
 
     hypertrain audit runs/local-... [--from-round G] [--trusted-keys keys/trusted_keys.json]
 
-Prints one line: ``audit OK: rounds a..b (steps x..y), N entries and B bytes
-checked, final state digest D`` (exit 0), or ``audit FAILED: <tape> entry N
-(<kind>, step s): <why>`` (exit 1).  Pin the trusted keys you got out of band;
-the default (the run folder's own keys/trusted_keys.json) is for local runs.
+Prints one line, and exits 0 only when it begins ``audit OK``:
+
+- ``audit OK: complete, rounds 0..b of R (steps x..y of S), N entries and B bytes
+  checked, final state digest D``: every tape replayed to the run's last step;
+- ``audit INCOMPLETE: tapes end at round r of R (the run's configuration says S
+  steps); ...`` (exit 1): what was there verified, but the run has not ended (or its
+  tapes were cut); ``--partial`` accepts that: ``audit OK (partial): rounds ...``;
+- ``audit FAILED: <tape> entry N (<kind>, step s): <why>`` (exit 1).
+
+``--from-round G`` audits the segment after global round G's checkpoint and says so
+(``segment rounds ...``).  Pin the trusted keys you got out of band; the default (the
+run folder's own keys/trusted_keys.json) is for local runs.
 """
 
 from __future__ import annotations
@@ -32,8 +40,8 @@ def run_audit(args: argparse.Namespace) -> int:
     except HypertrainError as e:
         print(f"hypertrain audit: error: {e}", file=sys.stderr)
         return 2
-    print(report.summary())
-    return 0
+    print(report.verdict(partial=args.partial))
+    return 0 if report.complete or args.partial else 1
 
 
 def register(sub: Any) -> None:
@@ -43,4 +51,9 @@ def register(sub: Any) -> None:
         "--from-round", type=int, help="segment audit from this global round's checkpoint"
     )
     p.add_argument("--trusted-keys", type=Path, help="pinned public keys (trusted_keys.json)")
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="accept tapes that end before the run's last step (a run still going)",
+    )
     p.set_defaults(func=run_audit)

@@ -64,8 +64,14 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, ReplayError
 from hypertrain.common.rounds.store import NodeStore, load_state
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
-from hypertrain.common.trust.ledger import flat_digest
-from hypertrain.common.trust.schema import GlobalAppliedEntry, RejectionEntry, records
+from hypertrain.common.trust.ledger import flat_digest, genesis_record
+from hypertrain.common.trust.schema import (
+    GenesisEntry,
+    GlobalAppliedEntry,
+    RejectionEntry,
+    parse,
+    records,
+)
 
 FORBIDDEN = "permission_denied"
 """Decision code of a fetch by someone who is not a member here."""
@@ -99,6 +105,33 @@ class _Node:
         self.max_delta_bytes = 4 * numel + (1 << 16)
         """No encoding of a ``numel``-parameter delta is larger (fp32 plus a header): what
         a transport refuses before receiving it all."""
+
+    def _open_tape(self, member: str | None, trusted: TrustedKeys | None) -> None:
+        """A new tape starts with the node's ``genesis`` entry; a tape being resumed must
+        start with this node's (the same run, configuration, member and pinned keys)."""
+        store = self.store
+        if store is None or store.tape is None:
+            return
+        want = genesis_record(self.cfg, self.role, member, trusted)
+        entries = store.tape.entries
+        if not entries:
+            store.record(want)
+            return
+        try:
+            got = parse(entries[0])
+        except HypertrainError as e:
+            got, problem = None, str(e)
+        if not isinstance(got, GenesisEntry):
+            problem = f"its entry 0 is a {entries[0].kind}, not this node's genesis"
+        else:
+            field = want.first_difference(got)
+            if field is None:
+                return
+            problem = f"its genesis entry records another {field}"
+        raise ConfigError(
+            f"tape {store.folder / 'tape'} was not started by this {self.role} with this "
+            f"configuration ({problem}); use a new --state-dir for a new run"
+        )
 
     def _publish(self, delta: Delta, publisher: Publisher | None) -> None:
         if self.store is None:
@@ -293,6 +326,7 @@ class RelayNode(_Node):
         self.machine: RelayMachine = RelayMachine(
             cfg, region, theta0, trusted, shard=shard, model_numel=model_numel
         )
+        self._open_tape(self.machine.member, trusted)
         self.member = self.machine.member
         """The id this relay pushes, fetches and reports under at the aggregator."""
         self.outbox: Forward | None = None
@@ -630,6 +664,7 @@ class AggregatorNode(_Node):
     ) -> None:
         super().__init__(cfg, store, theta0.numel())
         self.machine: AggregatorMachine = AggregatorMachine(cfg, theta0, trusted)
+        self._open_tape(None, trusted)
         self.committed: list[Committed] = []
         """Global merges made durable since the driver last looked (it evaluates them)."""
         self.recovered: dict[str, Any] = {}
@@ -730,7 +765,7 @@ class AggregatorNode(_Node):
                 self.machine.restore(snap, records(entries[:start]))
             except HypertrainError as e:
                 raise ConfigError(f"cannot resume {store.folder}: {e}") from None
-        elif not entries:
+        elif len(entries) <= 1:  # nothing taped after the genesis: a fresh start
             return False
         replay = AggregatorReplay(self.machine, entries[start:], store.blobs)
         redone = 0

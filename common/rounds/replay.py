@@ -59,6 +59,7 @@ from hypertrain.common.rounds.machines import (
 )
 from hypertrain.common.trust.schema import (
     CutoffEntry,
+    GenesisEntry,
     GlobalAppliedEntry,
     InputEntry,
     MemberEntry,
@@ -129,10 +130,17 @@ class _Replay:
         self.inputs: dict[tuple[int, str], Entry] = {}  # (step, sender) -> its input entry
 
     def _parse(self, e: Entry) -> Record | None:
+        """The entry's record; None for what the machines do not replay (tape checkpoints,
+        and the genesis entry, which the node and the audit check against the config)."""
         try:
-            return parse(e)
+            rec = parse(e)
         except HypertrainError as err:
             raise ReplayError(e, str(err)) from None
+        if isinstance(rec, GenesisEntry):
+            if e.seq != 0:
+                raise ReplayError(e, "a genesis entry belongs only at the start of a tape")
+            return None
+        return rec
 
     def _input(self, e: Entry, rec: InputEntry, run_id: str) -> Delta:
         try:

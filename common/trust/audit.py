@@ -58,17 +58,21 @@ from hypertrain.common.shards import relay_members
 from hypertrain.common.trust.keys import TrustedKeys
 from hypertrain.common.trust.ledger import (
     AGGREGATOR_KEY,
+    first_difference,
     flat_digest,
+    genesis_record,
     outer_state_digest,
     relay_key,
 )
 from hypertrain.common.trust.schema import (
     ForwardEntry,
+    GenesisEntry,
     GlobalAppliedEntry,
     GlobalMergeEntry,
+    parse,
     records,
 )
-from hypertrain.common.trust.tape import Entry, verify_tape
+from hypertrain.common.trust.tape import CHECKPOINT, Entry, verify_tape
 
 
 class AuditError(HypertrainError):
@@ -83,17 +87,24 @@ class RunLayout:
     aggregator: Path
     relays: dict[str, Path]
     """Each relay's folder by its member id (a region, or ``region/i`` for a shard)."""
+    run_toml_name: str = "the configuration given"
+    """Where ``config`` came from, for messages."""
 
     @classmethod
     def of(cls, run_dir: Path) -> RunLayout:
         cfg = RunConfig.from_toml(run_dir / "run.toml")
         members = relay_members(cfg.topology.regions, cfg.topology.relay_shards)
         relays = {m: run_dir / relay_key(m) for m in sorted(members)}
-        return cls(cfg, run_dir / "aggregator", relays)
+        return cls(cfg, run_dir / "aggregator", relays, str(run_dir / "run.toml"))
 
 
 @dataclass(frozen=True, slots=True)
 class AuditReport:
+    """What an audit covered.  ``complete``: the replay reached the run's final global
+    merge (the configuration's last step); a segment audit (``segment``: it started from
+    the checkpoint of a global round) covers its rounds only, and is complete when it
+    reaches the end."""
+
     first_round: int
     last_round: int
     first_step: int
@@ -101,13 +112,49 @@ class AuditReport:
     entries: int
     bytes: int
     final_digest: str
+    rounds: int = 0
+    """Global rounds in the run, by its configuration."""
+    steps: int = 0
+    """Steps in the run, by its configuration."""
+    segment: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.last_step == self.steps
 
     def summary(self) -> str:
-        return (
-            f"audit OK: rounds {self.first_round}..{self.last_round} (steps {self.first_step}.."
-            f"{self.last_step}), {self.entries} entries and {self.bytes} bytes checked, "
-            f"final state digest {self.final_digest}"
+        """The verdict line: ``audit OK: complete, ...`` for a run replayed to its end;
+        ``audit INCOMPLETE: tapes end at round r of R ...`` when the tapes stop before the
+        configuration's last step (a failure, unless the caller accepts a partial run:
+        ``summary(partial=True)``)."""
+        return self.verdict(partial=False)
+
+    def verdict(self, partial: bool) -> str:
+        what = "segment rounds" if self.segment else "rounds"
+        covered = (
+            f"{what} {self.first_round}..{self.last_round} of {self.rounds} (steps "
+            f"{self.first_step}..{self.last_step} of {self.steps}), {self.entries} entries and "
+            f"{self.bytes} bytes checked, final state digest {self.final_digest}"
         )
+        if self.complete:
+            return f"audit OK: complete, {covered}"
+        if partial:
+            return f"audit OK (partial): {covered}"
+        return (
+            f"audit INCOMPLETE: tapes end at round {self.last_round} of {self.rounds} (the "
+            f"run's configuration says {self.steps} steps); {covered}; --partial accepts a "
+            "run that has not ended"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _CheckpointFile:
+    """A node's checkpoint of one global round: the tape entry it follows, and its file
+    (None when there is none on disk)."""
+
+    round: int
+    entry: Entry
+    path: Path | None
 
 
 def _where(e: Entry) -> str:
@@ -131,32 +178,99 @@ class Auditor:
             f"{tape} {_where(err.entry)}: {err.detail}" if err.entry else f"{tape}: {err.detail}"
         )
 
-    def _check_reaches_latest_checkpoint(
-        self, tape: Path, folder: Path, entries: list[Entry]
-    ) -> None:
-        """A tape cut at a record boundary still verifies on its own; the daemon's
-        latest durable checkpoint recorded the tape's length and head, so it cannot
-        be shorter than that (truncation) or differ there (fork)."""
-        latest = sorted((folder / "checkpoints").glob("round-*.pt"))
-        if not latest:
-            return
-        ck = torch.load(latest[-1], weights_only=True, mmap=True)  # tensors left unread
-        seq, head = int(ck["tape_seq"]), ck["tape_head"]
-        if len(entries) < seq:
-            raise AuditError(
-                f"{tape}: truncated tape: {len(entries)} entries, but {latest[-1].name} "
-                f"recorded {seq}"
-            )
-        if seq and entries[seq - 1].hash != head:
-            raise AuditError(f"{tape} entry {seq - 1}: fork: differs from {latest[-1].name}'s head")
+    def _checkpoint_positions(
+        self, signer: str, tape: Path, folder: Path, entries: list[Entry]
+    ) -> list[_CheckpointFile]:
+        """Every checkpoint file is one the tape accounts for, at the position it says.
 
-    # -- the replay -----------------------------------------------------------------
+        A node writes ``checkpoints/round-N.pt`` for each global round it commits (the
+        aggregator, after its ``global_merge`` entry) or applies (a relay, before its
+        ``global_applied`` entry); nothing deletes them.  The files are not signed, so
+        nothing in them is believed: each must record the tape position right after that
+        entry (only tape checkpoints between) and the entry's hash.  A file of a round the
+        tape does not have is a truncated tape; one that disagrees, a fork or a replaced
+        file.  Returns each round's entry and file (None: none on disk), for
+        ``_check_checkpoint_files`` after the replay."""
+        relay = signer != AGGREGATOR_KEY
+        commits: dict[int, Entry] = {}
+        for e in entries:
+            if e.kind == (GlobalAppliedEntry.KIND if relay else GlobalMergeEntry.KIND):
+                commits[int(e.body["round"])] = e
+        files = {int(p.stem.split("-")[1]): p for p in (folder / "checkpoints").glob("round-*.pt")}
+        for round_ in sorted(set(files) - set(commits)):
+            raise AuditError(
+                f"{tape}: truncated tape: {files[round_].name} was written for round {round_}, "
+                "which the tape does not have"
+            )
+        out = []
+        for round_, e in sorted(commits.items()):
+            path = files.get(round_)
+            if path is not None:
+                ck = torch.load(path, weights_only=True, mmap=True)  # tensors left unread
+                seq, head = int(ck.get("tape_seq", -1)), str(ck.get("tape_head", ""))
+                after = e.seq + 1
+                while after < len(entries) and after < seq and entries[after].kind == CHECKPOINT:
+                    after += 1
+                if seq != after or head != entries[seq - 1].hash:
+                    raise AuditError(
+                        f"{tape} {_where(e)}: fork: {path.name} recorded the tape's head as "
+                        f"entry {seq - 1} {head[:16]}..., the tape has {_where(e)} "
+                        f"{e.hash[:16]}... there (the tape was rewritten, or the file replaced)"
+                    )
+            out.append(_CheckpointFile(round_, e, path))
+        return out
+
+    def _check_checkpoint_files(
+        self, signer: str, tape: Path, entries: list[Entry], files: list[_CheckpointFile]
+    ) -> None:
+        """After the replay: every round's checkpoint is on disk (except the aggregator's
+        last of a run that has not ended: written after its entry, possibly not yet) and
+        holds the state its entry digests: the aggregator's parameters and outer state, a
+        relay's parameters and the error feedback its forward of the round left."""
+        relay = signer != AGGREGATOR_KEY
+        post_residual = {
+            int(e.body["round"]): str(e.body["post_residual"])
+            for e in entries
+            if e.kind == ForwardEntry.KIND
+        }
+        for i, f in enumerate(files):
+            if f.path is None:
+                if relay or i < len(files) - 1 or f.entry.body["sync_step"] == self.cfg.steps:
+                    raise AuditError(
+                        f"{tape} {_where(f.entry)}: the checkpoint of round {f.round} is "
+                        f"missing ({tape.parent / 'checkpoints' / f'round-{f.round:06d}.pt'})"
+                    )
+                continue
+            ck = torch.load(f.path, weights_only=True, mmap=True)
+            rec = parse(f.entry)
+            problem = None
+            if ck.get("run_id") != self.cfg.run_id or ck.get("config_digest") != self.cfg.digest:
+                problem = "it belongs to another run or configuration"
+            elif isinstance(rec, GlobalMergeEntry):
+                if flat_digest(ck["theta"]) != rec.post_state:
+                    problem = "its parameters are not the round's post_state"
+                elif outer_state_digest(ck["outer"]) != rec.post_outer:
+                    problem = "its outer optimizer state is not the round's post_outer"
+            elif isinstance(rec, GlobalAppliedEntry):
+                if ck.get("format") != CHECKPOINT_FORMAT:
+                    problem = "it is of an older format"
+                elif flat_digest(ck["theta"]) != rec.theta:
+                    problem = "its parameters are not the theta the relay applied"
+                elif f.round in post_residual and post_residual[f.round] != stored_residual_digest(
+                    ck["residual"], ck["theta"].numel()
+                ):
+                    problem = "its error feedback is not what the round's forward left"
+            if problem is not None:
+                raise AuditError(
+                    f"{f.path}: checkpoint of round {f.round}: {problem} ({_where(f.entry)})"
+                )
+
     def run(self, from_round: int | None = None) -> AuditReport:
         cfg, lay = self.cfg, self.layout
         tapes = {AGGREGATOR_KEY: (lay.aggregator, lay.aggregator / "tape")}
         tapes.update({relay_key(r): (d, d / "tape") for r, d in lay.relays.items()})
         verified: dict[str, list[Entry]] = {}
-        for signer, (folder, path) in tapes.items():
+        for signer, (_, path) in tapes.items():
             try:
                 report = verify_tape(path, self.trusted, run_id=cfg.run_id, signer=signer)
             except TapeError as exc:
@@ -164,7 +278,12 @@ class Auditor:
             verified[signer] = report.entries
             self.bytes += report.n_bytes
             self.entries += report.n_entries
-            self._check_reaches_latest_checkpoint(path, folder, report.entries)
+        for signer, (_, path) in tapes.items():
+            self._check_genesis(signer, path, verified[signer])
+        checkpoints = {
+            signer: self._checkpoint_positions(signer, path, folder, verified[signer])
+            for signer, (folder, path) in tapes.items()
+        }
         layout, theta0 = initial_parameters(cfg)
         agg = AggregatorMachine(cfg, theta0, self.trusted)
         shards = cfg.shards(theta0.numel())
@@ -195,6 +314,8 @@ class Auditor:
         except ReplayError as err:
             raise self._fail(agg_tape, err) from None
         self._check_forwards(agg_tape, agg_replay, replays)
+        for signer, files in checkpoints.items():
+            self._check_checkpoint_files(signer, tapes[signer][1], verified[signer], files)
         self.bytes += agg_blobs.bytes + sum(b.bytes for _, _, b in replays.values())
         merges = agg_replay.merges
         if not merges:
@@ -209,7 +330,47 @@ class Auditor:
             self.entries,
             self.bytes,
             state_digest(layout.unflatten(merges[-1].payload)),
+            rounds=sched.rounds,
+            steps=sched.steps,
+            segment=from_round is not None,
         )
+
+    def _check_genesis(self, signer: str, tape: Path, entries: list[Entry]) -> None:
+        """Each tape starts with its node's genesis entry: the aggregator's records the
+        configuration the audit replays with (so ``run.toml`` must be it), a relay's refers
+        to the same, and both pinned the keys the audit pins."""
+        where = f"{tape} entry 0"
+        first = parse(entries[0]) if entries else None
+        if not isinstance(first, GenesisEntry):
+            raise AuditError(
+                f"{where}: a tape must start with its node's genesis entry (the run's "
+                "configuration); this one does not (a tape from an older version, or cut)"
+            )
+        relay = signer != AGGREGATOR_KEY
+        member = next((m for m in self.layout.relays if relay_key(m) == signer), None)
+        want = genesis_record(self.cfg, "relay" if relay else "aggregator", member, self.trusted)
+        if not relay and first.config is not None and first.config != want.config:
+            try:
+                taped = json.loads(first.config)
+            except ValueError:
+                taped = None
+            field = first_difference(json.loads(str(want.config)), taped)
+            raise AuditError(
+                f"{where} (genesis): the configuration the run started with differs from "
+                f"{self.layout.run_toml_name} at {field}: the audit checks every entry "
+                "against the genesis, and this run folder's configuration is not it"
+            )
+        field = want.first_difference(first)
+        if field == "keys":
+            raise AuditError(
+                f"{where} (genesis): the keys this node pinned are not the ones the audit "
+                f"pins (first difference: {first_difference(want.keys, first.keys)})"
+            )
+        if field is not None:
+            raise AuditError(
+                f"{where} (genesis): recomputed {field} differs: the tape has "
+                f"{getattr(first, field)}, the run's configuration gives {getattr(want, field)}"
+            )
 
     def _interleave(
         self,
@@ -253,10 +414,19 @@ class Auditor:
         relays: dict[str, tuple[Path, RelayReplay, PublishedFolder]],
     ) -> None:
         """Every regional delta the aggregator took is what that relay (or relay shard)
-        forwarded (as the relay's replay recomputed it)."""
+        forwarded (as the relay's replay recomputed it).  A relay tapes its forward before
+        it pushes, so an input whose forward is not on the relay's tape (a relay tape cut
+        shorter than the aggregator's) fails too."""
         for (step, region), rec in agg.received.items():
-            forwarded = relays[region][1].forwards.get(step) if region in relays else None
-            if forwarded is not None and forwarded.record.digest != rec.digest:
+            if region not in relays:
+                raise AuditError(f"{agg_tape}: input for step {step} from {region}, not a relay")
+            forwarded = relays[region][1].forwards.get(step)
+            if forwarded is None:
+                raise AuditError(
+                    f"{agg_tape}: input from {region} for step {step} has no forward on relay "
+                    f"{region}'s tape ({relays[region][0]})"
+                )
+            if forwarded.record.digest != rec.digest:
                 raise AuditError(
                     f"{agg_tape}: input from {region} for step {step} is not what relay "
                     f"{region} forwarded"

@@ -90,3 +90,40 @@ def flat_digest(flat: torch.Tensor) -> str:
 def params_digest(names_views: dict[str, torch.Tensor]) -> str:
     """State digest of parameters given as name -> tensor views (ParamLayout.unflatten)."""
     return state_digest(names_views)
+
+
+def genesis_record(cfg: Any, role: str, member: str | None, trusted: Any) -> Any:
+    """The ``genesis`` entry a node of ``role`` ("aggregator" or "relay", ``member`` its
+    member id) opens its tape with: the configuration's digest, the keys the node pinned
+    (``trusted``, a TrustedKeys or None), and for the aggregator the configuration's
+    canonical JSON (``schema.GenesisEntry``)."""
+    from hypertrain.common.trust.schema import GenesisEntry
+
+    keys = {} if trusted is None else {n: trusted.lookup(n).key_id for n in trusted.names}
+    aggregator = role == "aggregator"
+    return GenesisEntry(
+        role=role,
+        config_digest=cfg.digest,
+        keys=keys,
+        config=canonical_config(cfg) if aggregator else None,
+        member=None if aggregator else member,
+    )
+
+
+def canonical_config(cfg: Any) -> str:
+    """The canonical JSON of a RunConfig (what ``RunConfig.digest`` hashes)."""
+    return json.dumps(cfg.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def first_difference(want: Any, got: Any, path: str = "") -> str | None:
+    """The first path (``outer.eta``) at which two JSON-like values differ, or None."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        for k in sorted(set(want) | set(got)):
+            where = f"{path}.{k}" if path else str(k)
+            if k not in want or k not in got:
+                return where
+            found = first_difference(want[k], got[k], where)
+            if found is not None:
+                return found
+        return None
+    return None if want == got else (path or "(the whole value)")

@@ -140,6 +140,27 @@ _TYPES: dict[str, Any] = {
 
 
 @dataclass(frozen=True, slots=True)
+class GenesisEntry(_Record):
+    """The first entry of every node's tape: the run it belongs to.
+
+    The aggregator's carries the run's configuration itself (``config``: its canonical
+    JSON, whose sha256 is ``config_digest``); a relay's refers to it by that digest and
+    names the relay (``member``: a region, or ``region/i`` for a shard).  Both list the
+    keys the node pinned (``keys``: name -> key id).  Everything a later entry records
+    about the rules (tau, codecs, the outer optimizer, quorum, membership) follows from
+    this configuration, so the audit replays with it and refuses a run folder whose
+    ``run.toml`` says anything else (``hypertrain.common.trust.ledger.genesis_record``)."""
+
+    KIND: ClassVar[str] = "genesis"
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"config", "member"})
+    role: str
+    config_digest: str
+    keys: dict[str, Any]
+    config: str | None = None
+    member: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class InputEntry(_Record):
     """An accepted delta: its membership in the round of ``sync_step``."""
 
@@ -278,7 +299,8 @@ class GlobalMergeEntry(_Record):
 
 
 Record: TypeAlias = (
-    InputEntry
+    GenesisEntry
+    | InputEntry
     | RejectionEntry
     | RegionalMergeEntry
     | ForwardEntry
@@ -290,6 +312,7 @@ Record: TypeAlias = (
 KINDS: dict[str, type[_Record]] = {
     c.KIND: c
     for c in (
+        GenesisEntry,
         InputEntry,
         RejectionEntry,
         RegionalMergeEntry,

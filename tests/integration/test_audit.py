@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
+from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
+from hypertrain.common.trust.ledger import canonical_config
+from hypertrain.common.trust.schema import InputEntry
 from hypertrain.common.trust.tape import TapeWriter, read_tape, verify_tape
 from hypertrain.common.trust.tape_format import encode_record
 from tests.integration.conftest import Cluster
@@ -174,3 +180,296 @@ def test_a_fork_against_the_recorded_checkpoint(run, tmp_path: Path) -> None:  #
         lambda k, b: b | ({"size": b["size"] + 1} if k == "input" else {}),
     )
     _fails(d, "fork")
+
+
+def _cut_to_round(run_dir: Path, round_: int) -> None:
+    """Every tape cut back to where its daemon's checkpoint of ``round_`` recorded it, and
+    the later checkpoints deleted: a run that looks like it ended at that round."""
+    for folder in [run_dir / "aggregator", *sorted(run_dir.glob("relay-*"))]:
+        keep = folder / "checkpoints" / f"round-{round_:06d}.pt"
+        seq = int(torch.load(keep, weights_only=True, mmap=True)["tape_seq"])
+        _rewrite(folder / "tape", lambda b, seq=seq: b[:seq])  # type: ignore[misc]
+        for later in (folder / "checkpoints").glob("round-*.pt"):
+            if later.name > keep.name:
+                later.unlink()
+
+
+def test_the_verdict_says_a_whole_run_is_complete_and_a_segment_is_a_segment(run) -> None:  # type: ignore[no-untyped-def]
+    run_dir, _ = run
+    whole = audit_run(run_dir, _trusted(run_dir))
+    assert whole.complete and whole.summary().startswith(
+        "audit OK: complete, rounds 0..2 of 3 (steps 20..60 of 60)"
+    )
+    segment = audit_run(run_dir, _trusted(run_dir), from_round=1)
+    assert segment.complete and segment.summary().startswith(
+        "audit OK: complete, segment rounds 2..2 of 3 (steps 60..60 of 60)"
+    )
+
+
+def test_tapes_cut_back_to_an_earlier_round_are_incomplete(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    d = _copy(run[0], tmp_path)
+    _cut_to_round(d, 1)
+    report = audit_run(d, _trusted(d))  # what is there verifies ...
+    assert (report.last_round, report.complete) == (1, False)
+    assert report.summary().startswith(
+        "audit INCOMPLETE: tapes end at round 1 of 3 (the run's configuration says 60 steps)"
+    )
+    cli = [sys.executable, "-m", "hypertrain", "audit", str(d)]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stdout.startswith("audit INCOMPLETE: "), out
+    out = subprocess.run([*cli, "--partial"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out
+    assert out.stdout.startswith("audit OK (partial): rounds 0..1 of 3 (steps 20..40 of 60)")
+
+
+def test_a_relay_tape_cut_shorter_than_the_aggregators(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The aggregator took relay eu's forward of the last round; eu's tape no longer has it."""
+    d = _copy(run[0], tmp_path)
+    tape = d / "relay-eu" / "tape"
+    entries = verify_tape(tape, _trusted(d)).entries
+    last_forward = max(e.seq for e in entries if e.kind == "forward")
+    _rewrite(tape, lambda b: b[:last_forward])
+    shutil.rmtree(d / "relay-eu" / "checkpoints")  # they recorded the longer tape
+    _fails(d, "input from eu for step 60 has no forward on relay eu's tape")
+
+
+def _other(value: object) -> object:
+    """A different value of the same type: a digest with its first hex digit changed, a step
+    one later."""
+    if isinstance(value, int):
+        return value + 1
+    assert isinstance(value, str) and value, value
+    return ("1" if value[0] == "0" else "0") + value[1:]
+
+
+FORGED_FIELDS = [
+    ("aggregator", "global_merge", field)
+    for field in (
+        "pre_state",
+        "post_state",
+        "pre_outer",
+        "post_outer",
+        "mean",
+        "commitment",
+        "merge_step",
+    )
+] + [
+    ("relay-eu", kind, field)
+    for kind, fields in (
+        ("regional_merge", ("pre_base", "post_base", "mean", "commitment", "merge_step")),
+        ("forward", ("pre_residual", "post_residual", "digest")),
+        ("global_applied", ("theta", "merge_step")),
+    )
+    for field in fields
+]
+
+
+@pytest.mark.parametrize(
+    ("daemon", "kind", "field"), FORGED_FIELDS, ids=[f"{k}.{f}" for _, k, f in FORGED_FIELDS]
+)
+def test_a_field_forged_under_the_daemons_own_key_is_named(  # type: ignore[no-untyped-def]
+    run, tmp_path: Path, daemon: str, kind: str, field: str
+) -> None:
+    """One field of the first ``kind`` entry changed, the tape re-signed and re-chained with
+    the daemon's own key, its checkpoints removed: only the replay can see it, and it names
+    the field."""
+    d = _copy(run[0], tmp_path)
+    key = load_signing_key(d / "keys" / f"{daemon}.key")
+    done = []
+
+    def change(k: str, body: dict) -> dict:  # type: ignore[type-arg]
+        if k == kind and not done:
+            done.append(body[field])
+            body[field] = _other(body[field])
+        return body
+
+    _resign(d / daemon / "tape", key, change)
+    assert done, f"no {kind} entry on {daemon}'s tape"
+    verify_tape(d / daemon / "tape", _trusted(d))  # validly signed and chained
+    shutil.rmtree(d / daemon / "checkpoints")
+    message = _fails(d, f"recomputed {field} differs")
+    assert f"({kind}, step " in message
+
+
+def test_an_input_signed_by_another_pinned_key_is_refused(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Island eu-1's key (pinned: it is a member) signs an input taped as eu-0's, and the
+    relay re-signs its tape around it: the replay checks the signature against the
+    sender's key, not any pinned key."""
+    d = _copy(run[0], tmp_path)
+    relay_key, forger = (
+        load_signing_key(d / "keys" / f"{n}.key") for n in ("relay-eu", "island-eu-1")
+    )
+    blobs = d / "relay-eu" / "published"
+    done = []
+
+    def change(k: str, body: dict) -> dict:  # type: ignore[type-arg]
+        if k == "input" and body["sender"] == "eu-0" and not done:
+            rec = InputEntry.from_body(body)
+            delta = Delta.from_record(CFG.run_id, rec, (blobs / rec.digest).read_bytes())
+            body["signature"] = forger.sign(delta.transfer_message()).hex()
+            done.append(rec.sync_step)
+        return body
+
+    _resign(d / "relay-eu" / "tape", relay_key, change)
+    assert done
+    shutil.rmtree(d / "relay-eu" / "checkpoints")
+    _fails(d, f"bad signature on the delta from eu-0 for step {done[0]}")
+
+
+def test_a_deleted_checkpoint_file_is_named(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    d = _copy(run[0], tmp_path)
+    (d / "relay-us" / "checkpoints" / "round-000001.pt").unlink()
+    _fails(d, "the checkpoint of round 1 is missing")
+
+
+def test_a_checkpoint_file_replaced_by_another_rounds(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    d = _copy(run[0], tmp_path)
+    ckpts = d / "aggregator" / "checkpoints"
+    shutil.copy(ckpts / "round-000000.pt", ckpts / "round-000001.pt")
+    _fails(d, "fork: round-000001.pt recorded the tape's head as entry")
+
+
+def test_a_checkpoint_file_patched_to_the_tapes_position_is_checked_by_content(
+    run,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    """Round 0's state under round 1's name, its tape position patched to round 1's: the
+    file is not believed, its parameters are checked against the tape."""
+    d = _copy(run[0], tmp_path)
+    ckpts = d / "relay-eu" / "checkpoints"
+    old, new = (torch.load(ckpts / f"round-00000{r}.pt", weights_only=True) for r in (0, 1))
+    old |= {k: new[k] for k in ("tape_seq", "tape_head", "round", "sync_step")}
+    torch.save(old, ckpts / "round-000001.pt")
+    _fails(d, "checkpoint of round 1: its parameters are not the theta the relay applied")
+
+
+def _patch_checkpoints(folder: Path) -> None:
+    """Make the node's checkpoint files record its (rewritten) tape, as a forger who also
+    controls its disk would: each at the position right after its round's entry."""
+    entries = verify_tape(folder / "tape", _trusted(folder.parent)).entries
+    kind = "global_merge" if folder.name == "aggregator" else "global_applied"
+    last = {int(e.body["round"]): e for e in entries if e.kind == kind}
+    for path in (folder / "checkpoints").glob("round-*.pt"):
+        ck = torch.load(path, weights_only=True)
+        e = last[int(path.stem.split("-")[1])]
+        ck["tape_seq"], ck["tape_head"] = e.seq + 1, e.hash
+        torch.save(ck, path)
+
+
+@pytest.mark.parametrize(
+    ("daemon", "kind", "field", "value"),
+    [
+        ("relay-eu", "regional_merge", "tau", 1),
+        ("aggregator", "global_merge", "outer", {"name": "nesterov", "eta": "0.5", "mu": "0.9"}),
+        ("aggregator", "global_merge", "codec", {"name": "int8"}),
+    ],
+    ids=["relay-tau", "aggregator-outer", "aggregator-codec"],
+)
+def test_a_configuration_field_rewritten_under_the_daemons_own_key(  # type: ignore[no-untyped-def]
+    run, tmp_path: Path, daemon: str, kind: str, field: str, value: object
+) -> None:
+    """Every ``kind`` entry's ``field`` changed, the tape re-signed and re-chained with the
+    daemon's key, its checkpoint files patched to match: the replay, configured by the
+    genesis, names the field; and a run.toml edited to agree is refused against the
+    genesis."""
+    d = _copy(run[0], tmp_path)
+    key = load_signing_key(d / "keys" / f"{daemon}.key")
+    changed = []
+
+    def change(k: str, body: dict) -> dict:  # type: ignore[type-arg]
+        if k == kind:
+            changed.append(body[field])
+            body[field] = value
+        return body
+
+    _resign(d / daemon / "tape", key, change)
+    assert changed and all(v != value for v in changed)
+    _patch_checkpoints(d / daemon)
+    _fails(d, f"recomputed {field} differs")
+    if field == "tau":  # the configuration made to agree with the forged entries
+        toml = d / "run.toml"
+        toml.write_text(toml.read_text().replace("tau = 0", "tau = 1"))
+        assert RunConfig.from_toml(toml).topology.tau == 1
+        message = _fails(d, "entry 0 (genesis): the configuration the run started with differs")
+        assert "run.toml at topology.tau" in message
+
+
+def test_a_genesis_rewritten_with_another_configuration_disagrees_with_the_relays(  # type: ignore[no-untyped-def]
+    run, tmp_path: Path
+) -> None:
+    """The aggregator's key rewrites its genesis (and run.toml) to another outer eta: the
+    relays' genesis entries, under their own keys, still name the old configuration."""
+    d = _copy(run[0], tmp_path)
+    cfg = RunConfig.from_dict({**CFG.to_dict(), "outer": {"name": "nesterov", "eta": 0.5}})
+    key = load_signing_key(d / "keys" / "aggregator.key")
+
+    def change(k: str, body: dict) -> dict:  # type: ignore[type-arg]
+        if k == "genesis":
+            body |= {"config": canonical_config(cfg), "config_digest": cfg.digest}
+        return body
+
+    _resign(d / "aggregator" / "tape", key, change)
+    (d / "run.toml").write_text((d / "run.toml").read_text().replace("eta = 0.7", "eta = 0.5"))
+    assert RunConfig.from_toml(d / "run.toml").digest == cfg.digest
+    _fails(d, "relay-eu/tape entry 0 (genesis): recomputed config_digest differs")
+
+
+def _rewrite_entries(
+    tape: Path,
+    key: SigningKey,
+    edit: Callable[[list[tuple[str, dict]]], list[tuple[str, dict]]],  # type: ignore[type-arg]
+) -> None:
+    """Rebuild a tape from ``edit`` of its (kind, body) list, signed and chained with ``key``."""
+    entries = verify_tape(tape, _trusted(tape.parents[1])).entries
+    items = edit([(e.kind, dict(e.body)) for e in entries])
+    tape.unlink()
+    with TapeWriter.open(tape, CFG.run_id, key, checkpoint_every=0) as w:
+        for kind, body in items:
+            if kind == "checkpoint":
+                w.checkpoint()
+            else:
+                w.append(kind, body)
+
+
+def _round_of(item: tuple[str, dict]) -> int | None:  # type: ignore[type-arg]
+    return item[1].get("round")
+
+
+def _inputs(items: list[tuple[str, dict]]) -> list[int]:  # type: ignore[type-arg]
+    return [i for i, (k, _) in enumerate(items) if k == "input"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda items: [*items, items[_inputs(items)[0]]], "(input, step 10): cannot replay"),
+        (
+            lambda items: [
+                *items[: _inputs(items)[-1]],
+                items[_inputs(items)[0]],
+                *items[_inputs(items)[-1] :],
+            ],
+            "(input, step 10): cannot replay",
+        ),
+        (
+            lambda items: [
+                *items,
+                *(it for it in items if _round_of(it) == 0 and it[0] != "checkpoint"),
+            ],
+            "(input, step 10): cannot replay",
+        ),
+    ],
+    ids=["old-input-appended", "old-input-inserted", "old-round-appended"],
+)
+def test_an_old_input_or_round_replayed_under_the_relays_own_key(  # type: ignore[no-untyped-def]
+    run,
+    tmp_path: Path,
+    edit: Callable,
+    words: str,  # type: ignore[type-arg]
+) -> None:
+    """Entries the round structure does not explain, validly signed and chained, the
+    checkpoint files patched: every entry of every tape is walked, and these are named."""
+    d = _copy(run[0], tmp_path)
+    _rewrite_entries(d / "relay-eu" / "tape", load_signing_key(d / "keys" / "relay-eu.key"), edit)
+    _patch_checkpoints(d / "relay-eu")
+    _fails(d, words)

@@ -4,6 +4,7 @@ resumes from its folder to the same result (the toy model, real files, no socket
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,15 +12,18 @@ import pytest
 import torch
 
 from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import ConfigError
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.local import Cluster, Crash, IslandActor, Observer
 from hypertrain.common.rounds.machines import AggregatorMachine, RelayMachine
+from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.common.rounds.replay import (
     AggregatorReplay,
     PublishedFolder,
     RelayReplay,
     ReplayError,
 )
+from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.toy import ToyIsland
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import flat_digest, outer_state_digest
@@ -176,3 +180,41 @@ def test_a_node_killed_at_a_crash_point_resumes_from_its_folder(
     cluster = _cluster(tmp_path, hook)
     assert flat_digest(_run(cluster)) == reference
     assert fired, f"{point} was never passed {nth} times"
+
+
+def test_every_tape_starts_with_its_genesis_and_a_node_keeps_to_it(tmp_path: Path) -> None:
+    """The aggregator's tape opens with the run's configuration, each relay's with its
+    digest and member; a node will not resume a tape started under another configuration
+    (or as another member)."""
+    run_dir = tmp_path / "run"
+    cluster = _cluster(run_dir)
+    _run(cluster)
+    for actor in (cluster.aggregator, *cluster.relays.values()):
+        assert actor.node.store is not None
+        actor.node.store.close()  # the tapes' locks
+    first = verify_tape(run_dir / "aggregator" / "tape", TRUSTED).entries[0]
+    assert first.seq == 0 and first.kind == "genesis"
+    assert json.loads(first.body["config"]) == CFG.to_dict()
+    assert first.body["config_digest"] == CFG.digest
+    assert first.body["keys"] == {k.name: k.key_id for k in KEYS.values()}
+    relay = verify_tape(run_dir / "relay-a" / "tape", TRUSTED).entries[0]
+    assert relay.kind == "genesis" and relay.body["member"] == "a"
+    assert relay.body["config_digest"] == CFG.digest and "config" not in relay.body
+
+    other = RunConfig.from_dict({**CFG.to_dict(), "outer": {"name": "nesterov", "eta": 0.5}})
+    _, theta0 = initial_parameters(other)
+    cases: list[tuple[Callable[[NodeStore], object], str, str]] = [
+        (lambda st: RelayNode(other, "a", theta0, st, TRUSTED), "relay-a", "another config_digest"),
+        (lambda st: RelayNode(CFG, "b", theta0, st, TRUSTED), "relay-a", "another member"),
+        (lambda st: AggregatorNode(other, theta0, st, TRUSTED), "aggregator", "another config_digest"),
+    ]  # fmt: skip
+    for make, name, words in cases:
+        store = NodeStore(run_dir / name, CFG.run_id, KEYS[name], sync=False)
+        try:
+            with pytest.raises(ConfigError, match=f"was not started by this .*{words}"):
+                make(store)
+        finally:
+            store.close()
+    store = NodeStore(run_dir / "aggregator", CFG.run_id, KEYS["aggregator"], sync=False)
+    AggregatorNode(CFG, theta0, store, TRUSTED)  # the same configuration resumes
+    store.close()
