@@ -403,8 +403,12 @@ class RunConfig:
     @property
     def digest(self) -> str:
         """sha256 of the canonical JSON of the config."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canon.encode()).hexdigest()
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def canonical_json(self) -> str:
+        """The config's canonical JSON (sorted keys, no spaces): what ``digest`` hashes and
+        the aggregator's tape opens with (``GenesisEntry``)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @property
     def global_batch(self) -> int:

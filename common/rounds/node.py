@@ -64,7 +64,7 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, ReplayError
 from hypertrain.common.rounds.store import NodeStore, load_state
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
-from hypertrain.common.trust.ledger import flat_digest, genesis_record
+from hypertrain.common.trust.ledger import flat_digest
 from hypertrain.common.trust.schema import (
     GenesisEntry,
     GlobalAppliedEntry,
@@ -112,7 +112,7 @@ class _Node:
         store = self.store
         if store is None or store.tape is None:
             return
-        want = genesis_record(self.cfg, self.role, member, trusted)
+        want = GenesisEntry.of(self.cfg, self.role, member, trusted)
         entries = store.tape.entries
         if not entries:
             store.record(want)
@@ -121,9 +121,9 @@ class _Node:
             got = parse(entries[0])
         except HypertrainError as e:
             got, problem = None, str(e)
-        if not isinstance(got, GenesisEntry):
-            problem = f"its entry 0 is a {entries[0].kind}, not this node's genesis"
         else:
+            problem = f"its entry 0 is a {entries[0].kind}, not this node's genesis"
+        if isinstance(got, GenesisEntry):
             field = want.first_difference(got)
             if field is None:
                 return

@@ -31,6 +31,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,9 +59,7 @@ from hypertrain.common.shards import relay_members
 from hypertrain.common.trust.keys import TrustedKeys
 from hypertrain.common.trust.ledger import (
     AGGREGATOR_KEY,
-    first_difference,
     flat_digest,
-    genesis_record,
     outer_state_digest,
     relay_key,
 )
@@ -126,7 +125,7 @@ class AuditReport:
         """The verdict line: ``audit OK: complete, ...`` for a run replayed to its end;
         ``audit INCOMPLETE: tapes end at round r of R ...`` when the tapes stop before the
         configuration's last step (a failure, unless the caller accepts a partial run:
-        ``summary(partial=True)``)."""
+        ``verdict(partial=True)``)."""
         return self.verdict(partial=False)
 
     def verdict(self, partial: bool) -> str:
@@ -155,6 +154,20 @@ class _CheckpointFile:
     round: int
     entry: Entry
     path: Path | None
+
+
+def _first_difference(want: Any, got: Any, path: str = "") -> str | None:
+    """The first path (``outer.eta``) at which two JSON-like values differ, or None."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        for k in sorted(set(want) | set(got)):
+            where = f"{path}.{k}" if path else str(k)
+            if k not in want or k not in got:
+                return where
+            found = _first_difference(want[k], got[k], where)
+            if found is not None:
+                return found
+        return None
+    return None if want == got else (path or "(the whole value)")
 
 
 def _where(e: Entry) -> str:
@@ -348,13 +361,13 @@ class Auditor:
             )
         relay = signer != AGGREGATOR_KEY
         member = next((m for m in self.layout.relays if relay_key(m) == signer), None)
-        want = genesis_record(self.cfg, "relay" if relay else "aggregator", member, self.trusted)
+        want = GenesisEntry.of(self.cfg, "relay" if relay else "aggregator", member, self.trusted)
         if not relay and first.config is not None and first.config != want.config:
             try:
                 taped = json.loads(first.config)
             except ValueError:
                 taped = None
-            field = first_difference(json.loads(str(want.config)), taped)
+            field = _first_difference(json.loads(str(want.config)), taped)
             raise AuditError(
                 f"{where} (genesis): the configuration the run started with differs from "
                 f"{self.layout.run_toml_name} at {field}: the audit checks every entry "
@@ -364,7 +377,7 @@ class Auditor:
         if field == "keys":
             raise AuditError(
                 f"{where} (genesis): the keys this node pinned are not the ones the audit "
-                f"pins (first difference: {first_difference(want.keys, first.keys)})"
+                f"pins (first difference: {_first_difference(want.keys, first.keys)})"
             )
         if field is not None:
             raise AuditError(

@@ -48,10 +48,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from hypertrain.common.errors import TapeError
 from hypertrain.common.trust.tape_format import CHECKPOINT, Entry
+
+if TYPE_CHECKING:
+    from hypertrain.common.config import RunConfig
+    from hypertrain.common.trust.keys import TrustedKeys
 
 Members = tuple[tuple[str, str], ...]
 """Ordered (member, sha256 of its encoded input) pairs of an aggregate."""
@@ -149,7 +153,7 @@ class GenesisEntry(_Record):
     keys the node pinned (``keys``: name -> key id).  Everything a later entry records
     about the rules (tau, codecs, the outer optimizer, quorum, membership) follows from
     this configuration, so the audit replays with it and refuses a run folder whose
-    ``run.toml`` says anything else (``hypertrain.common.trust.ledger.genesis_record``)."""
+    ``run.toml`` says anything else."""
 
     KIND: ClassVar[str] = "genesis"
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"config", "member"})
@@ -158,6 +162,22 @@ class GenesisEntry(_Record):
     keys: dict[str, Any]
     config: str | None = None
     member: str | None = None
+
+    @classmethod
+    def of(
+        cls, cfg: RunConfig, role: str, member: str | None, trusted: TrustedKeys | None
+    ) -> GenesisEntry:
+        """The genesis of a node of ``role`` ("aggregator", or "relay" with its ``member``
+        id) in the run of ``cfg`` that pinned ``trusted``."""
+        keys = {} if trusted is None else {n: trusted.lookup(n).key_id for n in trusted.names}
+        aggregator = role == "aggregator"
+        return cls(
+            role=role,
+            config_digest=cfg.digest,
+            keys=keys,
+            config=cfg.canonical_json() if aggregator else None,
+            member=None if aggregator else member,
+        )
 
 
 @dataclass(frozen=True, slots=True)

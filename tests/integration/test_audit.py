@@ -16,7 +16,6 @@ from hypertrain.common.reference import run_reference
 from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
-from hypertrain.common.trust.ledger import canonical_config
 from hypertrain.common.trust.schema import InputEntry
 from hypertrain.common.trust.tape import TapeWriter, read_tape, verify_tape
 from hypertrain.common.trust.tape_format import encode_record
@@ -405,7 +404,7 @@ def test_a_genesis_rewritten_with_another_configuration_disagrees_with_the_relay
 
     def change(k: str, body: dict) -> dict:  # type: ignore[type-arg]
         if k == "genesis":
-            body |= {"config": canonical_config(cfg), "config_digest": cfg.digest}
+            body |= {"config": cfg.canonical_json(), "config_digest": cfg.digest}
         return body
 
     _resign(d / "aggregator" / "tape", key, change)
