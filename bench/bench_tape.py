@@ -46,7 +46,11 @@ the same process, so it does not depend on how fast this machine is:
    serial) and divided by the wall time of a global round of that same run (the
    islands' own wall time, from their ``event=done`` lines, / rounds).  The fsync
    of each append is durability, not signing: reported separately, and in a
-   stricter total.
+   stricter total.  Beside it, **receipts cost under 1% of that round**: the seals
+   (one signed checkpoint entry per merge, appended with fsync to a scratch tape in
+   the run folder) and every check-and-keep by the islands and relays (``Witness.take``
+   on the run's own kept receipts, with the run's pinned keys: signatures verified,
+   lines appended), per global round, over the same round wall time.
 
 Timings are best-of-N wall clock, baseline and figure interleaved; the machine
 may be shared, so the JSON records the repeats, sizes and CPU count.
@@ -87,12 +91,14 @@ from hypertrain.common.rounds.replay import PublishedFolder
 from hypertrain.common.trust import audit as audit_mod
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY, relay_key, transfer_message
+from hypertrain.common.trust.receipts import Witness, producers, read_receipts
 from hypertrain.common.trust.tape import Entry, TapeWriter, verify_tape
 from hypertrain.procs import parse_logfmt
 
 DIGEST_TARGET_PER_CORE = 0.8
 AUDIT_TARGET = 1.5
 SIGNING_TARGET = 0.05
+RECEIPTS_TARGET = 0.01
 SMALL_TENSOR_BYTES = 64 << 10
 RESULTS = Path("experiments/results/bench_tape.json")
 AUDIT_RUN_TOML = """[run]
@@ -570,6 +576,78 @@ def time_appends(entries: list[Entry], run_id: str, folder: Path, sync: bool) ->
         path.unlink(missing_ok=True)
 
 
+def time_seals(n: int, run_id: str, folder: Path) -> float:
+    """``n`` seals (a checkpoint after one small entry, as after each merge; fsynced), the
+    seals alone timed."""
+    key = SigningKey.generate("aggregator")
+    path = folder / f"scratch-seals-{os.getpid()}-{time.monotonic_ns()}"
+    total = 0.0
+    try:
+        with TapeWriter.open(path, run_id, key, checkpoint_every=0) as w:
+            for i in range(n):
+                w.append("note", {"i": i})
+                t0 = time.perf_counter()
+                w.checkpoint()
+                total += time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)
+    return total
+
+
+def kept_groups(run_dir: Path, cfg: RunConfig) -> list[tuple[str, int, str, str, list[bytes]]]:
+    """Every merge's receipts as its holder took them: (holder, step, kind, source, the
+    receipts in the order they came), from the run's receipts files."""
+    groups: dict[tuple[str, int, str], dict[str, bytes]] = {}
+    for path in sorted(run_dir.glob("*/receipts")):
+        for r in read_receipts(path):
+            groups.setdefault((r.holder, r.step, r.kind), {})[r.signer] = r.raw
+    out = []
+    for (holder, step, kind), by_signer in groups.items():
+        if holder.startswith("relay-"):
+            source = AGGREGATOR_KEY
+        else:  # an island's relay (the runs benched here have no relay shards)
+            source = relay_key(cfg.topology.region_of(holder.removeprefix("island-")))
+        raws = [by_signer[w] for w in producers(kind, source)]
+        out.append((holder, step, kind, source, raws))
+    return out
+
+
+def bench_receipts(run_dir: Path, cfg: RunConfig, repeats: int, rounds: int) -> dict[str, Any]:
+    """Seals and check-and-keep per global round (module docstring, 3)."""
+    trusted = TrustedKeys.load(run_dir / "keys" / "trusted_keys.json")
+    sealed = ("regional_merge", "forward", "global_merge")
+    seals = sum(
+        1
+        for es in tape_entries(run_dir).values()
+        for i, e in enumerate(es)
+        if e.kind == "checkpoint" and i and es[i - 1].kind in sealed
+    )
+    groups = kept_groups(run_dir, cfg)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-receipts-", dir=run_dir))
+
+    def take_all() -> None:
+        folder = Path(tempfile.mkdtemp(dir=scratch))
+        witnesses: dict[str, Witness] = {}
+        for holder, step, kind, source, raws in groups:
+            w = witnesses.get(holder)
+            if w is None:
+                w = witnesses[holder] = Witness(folder / holder, holder, cfg.run_id, trusted)
+            w.take(step, kind, raws, source)
+        shutil.rmtree(folder)
+
+    try:
+        take_s = min(timed(take_all)[0] for _ in range(repeats))
+        seal_s = min(time_seals(seals, cfg.run_id, scratch) for _ in range(repeats))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "seals": seals / rounds,
+        "receipts_kept": sum(len(g[4]) for g in groups) / rounds,
+        "seal_seconds_per_round": seal_s / rounds,
+        "take_seconds_per_round": take_s / rounds,
+    }
+
+
 def bench_signing(run_dir: Path, repeats: int, up_wall: float | None) -> dict[str, Any]:
     cfg = RunConfig.from_toml(run_dir / "run.toml")
     rounds = cfg.steps // cfg.topology.h_g
@@ -624,6 +702,7 @@ def bench_signing(run_dir: Path, repeats: int, up_wall: float | None) -> dict[st
             append_times["sync"].append(appends(True)())
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    receipts = bench_receipts(run_dir, cfg, repeats, rounds)
     round_wall, walls = island_wall_per_round(run_dir, rounds)
     per_round = {n: t["seconds"] / rounds for n, t in times.items()}
     append_cpu = min(append_times["nosync"]) / rounds
@@ -639,6 +718,8 @@ def bench_signing(run_dir: Path, repeats: int, up_wall: float | None) -> dict[st
         "island transfers signed (= verified by a relay)": len(transfers) / rounds,
         "relay forwards signed (= verified by the aggregator)": len(forwards) / rounds,
         "tape entries appended (signed, self-verified, fsynced)": len(tape_data) / rounds,
+        "seals (of those entries: a checkpoint after each merge)": receipts["seals"],
+        "receipts checked and kept (islands, relays)": receipts["receipts_kept"],
     }
     sizes = {
         "transfer message bytes (mean)": statistics.mean(len(m) for _, m in transfers + forwards),
@@ -670,6 +751,15 @@ def bench_signing(run_dir: Path, repeats: int, up_wall: float | None) -> dict[st
             "pass": strict / round_wall < SIGNING_TARGET,
         },
     }
+    receipts_s = receipts["seal_seconds_per_round"] + receipts["take_seconds_per_round"]
+    rows["receipts: seals with fsync, checked and kept"] = {
+        "seconds_per_round": receipts_s,
+        "share": receipts_s / round_wall,
+        "target": RECEIPTS_TARGET,
+        "pass": receipts_s / round_wall < RECEIPTS_TARGET,
+    }
+    per_round["seals (sign, Merkle root, fsync)"] = receipts["seal_seconds_per_round"]
+    per_round["receipts checked and kept (verify, append)"] = receipts["take_seconds_per_round"]
     return {
         "method": "micro-timed on the run's own message and entry sizes x operations per round, "
         "summed over all daemons, / island wall time per global round",

@@ -1,15 +1,23 @@
 """``hypertrain audit RUN_DIR``: verify a run's tapes and replay every merge.
 
     hypertrain audit runs/local-... [--from-round G] [--trusted-keys keys/trusted_keys.json]
+                                    [--receipts DIR ...] [--ca-cert ca.crt] [--partial]
 
 Prints one line, and exits 0 only when it begins ``audit OK``:
 
 - ``audit OK: complete, rounds 0..b of R (steps x..y of S), N entries and B bytes
-  checked, final state digest D``: every tape replayed to the run's last step;
+  checked, K receipts agree, final state digest D``: every tape replayed to the run's
+  last step, and every receipt found is a head of its tape;
 - ``audit INCOMPLETE: tapes end at round r of R (the run's configuration says S
   steps); ...`` (exit 1): what was there verified, but the run has not ended (or its
   tapes were cut); ``--partial`` accepts that: ``audit OK (partial): rounds ...``;
-- ``audit FAILED: <tape> entry N (<kind>, step s): <why>`` (exit 1).
+- ``audit FAILED: <tape> entry N (<kind>, step s): <why>`` (exit 1), or ``audit
+  FAILED: fork: <daemon>'s tape disagrees with the head <holder> received at step s``:
+  the daemon rewrote (or cut) its tape after it handed that receipt out.
+
+Receipts are read from the run folder's island and relay state folders
+(``*/receipts``) and from every ``receipts`` file under ``--receipts DIR`` (collected
+from islands elsewhere).
 
 ``--from-round G`` audits the segment after global round G's checkpoint and says so
 (``segment rounds ...``).  Pin the trusted keys you got out of band; the default (the
@@ -33,7 +41,7 @@ def run_audit(args: argparse.Namespace) -> int:
     trusted_path = args.trusted_keys or run_dir / "keys" / "trusted_keys.json"
     try:
         trusted = TrustedKeys.load(trusted_path)
-        report = audit_run(run_dir, trusted, args.from_round)
+        report = audit_run(run_dir, trusted, args.from_round, tuple(args.receipts), args.ca_cert)
     except AuditError as e:
         print(f"audit FAILED: {e}")
         return 1
@@ -51,6 +59,21 @@ def register(sub: Any) -> None:
         "--from-round", type=int, help="segment audit from this global round's checkpoint"
     )
     p.add_argument("--trusted-keys", type=Path, help="pinned public keys (trusted_keys.json)")
+    p.add_argument(
+        "--ca-cert",
+        type=Path,
+        help="the run CA's certificate (keys/ca.crt): every tape must pin it (default: the "
+        "tapes must agree with the aggregator's)",
+    )
+    p.add_argument(
+        "--receipts",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="more receipts: folders searched for 'receipts' files (islands' state "
+        "folders collected elsewhere), or such files",
+    )
     p.add_argument(
         "--partial",
         action="store_true",

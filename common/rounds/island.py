@@ -12,7 +12,8 @@ asks it what to do:
 - ``final_due()``: after the last step the driver fetches the final global state and
   calls ``finish``.
 - ``join(parts)``: with relay shards, a merge is fetched from every shard and joined
-  here into the whole vector ``apply`` / ``finish`` take.
+  here into the whole vector ``apply`` / ``finish`` take; the receipts each part came
+  with are checked and kept first (``common/trust/receipts.py``).
 - ``heal(sync_step, payload)``: a fetch was answered with a newer global merge than the
   one asked for (the island was left behind): rejoin from it.
 - ``join_from(start)``: the relay took this island's join (``RelayMachine.on_member``):
@@ -30,14 +31,18 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import IslandState
 from hypertrain.common.rounds.machines import Committed, Delta
 from hypertrain.common.schedule import PendingMerge, PendingMerges, Schedule, SyncKind
+from hypertrain.common.trust.ledger import relay_key
+from hypertrain.common.trust.receipts import Witness
 
 
 class IslandRounds:
     """The schedule-driven sync loop of one island (see the module docstring)."""
 
-    def __init__(self, core: IslandState, run_id: str) -> None:
+    def __init__(self, core: IslandState, run_id: str, witness: Witness | None = None) -> None:
+        """``witness``: checks and keeps the receipts of every merge joined (None: none)."""
         self.core = core
         self.run_id = run_id
+        self.witness = witness
         self.schedule: Schedule = core.schedule
         self.pending: PendingMerges[None] = PendingMerges(self.schedule)
         self.codec = str(core.codec.spec)
@@ -81,8 +86,9 @@ class IslandRounds:
         """The payload of a merge fetched from each relay shard, in shard order, as one
         vector (the part itself when the relay is not sharded).  HypertrainError unless
         the parts are one merge: same step and kind, each the size of its shard (a
-        regional merge at a global sync step is empty everywhere).  ``out``: the whole
-        vector, into whose ranges the parts were received (nothing is copied then)."""
+        regional merge at a global sync step is empty everywhere), each with valid
+        receipts (``ReceiptError``).  ``out``: the whole vector, into whose ranges the
+        parts were received (nothing is copied then)."""
         shards = self.core.shards
         if len(parts) != shards.count:
             raise HypertrainError(
@@ -90,6 +96,10 @@ class IslandRounds:
             )
         if len({(p.sync_step, p.kind) for p in parts}) != 1:
             raise HypertrainError("merge parts of different steps or kinds")
+        if self.witness is not None:
+            for i, p in enumerate(parts):
+                source = relay_key(shards.member(self.core.region, i))
+                self.witness.take(p.sync_step, p.kind, p.receipts, source)
         if shards.count == 1:
             return parts[0].payload
         empty = all(p.payload.numel() == 0 for p in parts)

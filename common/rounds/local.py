@@ -47,7 +47,6 @@ from hypertrain.common.rounds.machines import (
     Decision,
     Delta,
     Effect,
-    GlobalArrived,
     MemberRequest,
 )
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
@@ -57,6 +56,7 @@ from hypertrain.common.rounds.transport import LocalUpstream
 from hypertrain.common.schedule import PendingMerge
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY, island_key, relay_key
+from hypertrain.common.trust.receipts import Witness
 
 TIMEOUT = 10.0
 """Virtual seconds a caller waits for an answer before it sends the call again."""
@@ -289,6 +289,13 @@ class IslandActor(_Client):
         self.make_core = make_core
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir is not None else None
+        # Nodes keep tapes only in a folder: without one there is nothing to witness.
+        self.witness = Witness(
+            state_dir,
+            island_key(island_id),
+            cluster.cfg.run_id,
+            cluster.trusted if state_dir is not None else None,
+        )
         region = cluster.cfg.topology.region_of(island_id)
         self.relay_names = [relay_key(m) for m in cluster.shards.members((region,))]
         """The region's relay, or its shards in shard order."""
@@ -300,7 +307,7 @@ class IslandActor(_Client):
 
     def _start(self) -> None:
         self.core = self.make_core()
-        self.rounds = IslandRounds(self.core, self.cluster.cfg.run_id)
+        self.rounds = IslandRounds(self.core, self.cluster.cfg.run_id, self.witness)
         if self.state_path is not None and self.state_path.exists():
             self.core.load_state_dict(load_state(self.state_path))
             self.rounds.resume()
@@ -600,9 +607,7 @@ class RelayActor(_Client):
                 raise _refused(self.name, f"fetch of the global merge of step {step}", got)
             # A newer round than the forwarded one: the region was left behind; the
             # machine rejoins it there.
-            self.node.on_global(
-                GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest)
-            )
+            self.node.on_global(got)
             self.forwarding = False
             # After this reply is done with: the next call may use the same slot.
             self.later(0.0, self.kick)

@@ -296,6 +296,9 @@ class Committed:
     input_bytes: int = 0
     payload_digest: str = ""
     """``flat_digest(payload)`` where already known (a global merge's post state), else ""."""
+    receipts: tuple[bytes, ...] = ()
+    """The signed tape heads it was served with (``common/trust/receipts.py``): set by the
+    node that serves it, checked and kept by whoever applies it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,10 @@ Durability order (a crash may come between any two steps; ``crash(point)`` marks
 
 - an accepted input: its bytes are published, then its ``input`` entry is taped, then
   the effects it completed (``regional_merge``, ``forward`` / ``global_merge``) are
-  taped, in the machine's order; only then is the push answered.  An input whose entry
-  is on the tape is accepted; one whose entry is not was never acknowledged.
+  taped, in the machine's order, then the tape is sealed (a signed ``checkpoint`` entry:
+  the receipt its merge is served with, ``common/trust/receipts.py``); only then is the
+  push answered.  An input whose entry is on the tape is accepted; one whose entry is
+  not was never acknowledged.
 - the aggregator's outer step: ``global_merge`` taped (the commit record), then
   ``checkpoints/round-N.pt`` and ``state.pt`` (a link to it), possibly written in the
   background (``NodeStore(defer=True)``) and settled before the next push.
@@ -64,14 +66,21 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, ReplayError
 from hypertrain.common.rounds.store import NodeStore, load_state
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
-from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.common.trust.ledger import AGGREGATOR_KEY, flat_digest, relay_key
+from hypertrain.common.trust.receipts import Witness, raw_receipt
 from hypertrain.common.trust.schema import (
+    ForwardEntry,
     GenesisEntry,
     GlobalAppliedEntry,
+    GlobalMergeEntry,
+    RegionalMergeEntry,
     RejectionEntry,
     parse,
     records,
 )
+
+#: Entries that commit a merge (or a relay's forward of one): the tape is sealed after them.
+SEALED_KINDS = frozenset({RegionalMergeEntry.KIND, ForwardEntry.KIND, GlobalMergeEntry.KIND})
 
 FORBIDDEN = "permission_denied"
 """Decision code of a fetch by someone who is not a member here."""
@@ -102,17 +111,18 @@ class _Node:
         self._refusals: dict[tuple[str, int], int] = {}  # (sender, round) -> taped
         self.refusal_taped = False
         """Whether the last refusal was taped (else only counted: ``tapes_refusal``)."""
+        self._receipt: tuple[int, bytes] | None = None  # the latest seal, framed
         self.max_delta_bytes = 4 * numel + (1 << 16)
         """No encoding of a ``numel``-parameter delta is larger (fp32 plus a header): what
         a transport refuses before receiving it all."""
 
-    def _open_tape(self, member: str | None, trusted: TrustedKeys | None) -> None:
+    def _open_tape(self, member: str | None, trusted: TrustedKeys | None, ca: str | None) -> None:
         """A new tape starts with the node's ``genesis`` entry; a tape being resumed must
-        start with this node's (the same run, configuration, member and pinned keys)."""
+        start with this node's (the same run, configuration, member, pinned keys and CA)."""
         store = self.store
         if store is None or store.tape is None:
             return
-        want = GenesisEntry.of(self.cfg, self.role, member, trusted)
+        want = GenesisEntry.of(self.cfg, self.role, member, trusted, ca)
         entries = store.tape.entries
         if not entries:
             store.record(want)
@@ -171,7 +181,8 @@ class _Node:
         return decision, effects
 
     def _accept(self, effects: list[Effect], publisher: Publisher | None) -> None:
-        """Make an accepted delta and what it completed durable, in order."""
+        """Make an accepted delta and what it completed durable, in order, and seal the
+        tape after a merge (or forward) it completed."""
         for effect in effects:
             if isinstance(effect, Publish):
                 if planted.on("publish_after_tape"):
@@ -184,6 +195,31 @@ class _Node:
                 self._record(effect)
             else:
                 self._carry_out(effect)
+        self._seal()
+
+    def _seal(self) -> None:
+        """Seal the tape after a merge: a signed checkpoint covering it (the receipt the
+        merge is served with), unless the last entry is not a commit (nothing to seal, or
+        sealed already).  A restart seals a tape a crash left unsealed (``recover``)."""
+        tape = self.store.tape if self.store is not None else None
+        last = tape.last_entry if tape is not None else None
+        if tape is not None and last is not None and last.kind in SEALED_KINDS:
+            self._crash("before_seal")
+            tape.checkpoint()
+
+    def receipt(self) -> bytes | None:
+        """This node's latest seal as a receipt (None: it keeps no tape)."""
+        tape = self.store.tape if self.store is not None else None
+        cp = tape.last_checkpoint if tape is not None else None
+        if cp is None:
+            return None
+        if self._receipt is None or self._receipt[0] != cp.seq:
+            self._receipt = (cp.seq, raw_receipt(cp.entry))
+        return self._receipt[1]
+
+    def _receipts(self, merge: Committed) -> tuple[bytes, ...]:
+        own = self.receipt()
+        return () if own is None else (own,)
 
     def _record(self, effect: Effect) -> None:
         if self.store is not None and effect.record is not None:
@@ -241,7 +277,9 @@ class _Node:
         member left behind, a newer global merge (``newer``)."""
         got = self._lookup(run_id, requester, sync_step, kind)
         if got is None and self.cfg.membership.has_cutoffs:
-            return self.newer(sync_step, requester)  # only cutoffs leave members behind
+            got = self.newer(sync_step, requester)  # only cutoffs leave members behind
+        if isinstance(got, Committed):
+            got = dataclasses.replace(got, receipts=self._receipts(got))
         return got
 
     def _lookup(
@@ -319,16 +357,27 @@ class RelayNode(_Node):
         trusted: TrustedKeys | None = None,
         shard: int = 0,
         model_numel: int | None = None,
+        ca: str | None = None,
     ) -> None:
-        """``shard``/``model_numel``: a relay shard, ``theta0`` its range (``RelayMachine``)."""
+        """``shard``/``model_numel``: a relay shard, ``theta0`` its range (``RelayMachine``);
+        ``ca``: the fingerprint of the run CA its TLS pins (``certs.fingerprint``)."""
         super().__init__(cfg, store, theta0.numel())
         self.region = region
         self.machine: RelayMachine = RelayMachine(
             cfg, region, theta0, trusted, shard=shard, model_numel=model_numel
         )
-        self._open_tape(self.machine.member, trusted)
+        self._open_tape(self.machine.member, trusted, ca)
         self.member = self.machine.member
         """The id this relay pushes, fetches and reports under at the aggregator."""
+        taped = store is not None and store.taped
+        self.witness = Witness(
+            store.folder if taped and store is not None else None,
+            relay_key(self.member),
+            cfg.run_id,
+            trusted if taped else None,
+        )
+        """The aggregator's receipts, kept with each global merge and passed on to islands
+        (a relay that keeps no tape cannot be audited: it keeps none)."""
         self.outbox: Forward | None = None
         """The forward whose global update has not arrived yet (the driver sends it, then
         fetches the update and calls ``on_global``)."""
@@ -393,10 +442,11 @@ class RelayNode(_Node):
         if self.outbox is not None and self.outbox.sync_step == sync_step:
             self.outbox = dataclasses.replace(self.outbox, data=b"")
 
-    def on_global(self, event: GlobalArrived, defer: bool = False) -> Committed:
+    def on_global(self, got: Committed, defer: bool = False) -> Committed:
         """The aggregator's new parameters for the forwarded round (or a later one: the
-        rounds went on without this region, ``RelayMachine.on_global``) arrived: apply them,
-        checkpoint, tape.
+        rounds went on without this region, ``RelayMachine.on_global``) arrived: check and
+        keep the aggregator's receipt (``ReceiptError``, nothing applied, if it is not
+        valid), apply them, checkpoint, tape.
 
         ``defer``: only apply them (the merge is fetchable at once) and leave the checkpoint
         and the tape entry to ``write_checkpoint`` / ``settle``, which the driver calls
@@ -406,11 +456,13 @@ class RelayNode(_Node):
         again and the aggregator, which keeps its last round, answers it the same."""
         if self.outbox is None and self.machine.idle:
             pass  # a region nobody is a member of follows the global rounds
-        elif self.outbox is None or event.sync_step < self.outbox.sync_step:
+        elif self.outbox is None or got.sync_step < self.outbox.sync_step:
             raise HypertrainError(
-                f"relay {self.member}: a global update for step {event.sync_step} "
+                f"relay {self.member}: a global update for step {got.sync_step} "
                 "that this relay did not ask for"
             )
+        self.witness.take(got.sync_step, "global", got.receipts, AGGREGATOR_KEY)
+        event = GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest)
         (applied,) = self.machine.on_global(event)
         assert isinstance(applied, Applied)
         self.outbox = None
@@ -476,6 +528,14 @@ class RelayNode(_Node):
                 ),
             },
         )
+
+    def _receipts(self, merge: Committed) -> tuple[bytes, ...]:
+        """Its own latest seal; with a global merge, the aggregator's receipt first."""
+        own = super()._receipts(merge)
+        if merge.kind != "global":
+            return own
+        agg = self.witness.passed_on(merge.sync_step, AGGREGATOR_KEY)
+        return own if agg is None else (agg, *own)
 
     def _lookup(
         self, run_id: str, requester: str, sync_step: int, kind: str | None
@@ -604,6 +664,7 @@ class RelayNode(_Node):
             self._carry_out(effect)
         if self.machine.global_pending is not None and self.outbox is None:
             self.outbox = taped_forward
+        self._seal()  # a crash between a merge's entry and its seal
         self.recovered = {
             "checkpoint_round": None
             if snap is None
@@ -661,10 +722,12 @@ class AggregatorNode(_Node):
         theta0: torch.Tensor,
         store: NodeStore | None,
         trusted: TrustedKeys | None = None,
+        ca: str | None = None,
     ) -> None:
+        """``ca``: the fingerprint of the run CA its TLS pins (``certs.fingerprint``)."""
         super().__init__(cfg, store, theta0.numel())
         self.machine: AggregatorMachine = AggregatorMachine(cfg, theta0, trusted)
-        self._open_tape(None, trusted)
+        self._open_tape(None, trusted, ca)
         self.committed: list[Committed] = []
         """Global merges made durable since the driver last looked (it evaluates them)."""
         self.recovered: dict[str, Any] = {}
@@ -782,5 +845,6 @@ class AggregatorNode(_Node):
         for effect in replay.pending:  # completed by taped inputs, crashed before its entry
             self._carry_out(effect)
             redone += 1
+        self._seal()  # a crash between a merge's entry and its seal
         self.recovered = {"rounds_redone": redone}
         return True

@@ -21,6 +21,12 @@ Steps, each failure naming the first bad entry and why:
    aggregator's parameters and outer state, each relay's parameters, error
    feedback and the aggregator's commitment), after checking them against the
    tape entries of that round.
+4. Receipts (common/trust/receipts.py): every signed tape head an island or a relay
+   kept with a merge (``<state-dir>/receipts`` in the run folder, and any
+   ``receipts`` file under the folders given) is its signer's, and is a head of that
+   signer's tape as it is now: the tape's first ``size`` entries have the root it
+   signed.  One that is not is a fork: the tape was rewritten (or cut) after the
+   receipt was handed out, whoever signed the rewrite.
 
 On CPU the replay is bit-exact: the daemons computed the same functions.
 """
@@ -56,12 +62,20 @@ from hypertrain.common.rounds.replay import (
     ReplayError,
 )
 from hypertrain.common.shards import relay_members
+from hypertrain.common.trust import merkle
+from hypertrain.common.trust.certs import fingerprint
 from hypertrain.common.trust.keys import TrustedKeys
 from hypertrain.common.trust.ledger import (
     AGGREGATOR_KEY,
     flat_digest,
     outer_state_digest,
     relay_key,
+)
+from hypertrain.common.trust.receipts import (
+    KeptReceipt,
+    find_receipts,
+    open_receipt,
+    read_receipts,
 )
 from hypertrain.common.trust.schema import (
     ForwardEntry,
@@ -88,13 +102,19 @@ class RunLayout:
     """Each relay's folder by its member id (a region, or ``region/i`` for a shard)."""
     run_toml_name: str = "the configuration given"
     """Where ``config`` came from, for messages."""
+    receipts: tuple[Path, ...] = ()
+    """Receipts files (the islands' and relays' state folders' ``receipts``)."""
 
     @classmethod
-    def of(cls, run_dir: Path) -> RunLayout:
+    def of(cls, run_dir: Path, receipts: tuple[Path, ...] = ()) -> RunLayout:
+        """The run folder's layout; its daemons' receipts and those under ``receipts``
+        (folders searched recursively, or files)."""
         cfg = RunConfig.from_toml(run_dir / "run.toml")
         members = relay_members(cfg.topology.regions, cfg.topology.relay_shards)
         relays = {m: run_dir / relay_key(m) for m in sorted(members)}
-        return cls(cfg, run_dir / "aggregator", relays, str(run_dir / "run.toml"))
+        own = sorted(p for p in run_dir.glob("*/receipts") if p.is_file())
+        extra = [p for p in find_receipts(receipts) if p not in own]
+        return cls(cfg, run_dir / "aggregator", relays, str(run_dir / "run.toml"), (*own, *extra))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +136,8 @@ class AuditReport:
     steps: int = 0
     """Steps in the run, by its configuration."""
     segment: bool = False
+    receipts: int = 0
+    """Receipts found and checked against the tapes."""
 
     @property
     def complete(self) -> bool:
@@ -133,7 +155,8 @@ class AuditReport:
         covered = (
             f"{what} {self.first_round}..{self.last_round} of {self.rounds} (steps "
             f"{self.first_step}..{self.last_step} of {self.steps}), {self.entries} entries and "
-            f"{self.bytes} bytes checked, final state digest {self.final_digest}"
+            f"{self.bytes} bytes checked, {self.receipts} receipts agree, final state digest "
+            f"{self.final_digest}"
         )
         if self.complete:
             return f"audit OK: complete, {covered}"
@@ -179,10 +202,13 @@ class Auditor:
     """Replays a run (or a segment of it) through the round machines and checks every
     recorded digest (see the module docstring)."""
 
-    def __init__(self, layout: RunLayout, trusted: TrustedKeys) -> None:
+    def __init__(self, layout: RunLayout, trusted: TrustedKeys, ca: str | None = None) -> None:
+        """``ca``: the fingerprint of the run CA every tape must pin (None: the aggregator's
+        genesis names it, and every relay's must name the same)."""
         self.layout = layout
         self.cfg = layout.config
         self.trusted = trusted
+        self.ca = ca
         self.bytes = 0
         self.entries = 0
 
@@ -291,8 +317,13 @@ class Auditor:
             verified[signer] = report.entries
             self.bytes += report.n_bytes
             self.entries += report.n_entries
+        ca, ca_source = self.ca, "the CA given (--ca-cert)"
+        if ca is None:
+            genesis = parse(verified[AGGREGATOR_KEY][0]) if verified[AGGREGATOR_KEY] else None
+            ca = genesis.ca if isinstance(genesis, GenesisEntry) else None
+            ca_source = "the aggregator's"
         for signer, (_, path) in tapes.items():
-            self._check_genesis(signer, path, verified[signer])
+            self._check_genesis(signer, path, verified[signer], ca, ca_source)
         checkpoints = {
             signer: self._checkpoint_positions(signer, path, folder, verified[signer])
             for signer, (folder, path) in tapes.items()
@@ -329,6 +360,7 @@ class Auditor:
         self._check_forwards(agg_tape, agg_replay, replays)
         for signer, files in checkpoints.items():
             self._check_checkpoint_files(signer, tapes[signer][1], verified[signer], files)
+        receipts = self._check_receipts({k: p for k, (_, p) in tapes.items()}, verified)
         self.bytes += agg_blobs.bytes + sum(b.bytes for _, _, b in replays.values())
         merges = agg_replay.merges
         if not merges:
@@ -346,12 +378,63 @@ class Auditor:
             rounds=sched.rounds,
             steps=sched.steps,
             segment=from_round is not None,
+            receipts=receipts,
         )
 
-    def _check_genesis(self, signer: str, tape: Path, entries: list[Entry]) -> None:
+    def _check_receipts(self, tapes: dict[str, Path], verified: dict[str, list[Entry]]) -> int:
+        """Every kept receipt is its signer's, and a head of its signer's tape as it is now
+        (module docstring, 4); returns how many were checked."""
+        by_signer: dict[str, list[tuple[int, bytes, KeptReceipt]]] = {}
+        for path in self.layout.receipts:
+            try:
+                kept = read_receipts(path)
+            except HypertrainError as e:
+                raise AuditError(str(e)) from None
+            for r in kept:
+                if r.signer not in tapes:
+                    raise AuditError(
+                        f"{r.where}: a receipt of {r.signer!r}, which keeps no tape in this run"
+                    )
+                try:
+                    cp = open_receipt(r.raw, self.trusted, self.cfg.run_id, r.signer)
+                except TapeError as e:
+                    raise AuditError(
+                        f"{r.where}: {r.holder}'s receipt of {r.signer} for step {r.step} is "
+                        f"not valid evidence: {e}"
+                    ) from None
+                by_signer.setdefault(r.signer, []).append((cp.size, cp.root, r))
+        n = 0
+        for signer, heads in by_signer.items():
+            entries = verified[signer]
+            heads.sort(key=lambda h: h[0])
+            log, at = merkle.MerkleLog(), 0
+            for size, root, r in heads:
+                problem = None
+                if size > len(entries):
+                    problem = f"the tape ends at {len(entries)} entries, the head covers {size}"
+                else:
+                    while at < size:
+                        log.append(entries[at].leaf)
+                        at += 1
+                    if log.root() != root:
+                        problem = (
+                            f"its first {size} entries are not the ones {signer} signed then "
+                            "(rewritten after the receipt was handed out)"
+                        )
+                if problem is not None:
+                    raise AuditError(
+                        f"fork: {signer}'s tape disagrees with the head {r.holder} received at "
+                        f"step {r.step}: {problem} ({tapes[signer]}; receipt {r.where})"
+                    )
+                n += 1
+        return n
+
+    def _check_genesis(
+        self, signer: str, tape: Path, entries: list[Entry], ca: str | None, ca_source: str
+    ) -> None:
         """Each tape starts with its node's genesis entry: the aggregator's records the
         configuration the audit replays with (so ``run.toml`` must be it), a relay's refers
-        to the same, and both pinned the keys the audit pins."""
+        to the same, and all pinned the keys the audit pins and the run CA ``ca``."""
         where = f"{tape} entry 0"
         first = parse(entries[0]) if entries else None
         if not isinstance(first, GenesisEntry):
@@ -361,7 +444,8 @@ class Auditor:
             )
         relay = signer != AGGREGATOR_KEY
         member = next((m for m in self.layout.relays if relay_key(m) == signer), None)
-        want = GenesisEntry.of(self.cfg, "relay" if relay else "aggregator", member, self.trusted)
+        role = "relay" if relay else "aggregator"
+        want = GenesisEntry.of(self.cfg, role, member, self.trusted, ca)
         if not relay and first.config is not None and first.config != want.config:
             try:
                 taped = json.loads(first.config)
@@ -374,6 +458,11 @@ class Auditor:
                 "against the genesis, and this run folder's configuration is not it"
             )
         field = want.first_difference(first)
+        if field == "ca":
+            raise AuditError(
+                f"{where} (genesis): the run CA this node pinned "
+                f"({first.ca or 'none: plaintext'}) is not {ca_source} ({ca or 'none'})"
+            )
         if field == "keys":
             raise AuditError(
                 f"{where} (genesis): the keys this node pinned are not the ones the audit "
@@ -517,8 +606,22 @@ class Auditor:
         return starts
 
 
-def audit_run(run_dir: Path, trusted: TrustedKeys, from_round: int | None = None) -> AuditReport:
-    return Auditor(RunLayout.of(run_dir), trusted).run(from_round)
+def audit_run(
+    run_dir: Path,
+    trusted: TrustedKeys,
+    from_round: int | None = None,
+    receipts: tuple[Path, ...] = (),
+    ca_cert: Path | None = None,
+) -> AuditReport:
+    """Audit the run in ``run_dir`` (its daemons' receipts, and those under ``receipts``);
+    ``ca_cert``: the run CA's certificate, which every tape's genesis must pin."""
+    ca = None
+    if ca_cert is not None:
+        try:
+            ca = fingerprint(ca_cert.read_bytes())
+        except (OSError, ValueError) as e:
+            raise HypertrainError(f"{ca_cert}: not a readable PEM certificate ({e})") from None
+    return Auditor(RunLayout.of(run_dir, receipts), trusted, ca).run(from_round)
 
 
 def iter_rounds(run_dir: Path) -> Iterator[int]:

@@ -26,6 +26,7 @@ at start, so a rotated certificate takes effect when the daemon restarts.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +214,12 @@ def _load_ec_key(path: Path) -> ec.EllipticCurvePrivateKey:
     return key
 
 
+def fingerprint(pem: bytes) -> str:
+    """The sha256 (hex) of a PEM certificate's DER bytes: how a tape pins the run CA."""
+    cert = x509.load_pem_x509_certificate(pem)
+    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
 def common_name(cert: x509.Certificate) -> str:
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return str(names[0].value) if names else ""
@@ -227,6 +234,11 @@ class TlsFiles:
     cert_pem: bytes
     ca_pem: bytes
     not_after: dt.datetime
+
+    @property
+    def ca_fingerprint(self) -> str:
+        """The run CA's fingerprint (``fingerprint``), which the node's tape pins."""
+        return fingerprint(self.ca_pem)
 
     @classmethod
     def load(

@@ -153,22 +153,30 @@ class GenesisEntry(_Record):
     keys the node pinned (``keys``: name -> key id).  Everything a later entry records
     about the rules (tau, codecs, the outer optimizer, quorum, membership) follows from
     this configuration, so the audit replays with it and refuses a run folder whose
-    ``run.toml`` says anything else."""
+    ``run.toml`` says anything else.  ``ca``: the fingerprint of the run CA the node's TLS
+    pins (sha256 of its DER; absent in plaintext): every daemon certificate of the run
+    chains to it, so a daemon certificate may be reissued but the CA stays the run's."""
 
     KIND: ClassVar[str] = "genesis"
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"config", "member"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"config", "member", "ca"})
     role: str
     config_digest: str
     keys: dict[str, Any]
     config: str | None = None
     member: str | None = None
+    ca: str | None = None
 
     @classmethod
     def of(
-        cls, cfg: RunConfig, role: str, member: str | None, trusted: TrustedKeys | None
+        cls,
+        cfg: RunConfig,
+        role: str,
+        member: str | None,
+        trusted: TrustedKeys | None,
+        ca: str | None = None,
     ) -> GenesisEntry:
         """The genesis of a node of ``role`` ("aggregator", or "relay" with its ``member``
-        id) in the run of ``cfg`` that pinned ``trusted``."""
+        id) in the run of ``cfg`` that pinned ``trusted`` and the run CA ``ca``."""
         keys = {} if trusted is None else {n: trusted.lookup(n).key_id for n in trusted.names}
         aggregator = role == "aggregator"
         return cls(
@@ -177,6 +185,7 @@ class GenesisEntry(_Record):
             keys=keys,
             config=cfg.canonical_json() if aggregator else None,
             member=None if aggregator else member,
+            ca=ca,
         )
 
 

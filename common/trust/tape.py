@@ -204,6 +204,11 @@ class TapeWriter:
         return self._chain.head
 
     @property
+    def last_entry(self) -> Entry | None:
+        """The tape's last entry (None when empty)."""
+        return self._chain.entries[-1] if self._chain.entries else None
+
+    @property
     def last_checkpoint(self) -> Checkpoint | None:
         return self._chain.checkpoints[-1] if self._chain.checkpoints else None
 

@@ -173,6 +173,7 @@ class AggregatorService:
             # checkpoints written while the islands train on (the tape entry decides a round)
             NodeStore(state_dir, cfg.run_id, key, crash=fault_point, defer=True),
             trusted,
+            security.ca_fingerprint,
         )
         self.shutdown = shutdown
         self.board = MergeBoard(cfg, shutdown)

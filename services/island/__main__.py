@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         metrics = Metrics("island")
         security = load_security(settings, island_key(settings.island_id), metrics)
-        key, _ = load_identity(settings)
+        key, trusted = load_identity(settings)
         stop = threading.Event()
         if island_ranks.world_size() > 1:
             die_with_parent(signal.SIGKILL)  # never outlive torchrun
@@ -93,7 +93,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         island = Island(
-            cfg, settings.island_id, peers, metrics, key, settings.state_path, ranks, stop, device
+            cfg,
+            settings.island_id,
+            peers,
+            metrics,
+            key,
+            settings.state_path,
+            ranks,
+            stop,
+            device,
+            trusted,
         )
         island.install_signals()
         island.run()

@@ -48,7 +48,9 @@ from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import JOIN, LEAVE, Delta, MemberRequest
 from hypertrain.common.rounds.store import atomic_save, atomic_write
 from hypertrain.common.rounds.transport import Unavailable
-from hypertrain.common.trust.keys import SigningKey
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys
+from hypertrain.common.trust.ledger import island_key
+from hypertrain.common.trust.receipts import Witness
 from hypertrain.island.ranks import TorchRanks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.errors import StaleDelta, WireError
@@ -74,9 +76,12 @@ class Island:
         ranks: TorchRanks | None = None,
         stop: threading.Event | None = None,
         device: torch.device | str = "cpu",
+        trusted: TrustedKeys | None = None,
     ) -> None:
         """``relay``: the region's relay, or its shards' in shard order (common/shards.py);
-        None exactly on ranks other than 0 of a multi-rank island."""
+        None exactly on ranks other than 0 of a multi-rank island.  ``trusted``: the keys
+        it pins; with a ``state_dir`` it checks and keeps the receipts of every merge it
+        applies there (``common/trust/receipts.py``)."""
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.island_id = island_id
@@ -89,7 +94,10 @@ class Island:
         stream = SampleStream(open_dataset(cfg), mcfg.seq_len, cfg.global_batch, cfg.seed)
         _, theta0 = starting_parameters(cfg)
         self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device)
-        self.rounds = IslandRounds(self.core, cfg.run_id)
+        witness = Witness(
+            state_dir, island_key(island_id), cfg.run_id, trusted if state_dir else None
+        )
+        self.rounds = IslandRounds(self.core, cfg.run_id, witness)
         self.numel = theta0.numel()
         self.received = torch.empty(self.numel, dtype=torch.float32)
         shards = self.core.shards

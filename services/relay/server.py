@@ -33,7 +33,6 @@ from hypertrain.common.rounds.machines import (
     Committed,
     Effect,
     Forward,
-    GlobalArrived,
     MemberRequest,
 )
 from hypertrain.common.rounds.node import RelayNode
@@ -95,7 +94,9 @@ class RelayService:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
         store = NodeStore(state_dir, cfg.run_id, key, crash=fault_point)
-        self.node = RelayNode(cfg, region, theta0, store, trusted, shard, model_numel)
+        self.node = RelayNode(
+            cfg, region, theta0, store, trusted, shard, model_numel, security.ca_fingerprint
+        )
         self.member = self.node.member
         """This relay's id at the aggregator (its region, or ``region/i``)."""
         self.where: dict[str, object] = {"shard": shards.label(shard)} if shards.sharded else {}
@@ -249,10 +250,7 @@ class RelayService:
         with self.board.cond:  # islands fetch it now, while the relay writes it down
             # A later round than ``step`` when the rounds went on without this region: the
             # node rejoins it there (RelayMachine.on_global).
-            merge = self.node.on_global(
-                GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest),
-                defer=True,
-            )
+            merge = self.node.on_global(got, defer=True)
             self.board.cond.notify_all()
         del got
         self.node.write_checkpoint()
@@ -288,9 +286,7 @@ class RelayService:
         with self.board.cond:
             if not self.node.machine.idle:
                 return  # an island joined meanwhile: its region carries itself again
-            merge = self.node.on_global(
-                GlobalArrived(got.sync_step, got.payload, got.commitment, got.payload_digest)
-            )
+            merge = self.node.on_global(got)
             self.board.cond.notify_all()
         log_event("global", role="relay", region=self.region, **self.where, round=merge.round,
                   step=merge.sync_step, followed=True)  # fmt: skip

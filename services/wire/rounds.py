@@ -72,6 +72,7 @@ def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
         numel=merge.payload.numel(),
         commitment=json.dumps(merge.commitment.to_dict(), sort_keys=True, separators=(",", ":")),
         members=list(merge.commitment.members),
+        receipts=list(merge.receipts),
     )
 
 

@@ -59,6 +59,11 @@ class Security:
         return cls(TlsFiles.load(cert_path(keys, name)))
 
     @property
+    def ca_fingerprint(self) -> str | None:
+        """The run CA's fingerprint; None in plaintext."""
+        return None if self.files is None else self.files.ca_fingerprint
+
+    @property
     def name(self) -> str | None:
         """This daemon's name (its certificate's); None in plaintext."""
         return None if self.files is None else self.files.name

@@ -139,6 +139,7 @@ class GrpcUpstream:
             header.kind,  # type: ignore[arg-type]
             None,
             payload_digest=header.digest,  # checked against the payload by receive_merge
+            receipts=tuple(header.receipts),  # checked by whoever applies the merge
         )
 
     def report_applied(self, requester: str, step: int) -> Decision | None:

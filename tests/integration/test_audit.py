@@ -15,8 +15,9 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
 from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.trust.audit import AuditError, audit_run
+from hypertrain.common.trust.certs import fingerprint, init_ca
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
-from hypertrain.common.trust.schema import InputEntry
+from hypertrain.common.trust.schema import InputEntry, Record, RejectionEntry
 from hypertrain.common.trust.tape import TapeWriter, read_tape, verify_tape
 from hypertrain.common.trust.tape_format import encode_record
 from tests.integration.conftest import Cluster
@@ -74,8 +75,14 @@ def _rewrite(tape: Path, edit: Callable[[list[bytes]], list[bytes]]) -> None:
     tape.write_bytes(header + b"".join(edit(blobs)))
 
 
-def _resign(tape: Path, key: SigningKey, change: Callable[[str, dict], dict]) -> None:
-    """Rebuild a tape entry by entry with ``key`` (valid signatures and chain), changing bodies."""
+def _resign(
+    tape: Path,
+    key: SigningKey,
+    change: Callable[[str, dict], dict],  # type: ignore[type-arg]
+    insert: tuple[int, Record] | None = None,
+) -> None:
+    """Rebuild a tape entry by entry with ``key`` (valid signatures and chain), changing
+    bodies; ``insert``: a record to put in after the entry of that seq."""
     records = verify_tape(tape, _trusted(tape.parents[1])).entries
     tape.unlink()
     with TapeWriter.open(tape, CFG.run_id, key, checkpoint_every=0) as w:
@@ -84,6 +91,8 @@ def _resign(tape: Path, key: SigningKey, change: Callable[[str, dict], dict]) ->
                 w.checkpoint()
             else:
                 w.append(e.kind, change(e.kind, dict(e.body)))
+            if insert is not None and e.seq == insert[0]:
+                w.append(insert[1].KIND, insert[1].to_body())
 
 
 def _fails(run_dir: Path, words: str) -> str:
@@ -208,6 +217,11 @@ def test_the_verdict_says_a_whole_run_is_complete_and_a_segment_is_a_segment(run
 def test_tapes_cut_back_to_an_earlier_round_are_incomplete(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     d = _copy(run[0], tmp_path)
     _cut_to_round(d, 1)
+    # The islands hold the heads of the longer tapes: with their receipts it is a fork ...
+    _fails(d, "fork: relay-eu's tape disagrees with the head island-eu-0 received at step 50")
+    for receipts in d.glob("*/receipts"):
+        receipts.unlink()
+    # ... and without them (an auditor given the daemons' folders only), an incomplete run.
     report = audit_run(d, _trusted(d))  # what is there verifies ...
     assert (report.last_round, report.complete) == (1, False)
     assert report.summary().startswith(
@@ -472,3 +486,87 @@ def test_an_old_input_or_round_replayed_under_the_relays_own_key(  # type: ignor
     _rewrite_entries(d / "relay-eu" / "tape", load_signing_key(d / "keys" / "relay-eu.key"), edit)
     _patch_checkpoints(d / "relay-eu")
     _fails(d, words)
+
+
+@pytest.mark.parametrize(
+    ("daemon", "kind", "accused"),
+    [("relay-eu", "regional_merge", "eu-1"), ("aggregator", "global_merge", "eu")],
+    ids=["relay", "aggregator"],
+)
+def test_a_history_rewritten_under_the_daemons_own_key_disagrees_with_its_receipts(  # type: ignore[no-untyped-def]
+    run, tmp_path: Path, daemon: str, kind: str, accused: str
+) -> None:
+    """The daemon slips false evidence against a member (a refusal it never made) into its
+    history after its first merge, re-signs and re-chains the rest with its own key and
+    patches its checkpoint files.  The tapes alone still audit clean (shown with the
+    receipts removed); the signed heads its members received with their merges since
+    then disagree with the rewritten tape: a fork."""
+    d = _copy(run[0], tmp_path)
+    key = load_signing_key(d / "keys" / f"{daemon}.key")
+    tape = d / daemon / "tape"
+    entries = verify_tape(tape, _trusted(d)).entries
+    first = next(e for e in entries if e.kind == kind)
+    false = RejectionEntry(
+        code="invalid_argument",
+        reason="bad signature",
+        sender=accused,
+        sync_step=int(first.body["sync_step"]),
+        round=int(first.body["round"]),
+    )
+    _resign(tape, key, lambda k, body: body, insert=(first.seq + 1, false))  # after its seal
+    _patch_checkpoints(d / daemon)
+    message = _fails(d, f"fork: {daemon}'s tape disagrees with the head ")
+    assert "are not the ones" in message and "receipts line" in message
+
+    blind = _copy(d, tmp_path / "blind")
+    for receipts in blind.glob("*/receipts"):
+        receipts.unlink()
+    report = audit_run(blind, _trusted(blind))
+    assert report.complete and report.receipts == 0, report.summary()
+
+
+def test_receipts_collected_elsewhere_are_checked_too(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """An island's state folder moved out of the run folder: ``--receipts DIR`` finds its
+    receipts; a forged receipt (another signer's record under a relay's name) is named."""
+    d = _copy(run[0], tmp_path)
+    away = tmp_path / "collected"
+    shutil.move(d / "island-us-1", away / "island-us-1")
+    whole = audit_run(d, _trusted(d))
+    with_away = audit_run(d, _trusted(d), receipts=(away,))
+    assert with_away.receipts > whole.receipts > 0
+    lines = (away / "island-us-1" / "receipts").read_text().splitlines()
+    agg = next(line for line in lines if '"signer":"aggregator"' in line)
+    (away / "island-us-1" / "receipts").write_text(
+        agg.replace('"signer":"aggregator"', '"signer":"relay-us"') + "\n"
+    )
+    with pytest.raises(AuditError) as err:
+        audit_run(d, _trusted(d), receipts=(away,))
+    assert "island-us-1's receipt of relay-us for step" in str(err.value)
+    assert "signed by aggregator, not by relay-us" in str(err.value)
+
+
+def test_every_tape_pins_the_run_ca_and_the_audit_checks_it(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The daemons talked TLS: each genesis pins the run CA's fingerprint.  The audit
+    checks it against the CA given (``--ca-cert``), and without one, that every relay
+    pinned the aggregator's; a relay genesis re-signed to name another CA is refused."""
+    run_dir = run[0]
+    ca = fingerprint((run_dir / "keys" / "ca.crt").read_bytes())
+    for tape in sorted(run_dir.glob("*/tape")):
+        assert verify_tape(tape, _trusted(run_dir)).entries[0].body["ca"] == ca, tape
+    assert audit_run(run_dir, _trusted(run_dir), ca_cert=run_dir / "keys" / "ca.crt").complete
+    (tmp_path / "other").mkdir()
+    other = init_ca(tmp_path / "other")
+    with pytest.raises(AuditError, match=r"aggregator/tape entry 0 \(genesis\): the run CA"):
+        audit_run(run_dir, _trusted(run_dir), ca_cert=other)
+    cli = [sys.executable, "-m", "hypertrain", "audit", str(run_dir), "--ca-cert", str(other)]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "is not the CA given (--ca-cert)" in out.stdout, out
+
+    d = _copy(run_dir, tmp_path)
+    key = load_signing_key(d / "keys" / "relay-eu.key")
+    forged = fingerprint(other.read_bytes())
+    _resign(d / "relay-eu" / "tape", key, lambda k, b: b | {"ca": forged} if k == "genesis" else b)
+    _fails(
+        d,
+        f"relay-eu/tape entry 0 (genesis): the run CA this node pinned ({forged}) is not the aggregator's",
+    )

@@ -370,7 +370,10 @@ def test_a_relay_that_rejoined_resumes_after_dying_before_its_entry(
             node.push(_delta(cfg, n, f"eu-{k}", step, seed=step + k))
     assert node.outbox is not None and node.outbox.sync_step == 10
     with pytest.raises(Died):
-        node.on_global(GlobalArrived(20, theta0 + 1.0, Commitment({}, (), (), "")))
+        # as fetched from an aggregator that keeps no tape (the relay pins no keys here)
+        node.on_global(
+            Committed("global", 1, 20, 20, Commitment({}, (), (), ""), theta0 + 1.0, "global", None)
+        )
     assert node.store is not None and node.store.tape is not None
     node.store.tape.close()
 

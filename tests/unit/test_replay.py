@@ -149,6 +149,7 @@ POINTS = [
     "relay_before_merge_entry",
     "relay_after_forward_entry",
     "relay_after_checkpoint",
+    "before_seal",
     "before_tape",
     "after_tape",
     "between_checkpoints",
@@ -185,7 +186,7 @@ def test_a_node_killed_at_a_crash_point_resumes_from_its_folder(
 def test_every_tape_starts_with_its_genesis_and_a_node_keeps_to_it(tmp_path: Path) -> None:
     """The aggregator's tape opens with the run's configuration, each relay's with its
     digest and member; a node will not resume a tape started under another configuration
-    (or as another member)."""
+    (or as another member, or pinning another run CA)."""
     run_dir = tmp_path / "run"
     cluster = _cluster(run_dir)
     _run(cluster)
@@ -207,6 +208,8 @@ def test_every_tape_starts_with_its_genesis_and_a_node_keeps_to_it(tmp_path: Pat
         (lambda st: RelayNode(other, "a", theta0, st, TRUSTED), "relay-a", "another config_digest"),
         (lambda st: RelayNode(CFG, "b", theta0, st, TRUSTED), "relay-a", "another member"),
         (lambda st: AggregatorNode(other, theta0, st, TRUSTED), "aggregator", "another config_digest"),
+        (lambda st: AggregatorNode(CFG, theta0, st, TRUSTED, "ab" * 32), "aggregator", "another ca"),
+        (lambda st: RelayNode(CFG, "a", theta0, st, TRUSTED, ca="ab" * 32), "relay-a", "another ca"),
     ]  # fmt: skip
     for make, name, words in cases:
         store = NodeStore(run_dir / name, CFG.run_id, KEYS[name], sync=False)
@@ -218,3 +221,92 @@ def test_every_tape_starts_with_its_genesis_and_a_node_keeps_to_it(tmp_path: Pat
     store = NodeStore(run_dir / "aggregator", CFG.run_id, KEYS["aggregator"], sync=False)
     AggregatorNode(CFG, theta0, store, TRUSTED)  # the same configuration resumes
     store.close()
+
+
+def _tapes(run_dir: Path) -> dict[str, list[tuple[str, dict]]]:  # type: ignore[type-arg]
+    return {
+        d.name: [(e.kind, e.body) for e in verify_tape(d / "tape", TRUSTED).entries]
+        for d in sorted(run_dir.iterdir())
+        if (d / "tape").is_file()
+    }
+
+
+def _all_sealed(run_dir: Path) -> None:
+    """Each merge entry (and a relay's forward) is followed by a signed checkpoint, the
+    receipt it is served with (a relay's forward comes between its last regional merge of
+    a round and the seal); a checkpoint never follows a checkpoint."""
+    for name, entries in _tapes(run_dir).items():
+        kinds = [k for k, _ in entries]
+        for i, kind in enumerate(kinds):
+            if kind in ("regional_merge", "forward", "global_merge"):
+                after = [k for k in kinds[i + 1 :] if k != "forward"]
+                assert after[:1] == ["checkpoint"], (name, i, kind)
+            if kind == "checkpoint":
+                assert kinds[i - 1] != "checkpoint", (name, i)
+
+
+def test_every_merge_is_sealed_and_a_crash_before_a_seal_is_sealed_on_restart(
+    tmp_path: Path, reference: str
+) -> None:
+    """Every merge is sealed before it is served; a node killed between a merge's entry
+    and its seal seals on restart, and its members' receipts agree with the tapes."""
+    from hypertrain.common.trust.audit import audit_run
+    from hypertrain.up import config_toml
+
+    clean = tmp_path / "clean"
+    _run(_cluster(clean))
+    _all_sealed(clean)
+    fired: list[str] = []
+
+    def hook(name: str) -> Callable[[str], None]:
+        def crash(p: str) -> None:
+            if p == "before_seal" and name not in fired:
+                fired.append(name)
+                raise Crash(f"{name} at {p}")
+
+        return crash
+
+    crashed = tmp_path / "crashed"
+    assert flat_digest(_run(_cluster(crashed, hook))) == reference
+    assert sorted(fired) == ["aggregator", "relay-a", "relay-b"]
+    _all_sealed(crashed)
+    (crashed / "run.toml").write_text(config_toml(CFG))
+    report = audit_run(crashed, TRUSTED)
+    assert report.complete and report.receipts > 0
+
+
+def test_islands_keep_the_receipts_of_every_merge_and_the_audit_checks_them(
+    tmp_path: Path,
+) -> None:
+    """Every island keeps, with each merge it applied, its relay's signed head (and with a
+    global merge the aggregator's); the relays keep the aggregator's; all agree with the
+    tapes."""
+    from hypertrain.common.trust.audit import audit_run
+    from hypertrain.common.trust.receipts import read_receipts
+    from hypertrain.up import config_toml
+
+    _run(_cluster(tmp_path))
+    (tmp_path / "run.toml").write_text(config_toml(CFG))
+    kept = 0
+    for island in CFG.topology.island_ids():
+        lines = read_receipts(tmp_path / f"island-{island}" / "receipts")
+        relay = f"relay-{CFG.topology.region_of(island)}"
+        by_step: dict[int, list[str]] = {}
+        for r in lines:
+            assert r.holder == f"island-{island}"
+            by_step.setdefault(r.step, []).append(r.signer)
+        sync_steps = range(CFG.topology.h_r, CFG.steps + 1, CFG.topology.h_r)
+        assert sorted(by_step) == list(sync_steps)
+        for step, signers in by_step.items():
+            want = ["aggregator", relay] if step % CFG.topology.h_g == 0 else [relay]
+            assert signers == want, (island, step)
+        kept += len(lines)
+    for region in CFG.topology.regions:
+        lines = read_receipts(tmp_path / f"relay-{region}" / "receipts")
+        assert {r.signer for r in lines} == {"aggregator"}
+        assert sorted(r.step for r in lines) == list(
+            range(CFG.topology.h_g, CFG.steps + 1, CFG.topology.h_g)
+        )
+        kept += len(lines)
+    report = audit_run(tmp_path, TRUSTED)
+    assert report.complete and report.receipts == kept

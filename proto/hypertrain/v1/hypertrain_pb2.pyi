@@ -45,7 +45,7 @@ class PushAck(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class MergeHeader(_message.Message):
-    __slots__ = ("run_id", "round", "sync_step", "merge_step", "kind", "digest", "numel", "commitment", "members")
+    __slots__ = ("run_id", "round", "sync_step", "merge_step", "kind", "digest", "numel", "commitment", "members", "receipts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class MergeHeader(_message.Message):
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     sync_step: int
@@ -64,7 +65,8 @@ class MergeHeader(_message.Message):
     numel: int
     commitment: str
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., merge_step: _Optional[int] = ..., kind: _Optional[str] = ..., digest: _Optional[str] = ..., numel: _Optional[int] = ..., commitment: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    receipts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., merge_step: _Optional[int] = ..., kind: _Optional[str] = ..., digest: _Optional[str] = ..., numel: _Optional[int] = ..., commitment: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., receipts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MergeChunk(_message.Message):
     __slots__ = ("header", "data")
