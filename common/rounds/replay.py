@@ -320,6 +320,8 @@ class AggregatorReplay(_Replay):
         self.received: dict[tuple[int, str], InputEntry] = {}
         """(sync step, relay member: a region or a shard ``eu/1``) -> the taped input (what
         each relay's forward must be)."""
+        self.on_merge: Callable[[Committed], None] | None = None
+        """Called with each global merge matched, while the machine holds its state."""
 
     def next_merge(self) -> tuple[Committed, Entry] | None:
         """Replay up to the next global merge the tape records; returns it with its entry,
@@ -341,6 +343,8 @@ class AggregatorReplay(_Replay):
                 merge = self._match(e, rec)
                 assert isinstance(merge, Committed)
                 self.merges.append(merge)
+                if self.on_merge is not None:
+                    self.on_merge(merge)
                 return merge, e
             elif rec is not None and rec.KIND != "rejection":
                 raise ReplayError(e, f"a {rec.KIND} entry does not belong on the aggregator's tape")

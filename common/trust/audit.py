@@ -33,8 +33,11 @@ On CPU the replay is bit-exact: the daemons computed the same functions.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +196,35 @@ def _first_difference(want: Any, got: Any, path: str = "") -> str | None:
     return None if want == got else (path or "(the whole value)")
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Are two states (tensors, or dicts and lists of them and plain values) equal bit for
+    bit, with the same structure, dtypes and shapes?"""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)
+
+
+def _same_residual(a: torch.Tensor | None, b: torch.Tensor | None, numel: int) -> bool:
+    """Error-feedback residuals of ``numel`` values: None is all zeros, as in
+    ``stored_residual_digest``."""
+    if a is None or b is None:
+        other = b if a is None else a
+        return other is None or (
+            other.dtype == torch.float32 and other.numel() == numel and not bool(other.any())
+        )
+    return _same(a, b)
+
+
 def _where(e: Entry) -> str:
     step = e.body.get("sync_step")
     return f"entry {e.seq} ({e.kind}{f', step {step}' if step is not None else ''})"
@@ -202,15 +234,25 @@ class Auditor:
     """Replays a run (or a segment of it) through the round machines and checks every
     recorded digest (see the module docstring)."""
 
-    def __init__(self, layout: RunLayout, trusted: TrustedKeys, ca: str | None = None) -> None:
+    def __init__(
+        self,
+        layout: RunLayout,
+        trusted: TrustedKeys,
+        ca: str | None = None,
+        threads: int | None = None,
+    ) -> None:
         """``ca``: the fingerprint of the run CA every tape must pin (None: the aggregator's
-        genesis names it, and every relay's must name the same)."""
+        genesis names it, and every relay's must name the same); ``threads``: relays
+        replayed side by side (default: one per relay, up to the number of cores)."""
+        self.threads = threads
         self.layout = layout
         self.cfg = layout.config
         self.trusted = trusted
         self.ca = ca
         self.bytes = 0
         self.entries = 0
+        self._files: dict[tuple[str, int], Path] = {}  # (signer, round) -> checkpoint file
+        self._same_as_replay: set[tuple[str, int]] = set()
 
     def _fail(self, tape: Path, err: ReplayError) -> AuditError:
         return AuditError(
@@ -259,13 +301,33 @@ class Auditor:
             out.append(_CheckpointFile(round_, e, path))
         return out
 
+    def _compare_live(self, signer: str, round_: int, live: Any) -> None:
+        """While the replay holds the state after ``signer``'s global round ``round_``: if
+        its checkpoint file holds exactly that state (compared bit for bit, not hashed: the
+        live state's digests were checked against the tape already), it need not be hashed
+        again (``_check_checkpoint_files``)."""
+        path = self._files.get((signer, round_))
+        if path is None:
+            return
+        ck = torch.load(path, weights_only=True, mmap=True)
+        if isinstance(live, AggregatorSnapshot):
+            same = _same(ck.get("theta"), live.theta) and _same(ck.get("outer"), live.outer)
+        else:
+            same = _same(ck.get("theta"), live.theta) and _same_residual(
+                ck.get("residual"), live.residual, live.theta.numel()
+            )
+        if same:
+            self._same_as_replay.add((signer, round_))
+
     def _check_checkpoint_files(
         self, signer: str, tape: Path, entries: list[Entry], files: list[_CheckpointFile]
     ) -> None:
         """After the replay: every round's checkpoint is on disk (except the aggregator's
         last of a run that has not ended: written after its entry, possibly not yet) and
         holds the state its entry digests: the aggregator's parameters and outer state, a
-        relay's parameters and the error feedback its forward of the round left."""
+        relay's parameters and the error feedback its forward of the round left (a file
+        found bit for bit equal to the replay's state of that round, ``_compare_live``, is
+        not hashed again)."""
         relay = signer != AGGREGATOR_KEY
         post_residual = {
             int(e.body["round"]): str(e.body["post_residual"])
@@ -283,17 +345,20 @@ class Auditor:
             ck = torch.load(f.path, weights_only=True, mmap=True)
             rec = parse(f.entry)
             problem = None
+            same = (signer, f.round) in self._same_as_replay
             if ck.get("run_id") != self.cfg.run_id or ck.get("config_digest") != self.cfg.digest:
                 problem = "it belongs to another run or configuration"
+            elif isinstance(rec, GlobalAppliedEntry) and ck.get("format") != CHECKPOINT_FORMAT:
+                problem = "it is of an older format"
+            elif same:
+                pass
             elif isinstance(rec, GlobalMergeEntry):
                 if flat_digest(ck["theta"]) != rec.post_state:
                     problem = "its parameters are not the round's post_state"
                 elif outer_state_digest(ck["outer"]) != rec.post_outer:
                     problem = "its outer optimizer state is not the round's post_outer"
             elif isinstance(rec, GlobalAppliedEntry):
-                if ck.get("format") != CHECKPOINT_FORMAT:
-                    problem = "it is of an older format"
-                elif flat_digest(ck["theta"]) != rec.theta:
+                if flat_digest(ck["theta"]) != rec.theta:
                     problem = "its parameters are not the theta the relay applied"
                 elif f.round in post_residual and post_residual[f.round] != stored_residual_digest(
                     ck["residual"], ck["theta"].numel()
@@ -328,6 +393,12 @@ class Auditor:
             signer: self._checkpoint_positions(signer, path, folder, verified[signer])
             for signer, (folder, path) in tapes.items()
         }
+        self._files = {
+            (signer, f.round): f.path
+            for signer, files in checkpoints.items()
+            for f in files
+            if f.path is not None
+        }
         layout, theta0 = initial_parameters(cfg)
         agg = AggregatorMachine(cfg, theta0, self.trusted)
         shards = cfg.shards(theta0.numel())
@@ -345,6 +416,9 @@ class Auditor:
         agg_blobs = PublishedFolder(lay.aggregator / "published")
         agg_replay = AggregatorReplay(
             agg, verified[AGGREGATOR_KEY][starts[AGGREGATOR_KEY] :], agg_blobs
+        )
+        agg_replay.on_merge = lambda merge: self._compare_live(
+            AGGREGATOR_KEY, merge.round, agg.snapshot(copy=False)
         )
         replays: dict[str, tuple[Path, RelayReplay, PublishedFolder]] = {}
         for r, folder in lay.relays.items():
@@ -481,33 +555,60 @@ class Auditor:
         relays: dict[str, tuple[Path, RelayReplay, PublishedFolder]],
     ) -> None:
         """Each relay's tape up to its next global update, then the aggregator's up to that
-        round's merge, whose parameters every relay then applies; until the tapes end."""
-        while True:
-            wants: dict[str, int] = {}
-            for member, (tape, rr, _) in relays.items():
-                try:
-                    step = rr.advance()
-                except ReplayError as err:
-                    raise self._fail(tape, err) from None
-                if step is not None:
-                    wants[member] = step
-            if not wants:
-                return
-            step = min(wants.values())
-            if agg.advance(until_step=step) is None:
-                raise AuditError(f"{agg_tape}: no global merge of step {step}")
-            for member, want in wants.items():
-                if want != step:
-                    continue
-                tape, rr, _ = relays[member]
-                part = agg.machine.merge_for(step, member)  # a shard's range, as it fetches
-                assert part is not None
-                try:
-                    rr.apply_global(
-                        GlobalArrived(step, part.payload, part.commitment, part.payload_digest)
-                    )
-                except ReplayError as err:
-                    raise self._fail(tape, err) from None
+        round's merge, whose parameters every relay then applies; until the tapes end.
+
+        The relays' replays are independent until the global merge they wait for, so they
+        run side by side, one thread each up to the number of cores (their arithmetic and
+        hashing leave the interpreter lock); a failure is reported for the first relay in
+        member order that failed, so the verdict does not depend on timing."""
+
+        def advance(rr: RelayReplay) -> int | ReplayError | None:
+            try:
+                return rr.advance()
+            except ReplayError as err:
+                return err
+
+        workers = self.threads or max(1, min(len(relays), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="audit") as pool:
+            while self._interleave_round(agg_tape, agg, relays, pool, advance):
+                pass
+
+    def _interleave_round(
+        self,
+        agg_tape: Path,
+        agg: AggregatorReplay,
+        relays: dict[str, tuple[Path, RelayReplay, PublishedFolder]],
+        pool: ThreadPoolExecutor,
+        advance: Callable[[RelayReplay], int | ReplayError | None],
+    ) -> bool:
+        """One round of ``_interleave``; False once the relays' tapes are done."""
+        wants: dict[str, int] = {}
+        got = pool.map(advance, [rr for _, rr, _ in relays.values()])
+        for (member, (tape, _, _)), step in zip(relays.items(), got, strict=True):
+            if isinstance(step, ReplayError):
+                raise self._fail(tape, step) from None
+            if step is not None:
+                wants[member] = step
+        if not wants:
+            return False
+        step = min(wants.values())
+        if agg.advance(until_step=step) is None:
+            raise AuditError(f"{agg_tape}: no global merge of step {step}")
+        for member, want in wants.items():
+            if want != step:
+                continue
+            tape, rr, _ = relays[member]
+            part = agg.machine.merge_for(step, member)  # a shard's range, as it fetches
+            assert part is not None
+            try:
+                applied = rr.apply_global(
+                    GlobalArrived(step, part.payload, part.commitment, part.payload_digest)
+                )
+            except ReplayError as err:
+                raise self._fail(tape, err) from None
+            with contextlib.suppress(HypertrainError):  # not between rounds: hashed later
+                self._compare_live(relay_key(member), applied.round, rr.machine.snapshot())
+        return True
 
     def _check_forwards(
         self,
@@ -612,16 +713,18 @@ def audit_run(
     from_round: int | None = None,
     receipts: tuple[Path, ...] = (),
     ca_cert: Path | None = None,
+    threads: int | None = None,
 ) -> AuditReport:
     """Audit the run in ``run_dir`` (its daemons' receipts, and those under ``receipts``);
-    ``ca_cert``: the run CA's certificate, which every tape's genesis must pin."""
+    ``ca_cert``: the run CA's certificate, which every tape's genesis must pin;
+    ``threads``: relays replayed side by side (``Auditor``)."""
     ca = None
     if ca_cert is not None:
         try:
             ca = fingerprint(ca_cert.read_bytes())
         except (OSError, ValueError) as e:
             raise HypertrainError(f"{ca_cert}: not a readable PEM certificate ({e})") from None
-    return Auditor(RunLayout.of(run_dir, receipts), trusted, ca).run(from_round)
+    return Auditor(RunLayout.of(run_dir, receipts), trusted, ca, threads).run(from_round)
 
 
 def iter_rounds(run_dir: Path) -> Iterator[int]:

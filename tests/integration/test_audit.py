@@ -14,7 +14,7 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
 from hypertrain.common.rounds.machines import Delta
-from hypertrain.common.trust.audit import AuditError, audit_run
+from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout, audit_run
 from hypertrain.common.trust.certs import fingerprint, init_ca
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
 from hypertrain.common.trust.schema import InputEntry, Record, RejectionEntry
@@ -56,6 +56,15 @@ def test_clean_run_audits_whole_and_as_segment_with_the_reference_digest(run) ->
     daemons = cluster.progress.final_digest
     assert whole.final_digest == segment.final_digest == daemons
     assert run_reference(CFG).final_digest == daemons
+
+
+def test_checkpoint_files_equal_to_the_replay_are_not_hashed_again(run) -> None:  # type: ignore[no-untyped-def]
+    """Every checkpoint file of a clean run is found bit for bit equal to the replay's state
+    of its round (so the audit hashes each state once)."""
+    auditor = Auditor(RunLayout.of(run[0]), _trusted(run[0]))
+    auditor.run()
+    assert len(auditor._files) == 3 * 3  # the aggregator and two relays, three rounds
+    assert auditor._same_as_replay == set(auditor._files)
 
 
 def _copy(run_dir: Path, tmp_path: Path) -> Path:
