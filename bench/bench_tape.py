@@ -816,6 +816,24 @@ def render_signing(r: dict[str, Any]) -> list[str]:
 # -- main ---------------------------------------------------------------------------------
 
 
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures under plain keys (what docs/ tags quote)."""
+    out: dict[str, Any] = {}
+    audit = results.get("audit", {}).get("figures", {})
+    core = audit.get("core calls only (aggregate, encode, outer.step)")
+    if core is not None:
+        out["audit_over_core"] = core["ratio"]
+        out["audit_cpu_over_core"] = core.get("cpu_ratio")
+    signing = results.get("signing", {}).get("figures", {})
+    receipts = signing.get("receipts: seals with fsync, checked and kept")
+    if receipts is not None:
+        out["receipts_share_of_round"] = receipts["share"]
+    strict = signing.get("strict: transfers signed + verified, tape appends with fsync")
+    if strict is not None:
+        out["signing_strict_share_of_round"] = strict["share"]
+    return out
+
+
 def show(lines: list[str]) -> None:
     print("\n".join(lines), flush=True)
 
@@ -910,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     ok = all(c for c in checks if c is not None)
     print(f"overall: {'PASS' if ok else 'FAIL'}")
+    results["summary"] = summary(results)
     out = args.json or (None if args.quick or args.only else RESULTS)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

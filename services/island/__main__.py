@@ -14,6 +14,7 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import IslandSettings
 from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.ledger import island_key, relay_key
+from hypertrain.common.trust.receipts import ReceiptError
 from hypertrain.island import ranks as island_ranks
 from hypertrain.island.daemon import Island
 from hypertrain.wire.daemon import (
@@ -113,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         return _stopped(island)
+    except ReceiptError as e:  # the relay's merge came without its signed tape head
+        return fail("island", str(e), code=1)
     except (HypertrainError, ValueError) as e:  # bad config or flags
         return fail("island", str(e))
     except WireError as e:  # the relay refused us or went away mid-run
