@@ -111,7 +111,6 @@ class _Node:
         self._refusals: dict[tuple[str, int], int] = {}  # (sender, round) -> taped
         self.refusal_taped = False
         """Whether the last refusal was taped (else only counted: ``tapes_refusal``)."""
-        self._receipt: tuple[int, bytes] | None = None  # the latest seal, framed
         self.max_delta_bytes = 4 * numel + (1 << 16)
         """No encoding of a ``numel``-parameter delta is larger (fp32 plus a header): what
         a transport refuses before receiving it all."""
@@ -211,11 +210,7 @@ class _Node:
         """This node's latest seal as a receipt (None: it keeps no tape)."""
         tape = self.store.tape if self.store is not None else None
         cp = tape.last_checkpoint if tape is not None else None
-        if cp is None:
-            return None
-        if self._receipt is None or self._receipt[0] != cp.seq:
-            self._receipt = (cp.seq, raw_receipt(cp.entry))
-        return self._receipt[1]
+        return None if cp is None else raw_receipt(cp.entry)
 
     def _receipts(self, merge: Committed) -> tuple[bytes, ...]:
         own = self.receipt()

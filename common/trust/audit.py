@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,6 +223,15 @@ def _same_residual(a: torch.Tensor | None, b: torch.Tensor | None, numel: int) -
             other.dtype == torch.float32 and other.numel() == numel and not bool(other.any())
         )
     return _same(a, b)
+
+
+def _advance(rr: RelayReplay) -> int | ReplayError | None:
+    """A relay's replay to its next global update (``RelayReplay.advance``), its failure
+    returned rather than raised (it runs on a pool thread)."""
+    try:
+        return rr.advance()
+    except ReplayError as err:
+        return err
 
 
 def _where(e: Entry) -> str:
@@ -561,16 +570,9 @@ class Auditor:
         run side by side, one thread each up to the number of cores (their arithmetic and
         hashing leave the interpreter lock); a failure is reported for the first relay in
         member order that failed, so the verdict does not depend on timing."""
-
-        def advance(rr: RelayReplay) -> int | ReplayError | None:
-            try:
-                return rr.advance()
-            except ReplayError as err:
-                return err
-
         workers = self.threads or max(1, min(len(relays), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="audit") as pool:
-            while self._interleave_round(agg_tape, agg, relays, pool, advance):
+            while self._interleave_round(agg_tape, agg, relays, pool):
                 pass
 
     def _interleave_round(
@@ -579,11 +581,10 @@ class Auditor:
         agg: AggregatorReplay,
         relays: dict[str, tuple[Path, RelayReplay, PublishedFolder]],
         pool: ThreadPoolExecutor,
-        advance: Callable[[RelayReplay], int | ReplayError | None],
     ) -> bool:
         """One round of ``_interleave``; False once the relays' tapes are done."""
         wants: dict[str, int] = {}
-        got = pool.map(advance, [rr for _, rr, _ in relays.values()])
+        got = pool.map(_advance, [rr for _, rr, _ in relays.values()])
         for (member, (tape, _, _)), step in zip(relays.items(), got, strict=True):
             if isinstance(step, ReplayError):
                 raise self._fail(tape, step) from None

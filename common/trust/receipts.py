@@ -52,6 +52,9 @@ from hypertrain.common.trust.tape_format import (
 )
 
 RECEIPTS_FILE = "receipts"
+#: Steps whose receipts a witness holds in memory per signer, to pass on: the merges a
+#: relay serves are its newest (older ones fall back to the newest receipt, also evidence).
+HELD_STEPS = 2
 #: A receipt is one framed checkpoint record: a few hundred bytes.
 MAX_RECEIPT_BYTES = 4096
 
@@ -132,11 +135,10 @@ class Witness:
         self.trusted = trusted
         self.path = folder / RECEIPTS_FILE if folder is not None and trusted else None
         self._lock = threading.Lock()
-        self.held: dict[tuple[int, str], bytes] = {}
-        """The receipt kept for each (step, signer): what a relay passes on to its islands."""
-        if self.path is not None and self.path.exists():
-            for kept in read_receipts(self.path):
-                self.held[(kept.step, kept.signer)] = kept.raw
+        self._held: dict[tuple[int, str], bytes] | None = None if self.path else {}
+        """(step, signer) -> receipt, the newest ``HELD_STEPS`` steps of each signer: what a
+        relay passes on to its islands.  Read from the file on first use (an island, which
+        passes nothing on, never reads it)."""
 
     def take(self, step: int, kind: str, receipts: Sequence[bytes], source: str) -> None:
         """Check the receipts of the merge of ``step`` (``kind``) fetched from ``source``
@@ -181,17 +183,38 @@ class Witness:
                     os.write(fd, lines)
                 finally:
                     os.close(fd)
-            for signer, raw in zip(want, receipts, strict=True):
-                self.held[(step, signer)] = raw
+            if self._held is not None:
+                for signer, raw in zip(want, receipts, strict=True):
+                    self._hold(self._held, step, signer, raw)
+
+    @property
+    def held(self) -> dict[tuple[int, str], bytes]:
+        """The receipts held to pass on (read from the file the first time)."""
+        with self._lock:
+            if self._held is None:
+                held: dict[tuple[int, str], bytes] = {}
+                if self.path is not None and self.path.exists():
+                    for kept in read_receipts(self.path):
+                        self._hold(held, kept.step, kept.signer, kept.raw)
+                self._held = held
+            return self._held
+
+    @staticmethod
+    def _hold(held: dict[tuple[int, str], bytes], step: int, signer: str, raw: bytes) -> None:
+        held[(step, signer)] = raw
+        steps = sorted(s for s, who in held if who == signer)
+        for old in steps[:-HELD_STEPS]:
+            del held[(old, signer)]
 
     def passed_on(self, step: int, signer: str) -> bytes | None:
         """The receipt of ``signer`` to hand on with the merge of ``step``: the one kept
-        with it, else the newest kept (any signed head of that tape is evidence)."""
+        with it, else the newest held (any signed head of that tape is evidence)."""
+        held = self.held
         with self._lock:
-            got = self.held.get((step, signer))
+            got = held.get((step, signer))
             if got is None:
-                steps = [s for s, who in self.held if who == signer]
-                got = self.held[(max(steps), signer)] if steps else None
+                steps = [s for s, who in held if who == signer]
+                got = held[(max(steps), signer)] if steps else None
             return got
 
 

@@ -118,3 +118,17 @@ def test_a_torn_last_line_is_skipped_and_a_bad_line_is_named(tmp_path: Path) -> 
     path.write_bytes(whole + b'{"holder": 1}\n')
     with pytest.raises(HypertrainError, match=r"receipts line 2: not a receipt line"):
         read_receipts(path)
+
+
+def test_a_witness_holds_only_the_newest_steps_to_pass_on(tmp_path: Path) -> None:
+    """Every receipt stays in the file; memory holds the newest ``HELD_STEPS`` steps of each
+    signer, and an older step is passed on with the newest receipt held."""
+    agg, _ = _heads(tmp_path, "aggregator")
+    w = Witness(tmp_path / "relay", "relay-eu", RUN, TRUSTED)
+    for step in (4, 8, 12, 16, 20):
+        w.take(step, "global", (agg,), "aggregator")
+    assert len(read_receipts(tmp_path / "relay" / "receipts")) == 5
+    assert sorted(w.held) == [(16, "aggregator"), (20, "aggregator")]
+    again = Witness(tmp_path / "relay", "relay-eu", RUN, TRUSTED)
+    assert sorted(again.held) == [(16, "aggregator"), (20, "aggregator")]
+    assert again.passed_on(4, "aggregator") == agg
