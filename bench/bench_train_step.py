@@ -8,8 +8,9 @@ Two ways of the same step, each in a fresh process, in the same run:
 - ``plain``: what an island ran before: ``F.cross_entropy`` over the whole logits with
   every block's activations kept, and ``torch.optim.AdamW`` (single-tensor path);
 - ``lean``: ``GPT.loss`` (blocks recomputed when their activations pass
-  ``ACTIVATION_BUDGET_BYTES``, the head's cross-entropy kept to the logits) and the
-  island's ``InnerOptimizer`` (``PiecewiseAdamW``).
+  ``ACTIVATION_BUDGET_BYTES``, the head's cross-entropy kept to the logits, the tied
+  embedding's gradient summed into the head's in place) and the island's
+  ``InnerOptimizer`` (``PiecewiseAdamW``).
 
 Each process builds the preset, trains ``--steps`` steps on fixed random windows with the
 daemons' allocator settings (``tune_allocator``, ``trim_heap`` before each step), and

@@ -125,18 +125,28 @@ class GPT(nn.Module):
                 std = resid_std if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def hidden(self, idx: torch.Tensor, *, recompute: bool = False) -> torch.Tensor:
+    def hidden(
+        self, idx: torch.Tensor, *, recompute: bool = False, head: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Final hidden states [B, T, d_model] (after ``ln_f``) for token ids [B, T]: what
         the tied output head multiplies by ``wte.weight``.
 
         ``recompute``: keep only each block's input for the backward pass and run the block
         again there (activation checkpointing), instead of keeping everything its backward
         reads.  The values and gradients are the same to the bit (the same kernels on the
-        same inputs); it costs one more forward pass of the blocks."""
+        same inputs); it costs one more forward pass of the blocks.
+
+        ``head``: the output head's own leaf (a detached ``wte.weight``) when the caller
+        multiplies by that instead; the embedding's gradient is then summed into the head's
+        in place (``TiedLookup``)."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ConfigError(f"model: sequence of {t} tokens exceeds seq_len {self.cfg.seq_len}")
-        x = self.wte(idx) + self.wpe.weight[:t]
+        if head is None:
+            x = self.wte(idx) + self.wpe.weight[:t]
+        else:
+            # (head,): not an input of the node, or its gradient would wait for this one's
+            x = TiedLookup.apply(idx, self.wte.weight, (head,)) + self.wpe.weight[:t]
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.ln_f(x)
@@ -153,7 +163,17 @@ class GPT(nn.Module):
         ``MeanCrossEntropy``)."""
         inputs = windows[:, :-1]
         recompute = torch.is_grad_enabled() and recomputes(self.cfg, inputs.shape[0])
-        logits = F.linear(self.hidden(inputs, recompute=recompute), self.wte.weight)
+        weight = self.wte.weight
+        if (
+            torch.is_grad_enabled()
+            and weight.requires_grad
+            and 4 * weight.numel() > TIED_BUDGET_BYTES
+        ):
+            head = weight.detach().requires_grad_()
+            hidden = self.hidden(inputs, recompute=recompute, head=head)
+        else:
+            head, hidden = weight, self.hidden(inputs, recompute=recompute)
+        logits = F.linear(hidden, head)
         logits, targets = logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)
         if 4 * logits.numel() <= LOGITS_BUDGET_BYTES:  # the pieces would only cost time
             return F.cross_entropy(logits, targets)
@@ -166,7 +186,8 @@ class GPT(nn.Module):
 # moments, the sync base).  At gpt-125m (sequence 1024, vocabulary 50,304) a plain step's
 # backward pass held about 1.1 GiB on top of the parameters, gradients and moments: the
 # blocks' activations (about 600 MB) and the head's logits, log-softmax and their gradients
-# (197 MiB each).  Both are cut here without changing a bit of the step.
+# (197 MiB each).  Both are cut here without changing a bit of the step, and so is autograd's
+# sum of the tied weight's two gradients (``TiedLookup``: two more 154 MiB tensors).
 
 #: Activations the blocks may keep for the backward pass, in bytes, before ``GPT.loss``
 #: recomputes them instead (``recomputes``).
@@ -182,6 +203,11 @@ LOGITS_BUDGET_BYTES = 32 << 20
 #: weights): its input, the LayerNorms' outputs, q/k/v, the attention's output, the MLP's
 #: two hidden tensors (mlp_ratio wide each) and the residual.
 _BLOCK_WIDTHS = 16
+
+#: Tied embeddings up to this size take autograd's own sum of the head's and the
+#: embedding's gradients (the same bits, without ``TiedLookup``'s extra passes); larger
+#: ones, where that sum holds two more weight-sized tensors, take ``TiedLookup``.
+TIED_BUDGET_BYTES = 32 << 20
 
 #: Rows of logits per piece of ``MeanCrossEntropy``'s work: its temporaries are three pieces
 #: (log-softmax, the loss's gradient, the logits' gradient), 39 MiB at a 50,304 vocabulary.
@@ -238,6 +264,55 @@ class MeanCrossEntropy(torch.autograd.Function):
             g.scatter_(1, targets[a : a + _CE_ROWS, None], scale.expand(rows.shape[0], 1))
             rows.copy_(torch._log_softmax_backward_data(g, log_p, 1, log_p.dtype))
         return logits, None
+
+
+class TiedLookup(torch.autograd.Function):
+    """``F.embedding(idx, weight)`` whose weight gradient is summed into the tied output
+    head's in place: ``wte.weight``'s gradient bit for bit, without two weight-sized tensors.
+
+    Autograd sums a tied weight's two gradients itself: it holds the head's (``G^T h``)
+    until the embedding's arrives, a dense weight-sized tensor that is zero but for the rows
+    of the batch's tokens, and adds them into a third (at gpt-125m, 154 MiB each, at the
+    point of the backward pass where every other gradient exists).  Here the head
+    multiplies by a leaf of its own (``head``, a detached ``wte.weight``, passed in a tuple so
+    that it is no input of this node), whose gradient
+    autograd stores as soon as the head's backward has run, long before the embedding's
+    (which waits for every block).  The backward pass takes that gradient, adds the
+    embedding's rows into it in place, and returns it as ``weight``'s gradient.
+
+    The sum is autograd's to the bit: each touched row is the head's row plus the row that
+    ``embedding_dense_backward`` would give (the same kernel, over the batch's distinct
+    tokens instead of the whole vocabulary, so the same additions in the same order); each
+    other entry is the head's plus ``+0.0`` (which turns ``-0.0`` into ``+0.0``, as
+    autograd's sum with the dense zeros does).  The head's gradient must have arrived: a
+    ``torch.autograd.grad`` that does not ask for it is refused rather than answered
+    without the head's part."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, idx: torch.Tensor, weight: torch.Tensor, head: tuple[torch.Tensor]
+    ) -> torch.Tensor:
+        ctx.save_for_backward(idx)
+        (ctx.head,) = head
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        (idx,) = ctx.saved_tensors
+        head: torch.Tensor = ctx.head
+        total = head.grad
+        if total is None:
+            raise RuntimeError(
+                "GPT.loss: the tied head's gradient had not arrived when the embedding's did; "
+                "its gradients are for loss.backward(), not torch.autograd.grad"
+            )
+        head.grad = None
+        rows, at = torch.unique(idx, return_inverse=True)
+        part = torch.ops.aten.embedding_dense_backward(grad, at, rows.numel(), -1, False)
+        touched = total.index_select(0, rows).add_(part)
+        total.add_(0.0)
+        total.index_copy_(0, rows, touched)
+        return None, total, None
 
 
 def build_model(cfg: ModelConfig | str, seed: int = 0) -> GPT:

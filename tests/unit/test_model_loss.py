@@ -19,6 +19,7 @@ from hypertrain.common.model import (
     PRESETS,
     MeanCrossEntropy,
     ModelConfig,
+    TiedLookup,
     activation_bytes,
     recomputes,
 )
@@ -60,6 +61,7 @@ def test_the_loss_and_every_gradient_are_the_plain_formulations_to_the_bit(
     want = grads(m)
     monkeypatch.setattr(model_mod, "ACTIVATION_BUDGET_BYTES", 0 if recompute else 1 << 40)
     monkeypatch.setattr(model_mod, "LOGITS_BUDGET_BYTES", 0)  # MeanCrossEntropy, always
+    monkeypatch.setattr(model_mod, "TIED_BUDGET_BYTES", 0)  # TiedLookup, always
     assert recomputes(cfg, batch) is recompute
     got = m.loss(x)
     got.backward()
@@ -84,6 +86,61 @@ def test_the_gpt_125m_head_is_the_plain_cross_entropy_to_the_bit() -> None:
     (have,) = torch.autograd.grad(got, lean)
     assert got.item() == ref.item()
     assert torch.equal(have, want)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "dim", "tokens", "distinct"),
+    [(50_304, 768, 1024, 50_304), (50_304, 16, 4096, 300), (70, 8, 3, 70)],
+    ids=["gpt-125m", "repeats", "few"],
+)
+def test_the_tied_sum_is_autograds_to_the_bit(
+    vocab: int, dim: int, tokens: int, distinct: int
+) -> None:
+    """The head's gradient (signed zeros included) plus the embedding's, with tokens
+    repeated many times: autograd's own sum of a tied weight's two gradients, to the bit
+    (compared as integers, so that -0.0 and +0.0 differ)."""
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, distinct, (tokens,), generator=gen)
+    rows_grad = torch.randn(tokens, dim, generator=gen)
+    rows_grad[::7] = -0.0
+    head_grad = torch.randn(vocab, dim, generator=gen)
+    head_grad[1::5], head_grad[2::11] = -0.0, 0.0
+    weight = torch.zeros(vocab, dim, requires_grad=True)
+    (F.embedding(idx, weight) * rows_grad).sum().add((weight * head_grad).sum()).backward()
+    want = weight.grad
+    weight.grad = None
+    head = weight.detach().requires_grad_()
+    x = TiedLookup.apply(idx, weight, (head,))
+    (x * rows_grad).sum().add((head * head_grad).sum()).backward()
+    assert weight.grad is not None and head.grad is None
+    assert torch.equal(weight.grad.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_tied_sum_adds_into_a_gradient_already_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two backward passes without zeroing (gradients accumulated over micro-batches):
+    the same bits as autograd's own sums."""
+    cfg = PRESETS["tiny"]
+    x, y = windows_for(cfg, 2, seed=3), windows_for(cfg, 2, seed=4)
+    m = GPT(cfg, seed=1)
+    for w in (x, y):
+        m.loss(w).backward()
+    want = grads(m)
+    monkeypatch.setattr(model_mod, "TIED_BUDGET_BYTES", 0)
+    for w in (x, y):
+        m.loss(w).backward()
+    have = grads(m)
+    for n in want:
+        assert torch.equal(have[n], want[n]), n
+
+
+def test_a_gradient_that_skips_the_tied_head_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.autograd.grad`` does not store the head's gradient: rather than a wrong
+    embedding gradient without the head's part, the backward pass refuses."""
+    monkeypatch.setattr(model_mod, "TIED_BUDGET_BYTES", 0)
+    m = GPT(PRESETS["tiny"], seed=1)
+    loss = m.loss(windows_for(PRESETS["tiny"], 2, seed=3))
+    with pytest.raises(RuntimeError, match=r"not torch\.autograd\.grad"):
+        torch.autograd.grad(loss, [m.wte.weight])
 
 
 def test_a_second_backward_through_the_overwritten_logits_is_refused() -> None:
