@@ -187,7 +187,7 @@ class GPT(nn.Module):
 # backward pass held about 1.1 GiB on top of the parameters, gradients and moments: the
 # blocks' activations (about 600 MB) and the head's logits, log-softmax and their gradients
 # (197 MiB each).  Both are cut here without changing a bit of the step, and so is autograd's
-# sum of the tied weight's two gradients (``TiedLookup``: two more 154 MiB tensors).
+# sum of the tied weight's two gradients (``TiedLookup``: two more 147 MiB tensors).
 
 #: Activations the blocks may keep for the backward pass, in bytes, before ``GPT.loss``
 #: recomputes them instead (``recomputes``).
@@ -272,12 +272,11 @@ class TiedLookup(torch.autograd.Function):
 
     Autograd sums a tied weight's two gradients itself: it holds the head's (``G^T h``)
     until the embedding's arrives, a dense weight-sized tensor that is zero but for the rows
-    of the batch's tokens, and adds them into a third (at gpt-125m, 154 MiB each, at the
+    of the batch's tokens, and adds them into a third (at gpt-125m, 147 MiB each, at the
     point of the backward pass where every other gradient exists).  Here the head
-    multiplies by a leaf of its own (``head``, a detached ``wte.weight``, passed in a tuple so
-    that it is no input of this node), whose gradient
-    autograd stores as soon as the head's backward has run, long before the embedding's
-    (which waits for every block).  The backward pass takes that gradient, adds the
+    multiplies by a leaf of its own (``head``, a detached ``wte.weight``, passed in a tuple
+    so that it is no input of this node), whose gradient autograd stores as soon as the
+    head's backward has run, long before the embedding's (which waits for every block).  The backward pass takes that gradient, adds the
     embedding's rows into it in place, and returns it as ``weight``'s gradient.
 
     The sum is autograd's to the bit: each touched row is the head's row plus the row that
