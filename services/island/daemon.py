@@ -237,8 +237,10 @@ class Island:
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)
             t0 = time.perf_counter()
-            if rounds.schedule.sync_kind(step) is not None:
-                trim_heap()  # the freed gradients' pages, before the sync's copies
+            # The step's freed pages (activations, gradients) go back to the kernel before
+            # anything else: otherwise the next step or the sync's copies of the model
+            # come on top of whatever free heap this step left resident.
+            trim_heap()
             deltas = rounds.after_step(encode=self.lead)
             if rounds.last_sync is not None and rounds.last_sync[0] == step:
                 if deltas:
@@ -265,6 +267,7 @@ class Island:
                     break
                 rounds.apply(merge, payload)
                 del payload  # applied (copied into the model and the base): free it
+                trim_heap()  # and the fetch's chunks, freed on gRPC's threads
                 self._merged(merge.sync_step, t2 - t0, time.perf_counter() - t1)
                 if merge.kind == "global":
                     self._save()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -134,8 +135,17 @@ def fetch_merge(
     call = fetch(request, timeout=timeout)
     try:
         return receive_merge(call, numel=numel, out=out)
-    except BaseException:
+    except BaseException as exc:
         call.cancel()  # stop the server's stream on a rejected or interrupted download
+        # A streaming call's error is the call object itself, and the frames of its
+        # traceback hold it (``call`` here, the chunk iterator in receive_merge): a
+        # reference cycle.  Every frame up the stack would wait in it for the garbage
+        # collector, each with the locals it has when it returns.  A daemon waiting for
+        # a merge ("not committed yet; ask again") then held the merge it got after
+        # such an answer, a model's worth, until a collection ran (issue 12: one fp32
+        # model in an island at gpt-125m, into its next training step).
+        del call
+        traceback.clear_frames(exc.__traceback__)
         raise
 
 

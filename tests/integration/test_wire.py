@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import itertools
+import json
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ import grpc
 import pytest
 import torch
 
+from hypertrain.common.aggregate import Commitment
 from hypertrain.common.digest import tensor_digest
 from hypertrain.common.errors import CodecError
 from hypertrain.v1 import hypertrain_pb2 as pb
@@ -570,6 +572,64 @@ def test_a_waiting_fetch_is_held_then_asked_again_and_honours_stop(
         assert "stopped while waiting" in stopped.value.message
         assert servicer.calls == asked + 3  # held, answered, asked again: no busy loop
     finally:
+        peer.close()
+        server.stop(0)
+
+
+class CommittedOnThirdAsk(NeverCommitted):
+    """FetchMerge: "not committed yet" twice, then the merge of ``theta``."""
+
+    def __init__(self, theta: torch.Tensor) -> None:
+        super().__init__()
+        self.theta = theta
+
+    @maps_errors
+    def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.calls += 1
+        if self.calls < 3:
+            self.board.wait(lambda step: None, request.sync_step, context)
+        header = pb.MergeHeader(
+            numel=self.theta.numel(),
+            digest=tensor_digest(self.theta),
+            sync_step=request.sync_step,
+            kind=request.kind,
+            commitment=json.dumps(Commitment({}, (), (), "").to_dict()),
+        )
+        yield from merge_chunks(header, self.theta)
+
+
+def test_a_merge_fetched_after_waiting_is_freed_once_its_holder_lets_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fetch answered "not committed yet" leaves nothing that outlives the call: the
+    merge fetched after two such answers is freed as soon as its holder drops it, with
+    the garbage collector off.  (The error of a streaming call is the call itself, which
+    the frames of its traceback held: a cycle that kept every frame up the stack, the
+    merge among their locals, until a collection.  An island at gpt-125m held one more
+    model that way into its next training step.)"""
+    from hypertrain.wire import rounds
+    from hypertrain.wire.peers import relay_peer
+    from hypertrain.wire.upstream import GrpcUpstream, Patient
+
+    monkeypatch.setattr(rounds, "HOLD_S", 0.05)
+    theta = torch.arange(3000, dtype=torch.float32)
+    servicer = CommittedOnThirdAsk(theta)
+    server = make_server(max_workers=4)
+    add_servicer(servicer, server, "Relay")
+    address = bind(server, "127.0.0.1:0")
+    server.start()
+    peer = relay_peer(address)
+    gc.collect()
+    gc.disable()
+    try:
+        upstream = GrpcUpstream(peer, "local", theta.numel(), reuse_buffer=False)
+        got = Patient(upstream, "Relay", lambda: False).fetch("eu-0", 7, "regional")
+        assert servicer.calls == 3 and torch.equal(got.payload, theta)
+        freed = weakref.ref(got.payload)
+        del got
+        assert freed() is None
+    finally:
+        gc.enable()
         peer.close()
         server.stop(0)
 
