@@ -93,11 +93,13 @@ class ParamLayout:
     def bind(self, model: nn.Module, flat: torch.Tensor) -> None:
         """Make the model's parameters views of ``flat`` (no copy; the model's own
         parameter memory is let go).  For a model that only reads them (an evaluation)
-        of a vector nobody writes to while it runs."""
+        of a vector nobody writes to while it runs.  The shapes are the layout's, so a
+        model whose parameters were emptied (an evaluator letting a state go) binds
+        again."""
         if flat.numel() != self.numel or flat.dtype != torch.float32:
             raise ConfigError(f"flat layout: vector of {flat.numel()} != {self.numel} parameters")
-        for p, off in zip(self._params(model), self.offsets, strict=True):
-            p.data = flat[off : off + p.numel()].view(p.shape)
+        for p, off, shape in zip(self._params(model), self.offsets, self.shapes, strict=True):
+            p.data = flat[off : off + int(torch.Size(shape).numel())].view(shape)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` per parameter name (no copy)."""

@@ -525,6 +525,9 @@ class GlobalCore:
         self.shards = cfg.shards(theta0.numel())
         self.members = self.shards.members(cfg.topology.regions)
         """Who sends a delta each global round: the regions' relays, or their shards."""
+        self.before_step: Callable[[], None] = lambda: None
+        """Called before an outer step allocates the new parameters: the aggregator daemon
+        lets its evaluator drop any state but ``theta`` there (its memory bound)."""
 
     def step(
         self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
@@ -544,6 +547,7 @@ class GlobalCore:
                 f"global step: inputs from {sorted(inputs)} are not every relay of some "
                 f"regions (relays: {sorted(self.members)})"
             )
+        self.before_step()
         old, new = self.theta.view(-1), torch.empty_like(self.theta)
         flat = new.view(-1)
 

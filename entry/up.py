@@ -327,11 +327,15 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
     digests = {e["digest"] for e in done.values()}
     per_sync = sum(int(e["bytes_per_sync"]) for e in done.values()) / max(len(done), 1)
     blocked = max((float(e["blocked_share"]) for e in done.values()), default=0.0)
-    first = progress.evals.get(0, float("nan"))
+    # The initial state's evaluation is skipped when the aggregator's second outer step
+    # comes first (it holds no older state than the one it steps from): the earliest.
+    start = min(progress.evals, default=0)
+    first = progress.evals.get(start, float("nan"))
     last = progress.evals.get(cfg.steps, float("nan"))
     agree = len(digests) == 1 and progress.final_digest in digests
     lines = [
-        f"held-out loss {first:.4f} -> {last:.4f} over {cfg.steps} steps in {wall:.1f}s",
+        f"held-out loss {first:.4f}{f' (step {start})' if start else ''} -> {last:.4f} "
+        f"over {cfg.steps} steps in {wall:.1f}s",
         f"bytes per island per sync {per_sync / 1024:.1f} KiB ({cfg.regional_codec}; "
         f"{fp32 / max(per_sync, 1):.1f}x smaller than fp32 {fp32 / 1024:.1f} KiB)",
         f"islands blocked on sync: at most {100 * blocked:.1f}% of their wall time",

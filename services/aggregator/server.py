@@ -19,6 +19,7 @@ delays the round) and logged as ``event=eval``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import threading
@@ -58,13 +59,28 @@ _DONE_REASON = "run complete: every relay has applied the final state"
 FINAL_GRACE_S = 10.0
 
 
+STALE_STATE_BYTES = 64 << 20
+"""A state smaller than this is evaluated to the end even after the aggregator let it go
+(``Evaluator.release_except``): a quarter of the 256 MiB the aggregator may hold beyond
+its 3m, and the demo's initial held-out loss is never skipped for a few hundred KiB."""
+
+
 class Evaluator:
     """Held-out loss of each new global state, on its own thread and model.
 
     At most one state waits: a state submitted while an older one still waits replaces
     it (logged ``event=eval_skipped``), so an evaluation slower than a round (the thread
     runs at the lowest priority on a busy host) never holds a model-sized state per
-    round in memory.  The newest state, and so the run's final one, is always evaluated."""
+    round in memory.  The newest state, and so the run's final one, is always evaluated.
+
+    Nor does it hold one the aggregator itself has let go: an outer step holds the old
+    and the new parameters and the momentum (3m), and an evaluation of an older state
+    still running then would be a fourth model (issue 12: at gpt-125m the evaluation of
+    the initial state, slow at the lowest priority while islands train, outlived two
+    rounds).  The node calls ``release_except`` before each outer step; an evaluation of
+    any other state ends there (at its next batch, logged ``event=eval_skipped``), and
+    the model lets go of a state once its evaluation is over.  Models under
+    ``STALE_STATE_BYTES`` are exempt: their evaluations always finish."""
 
     def __init__(self, cfg: RunConfig, metrics: Metrics, layout: ParamLayout) -> None:
         self.cfg = cfg
@@ -78,6 +94,9 @@ class Evaluator:
         self._waiting: tuple[int, int, torch.Tensor] | None = None  # the one state queued
         self._lock = threading.Lock()
         self._newest = -1  # the step of the newest state handed in
+        self._current: torch.Tensor | None = None  # the state being evaluated
+        self._abort = threading.Event()  # end the evaluation of _current (release_except)
+        self._released = threading.Condition(self._lock)  # _current went back to None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="eval", daemon=True)
         self.thread.start()
@@ -118,17 +137,75 @@ class Evaluator:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (job := self._take()) is not None:
             round_, step, theta = job
+            with self._lock:
+                self._current = theta
             # A view, not a copy: a global state is never written after its round (each
             # outer step makes a new theta), so the model reads it while the next runs.
             self.layout.bind(self.model, theta)
-            trim_heap()  # the first bind frees the model's own parameters into the heap
-            loss = evaluate(self.model, self.windows, stop=self.stopping.is_set)
+            del job, theta  # held by the model's views and _current, until _let_go
+            try:
+                trim_heap()  # the first bind frees the model's own parameters into the heap
+                loss = evaluate(self.model, self.windows, stop=self._stop_evaluating)
+                aborted = math.isnan(loss) and self._abort.is_set()
+            finally:  # also when it fails: an outer step may be waiting for the state to go
+                self._let_go()
             if self.stopping.is_set():
                 return
+            if aborted:  # (stopping, handled above, aborts it too)
+                log_event(
+                    "eval_skipped",
+                    role="aggregator",
+                    round=round_,
+                    step=step,
+                    reason="the aggregator's next outer step let this state go",
+                )
+                continue
             self.metrics.heldout_loss.labels("aggregator").set(loss)
             log_event(
                 "eval", role="aggregator", round=round_, step=step, heldout_loss=round(loss, 6)
             )
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether the model holds a state (an evaluation is under way)."""
+        return self._current is not None
+
+    def _stop_evaluating(self) -> bool:
+        return self.stopping.is_set() or self._abort.is_set()
+
+    def _let_go(self) -> None:
+        """The evaluation is over: the model holds no state until the next one."""
+        for p in self.model.parameters():
+            p.data = torch.empty(0)
+        with self._lock:
+            self._current = None
+            self._abort.clear()
+            self._released.notify_all()
+
+    def release_except(self, keep: torch.Tensor) -> None:
+        """Hold no state but ``keep`` (the parameters an outer step starts from): an
+        evaluation of another one ends at its next batch, and this waits until the model
+        has let go of it.  A state waiting to be evaluated is normally ``keep`` itself
+        (the node hands each in after its step); an older one still waiting is dropped."""
+        if keep.numel() * keep.element_size() < STALE_STATE_BYTES:
+            return
+        with self._lock:
+            waiting = self._waiting
+            if waiting is not None and waiting[2].data_ptr() != keep.data_ptr():
+                self._waiting = None  # handed in late, after a newer state was made
+                log_event(
+                    "eval_skipped",
+                    role="aggregator",
+                    round=waiting[0],
+                    step=waiting[1],
+                    reason="the aggregator's next outer step let this state go",
+                )
+            current = self._current
+            if current is None or current.data_ptr() == keep.data_ptr():
+                return
+            self._abort.set()
+            while self._current is current and self.thread.is_alive():
+                self._released.wait(timeout=1.0)
 
     def close(self, finish: bool = True) -> None:
         """Stop after the queued evaluations (``finish``: the run's final held-out loss
@@ -184,6 +261,8 @@ class AggregatorService:
         # is answered, not before: one thread, so rounds are logged in order.
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-log")
         self.evaluator = Evaluator(cfg, self.metrics, self.layout)
+        core = self.node.machine.core
+        core.before_step = lambda: self.evaluator.release_except(core.theta)
         self._grace: threading.Timer | None = None  # the end, for relays absent at it
         if not self.node.recover():
             self.evaluator.submit(-1, 0, theta0)  # read only: nobody writes theta0 in place
