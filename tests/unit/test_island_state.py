@@ -53,10 +53,14 @@ def test_model_island_compares_params_and_base_without_flattening() -> None:
     stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
     core = IslandCore(cfg, "eu-0", stream, theta0)
     assert core.params_equal_base()
-    called: list[int] = []
-    core.before_update = lambda: called.append(core.step)
+    called: list[tuple[int, bool]] = []
+    core.before_update = lambda: called.append(
+        (core.step, all(p.grad is None for p in core.model.parameters()))
+    )
     core.train_step()
-    assert called == [0]  # the hook runs before the first change to the parameters
+    # The hook runs before the backward pass (no gradient yet), and so before the first
+    # change to the parameters: a rejoin save still running does not overlap it.
+    assert called == [(0, True)]
     assert not core.params_equal_base()
     assert all(p.grad is None for p in core.model.parameters())  # freed after the step
 
