@@ -276,8 +276,9 @@ class TiedLookup(torch.autograd.Function):
     point of the backward pass where every other gradient exists).  Here the head
     multiplies by a leaf of its own (``head``, a detached ``wte.weight``, passed in a tuple
     so that it is no input of this node), whose gradient autograd stores as soon as the
-    head's backward has run, long before the embedding's (which waits for every block).  The backward pass takes that gradient, adds the
-    embedding's rows into it in place, and returns it as ``weight``'s gradient.
+    head's backward has run, long before the embedding's (which waits for every block).
+    The backward pass takes that gradient, adds the embedding's rows into it in place, and
+    returns it as ``weight``'s gradient.
 
     The sum is autograd's to the bit: each touched row is the head's row plus the row that
     ``embedding_dense_backward`` would give (the same kernel, over the batch's distinct

@@ -65,6 +65,14 @@ STALE_STATE_BYTES = 64 << 20
 its 3m, and the demo's initial held-out loss is never skipped for a few hundred KiB."""
 
 
+_LET_GO = "the aggregator's next outer step let this state go"
+
+
+def _skipped(round_: int, step: int, reason: str) -> None:
+    """A state's held-out evaluation left out (``event=eval_skipped``), and why."""
+    log_event("eval_skipped", role="aggregator", round=round_, step=step, reason=reason)
+
+
 class Evaluator:
     """Held-out loss of each new global state, on its own thread and model.
 
@@ -112,12 +120,8 @@ class Evaluator:
         if older is None:
             self.wake.put(True)
         else:
-            log_event(
-                "eval_skipped",
-                role="aggregator",
-                round=older[0],
-                step=older[1],
-                reason=f"the state of step {newer} is newer and is evaluated instead",
+            _skipped(
+                older[0], older[1], f"the state of step {newer} is newer and is evaluated instead"
             )
 
     def _take(self) -> tuple[int, int, torch.Tensor] | None:
@@ -152,13 +156,7 @@ class Evaluator:
             if self.stopping.is_set():
                 return
             if aborted:  # (stopping, handled above, aborts it too)
-                log_event(
-                    "eval_skipped",
-                    role="aggregator",
-                    round=round_,
-                    step=step,
-                    reason="the aggregator's next outer step let this state go",
-                )
+                _skipped(round_, step, _LET_GO)
                 continue
             self.metrics.heldout_loss.labels("aggregator").set(loss)
             log_event(
@@ -189,23 +187,18 @@ class Evaluator:
         (the node hands each in after its step); an older one still waiting is dropped."""
         if keep.numel() * keep.element_size() < STALE_STATE_BYTES:
             return
+        dropped = None
         with self._lock:
             waiting = self._waiting
             if waiting is not None and waiting[2].data_ptr() != keep.data_ptr():
-                self._waiting = None  # handed in late, after a newer state was made
-                log_event(
-                    "eval_skipped",
-                    role="aggregator",
-                    round=waiting[0],
-                    step=waiting[1],
-                    reason="the aggregator's next outer step let this state go",
-                )
+                dropped, self._waiting = waiting, None  # handed in after a newer state was made
             current = self._current
-            if current is None or current.data_ptr() == keep.data_ptr():
-                return
-            self._abort.set()
-            while self._current is current and self.thread.is_alive():
-                self._released.wait(timeout=1.0)
+            if current is not None and current.data_ptr() != keep.data_ptr():
+                self._abort.set()
+                while self._current is current and self.thread.is_alive():
+                    self._released.wait(timeout=1.0)
+        if dropped is not None:
+            _skipped(dropped[0], dropped[1], _LET_GO)
 
     def close(self, finish: bool = True) -> None:
         """Stop after the queued evaluations (``finish``: the run's final held-out loss

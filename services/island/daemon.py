@@ -391,9 +391,9 @@ class Island:
         tensors (no copies); the step's backward pass waits for it (``_saved``, the
         core's ``before_update``), so what is written is the state right after the merge.
         (Waiting at the optimizer update instead let the save overlap the backward pass,
-        and an island at gpt-125m peaked 100-200 MiB over its bound in most such runs.)  The file is
-        replaced atomically: a crash mid-write leaves the previous state, from which the
-        island retrains deterministically.  Rank 0 writes it; every rank of a restarted
+        and an island at gpt-125m peaked 100-200 MiB over its bound in most such runs.)
+        The file is replaced atomically: a crash mid-write leaves the previous state, from
+        which the island retrains deterministically.  Rank 0 writes it; every rank of a restarted
         island loads it (their states are equal)."""
         if self.state_path is not None and self.lead:
             state = {"run_id": self.cfg.run_id, "config": self.cfg.digest}
