@@ -1,0 +1,81 @@
+"""bench/bench_sync_scale.py's floors: the work every sync must do, over the machine's cores.
+
+The bench calls a missed speed target FLOOR, not FAIL, when even this floor is above it;
+so the floor's arithmetic is checked here against sums written out by hand, piece by piece,
+and the measurement is run on a small sample to see that it gives a cost for every piece."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_sync_scale as bench  # bench/ is a folder of scripts, put on the path above
+
+P = 1000
+ZERO = {"fp32": 0.0, "int8": 0.0}
+
+
+def only(**costs: float) -> bench.CoreCosts:
+    """Costs with every piece 0 but those named (per byte or per parameter), on 2 cores."""
+    return bench.CoreCosts(
+        tcp=costs.get("tcp", 0.0),
+        sha256=costs.get("sha256", 0.0),
+        copy=costs.get("copy", 0.0),
+        outer=costs.get("outer", 0.0),
+        encode={**ZERO, "int8": costs.get("encode", 0.0)},
+        decode_acc={"fp32": costs.get("fp32_add", 0.0), "int8": costs.get("int8_add", 0.0)},
+        cores=2,
+    )
+
+
+def test_part_a_counts_each_transfer_each_digest_and_each_sum_once() -> None:
+    n_r, delta, fwd = 4, 250, 4 * P + 64
+    path = n_r * delta + fwd + 4 * P + n_r * 4 * P
+    # TCP: every byte on the path once, both ends in the measured cost.
+    assert only(tcp=1.0).relay_e2e("int8", n_r, P, path, fwd) == path / 2
+    # sha256: every receiver, plus the relay's forward and the aggregator's merge (the
+    # islands signed their deltas before the clock started).
+    assert only(sha256=1.0).relay_e2e("int8", n_r, P, path, fwd) == (path + fwd + 4 * P) / 2
+    # the relay adds n_r int8 deltas, the aggregator one fp32 forward, and steps once
+    assert only(int8_add=1.0).relay_e2e("int8", n_r, P, path, fwd) == n_r * P / 2
+    assert only(fp32_add=1.0).relay_e2e("int8", n_r, P, path, fwd) == P / 2
+    assert only(outer=1.0).relay_e2e("int8", n_r, P, path, fwd) == P / 2
+    # nothing is encoded or applied in part A's window
+    assert only(encode=1.0, copy=1.0).relay_e2e("int8", n_r, P, path, fwd) == 0.0
+
+
+@pytest.mark.parametrize(("regions", "per"), [(1, 2), (2, 1)])
+def test_part_b_counts_every_island_of_the_case_syncing_at_once(regions: int, per: int) -> None:
+    delta, fwd = 250, 4 * P + 64
+    n = regions * per
+    moved = n * delta + regions * fwd + regions * 4 * P + n * 4 * P
+    signed = n * delta + regions * fwd + 4 * P  # each payload digested by its sender
+    assert only(tcp=1.0).sync("int8", regions, per, P, delta, fwd) == moved / 2
+    assert only(sha256=1.0).sync("int8", regions, per, P, delta, fwd) == (moved + signed) / 2
+    assert only(encode=1.0).sync("int8", regions, per, P, delta, fwd) == n * P / 2
+    assert only(int8_add=1.0).sync("int8", regions, per, P, delta, fwd) == n * P / 2
+    assert only(fp32_add=1.0).sync("int8", regions, per, P, delta, fwd) == regions * P / 2
+    assert only(outer=1.0).sync("int8", regions, per, P, delta, fwd) == P / 2
+    assert only(copy=1.0).sync("int8", regions, per, P, delta, fwd) == n * 4 * P / 2
+
+
+def test_a_missed_target_is_called_floor_only_when_the_floor_is_above_it() -> None:
+    assert bench.verdict(None) == ""
+    assert bench.verdict(True, 9.0, 4.0) == "PASS"
+    assert bench.verdict(False, 4.5, 4.0) == "FLOOR"
+    assert bench.verdict(False, 3.9, 4.0) == "FAIL"
+    assert bench.verdict(False) == "FAIL"
+
+
+def test_the_costs_are_measured_for_every_piece_and_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "FLOOR_SAMPLE", 1 << 16)
+    costs = bench.core_costs(1e-9, ["int8", "sparseloco+zstd"])
+    assert set(costs.encode) == set(costs.decode_acc) == {"fp32", "int8", "sparseloco+zstd"}
+    pieces = [costs.sha256, costs.copy, costs.outer, *costs.decode_acc.values()]
+    assert all(math.isfinite(c) and c > 0 for c in pieces), costs
+    assert all(math.isfinite(c) and c >= 0 for c in costs.encode.values()), costs
+    assert costs.tcp == 1e-9 and costs.cores >= 1
