@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -49,21 +50,34 @@ _MIN_NORMAL = 2.0**-126
 #: buffer + codes = 9 MiB of a 32 MiB L3), and a busy machine widens the gap.
 _SLICE = 1 << 20
 
-_local = threading.local()
+_pool_lock = threading.Lock()
+_free: list[torch.Tensor] = []
+"""Scratch tensors not in use, shared by every thread (``_work_buffer``)."""
 
 
-def _work_buffer(numel: int) -> torch.Tensor:
-    """A 1-D fp32 scratch tensor of at least ``numel`` elements (one slice), kept per thread.
+@contextmanager
+def _work_buffer(numel: int) -> Iterator[torch.Tensor]:
+    """A 1-D fp32 scratch tensor of at least ``numel`` elements (one slice), lent from a
+    pool that every thread shares, and given back on leaving the block.
 
-    Allocating it per call let malloc hand back fresh pages now and then (a
-    page fault per 4 KiB, ~1.8 us each here), which cost a 300K-element encode
-    more than its arithmetic; reusing it keeps every call on warm memory.
+    Allocating it per call let malloc hand back fresh pages now and then (a page fault
+    per 4 KiB, ~1.8 us each here), which cost a 300K-element encode more than its
+    arithmetic; reusing one keeps every call on warm memory.  The pool holds as many
+    as were ever in use at once, not one per thread that ever coded: a relay's gRPC
+    threads take turns adding its islands' deltas, and a buffer per thread kept 4 MiB
+    more for every thread a push had run on (its memory bound does not grow with the
+    number of islands).  The values are scratch only: no result depends on which
+    buffer a call gets.
     """
-    work: torch.Tensor | None = getattr(_local, "work", None)
+    with _pool_lock:
+        work = _free.pop() if _free else None
     if work is None or work.numel() < numel:
-        work = torch.empty(numel)
-        _local.work = work
-    return work
+        work = torch.empty(numel)  # a smaller one taken from the pool is let go
+    try:
+        yield work
+    finally:
+        with _pool_lock:
+            _free.append(work)
 
 
 class Int8Codec(Codec):
@@ -107,19 +121,21 @@ class Int8Codec(Codec):
         nblocks = -(-numel // self.block)
         scales = tensor_view(raw, torch.float32, 0, nblocks)
         codes = tensor_view(raw, torch.int8, 4 * nblocks, numel)
-        work = _work_buffer(min(self.slice, numel))
-        for w, x, q, scale in self._pieces(scales, work, flat, codes):
-            torch.abs(x, out=w)
-            torch.amax(w, dim=1, keepdim=True, out=scale)
-            scale.div_(127.0)
-            # All-zero blocks divide by 1 (q = 0); NaN scales fall through to the check below.
-            divisor = torch.where(scale > 0, scale, 1.0)
-            torch.div(x, divisor, out=w)
-            w.round_()
-            # NaN compares false here, so a NaN slice skips the clamp; it is rejected below.
-            if float(divisor.min()) < _MIN_NORMAL:
-                w.clamp_(-127, 127)
-            q.copy_(w)
+        with _work_buffer(min(self.slice, numel)) as work:
+            for w, x, q, scale in self._pieces(scales, work, flat, codes):
+                torch.abs(x, out=w)
+                torch.amax(w, dim=1, keepdim=True, out=scale)
+                scale.div_(127.0)
+                # All-zero blocks divide by 1 (q = 0); NaN scales fall through to the
+                # check below.
+                divisor = torch.where(scale > 0, scale, 1.0)
+                torch.div(x, divisor, out=w)
+                w.round_()
+                # NaN compares false here, so a NaN slice skips the clamp; it is rejected
+                # below.
+                if float(divisor.min()) < _MIN_NORMAL:
+                    w.clamp_(-127, 127)
+                q.copy_(w)
         self._check_scales(scales, "int8 encode: input")
 
     @staticmethod
@@ -166,16 +182,16 @@ class Int8Codec(Codec):
         self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, mode: Mode = "add"
     ) -> None:
         """``out`` += (or -=, ``mode`` "sub") the decoded values of ``codes``."""
-        work = _work_buffer(min(self.slice, out.numel()))
-        for w, q, dst, scale in self._pieces(scales, work, codes, out):
-            # The decoded slice is fl(float(q) * scale), exactly what decode() holds;
-            # adding it afterwards keeps the two roundings of out.add_(decode(data)).
-            w.copy_(q)
-            w.mul_(scale)
-            if mode == "add":
-                dst.add_(w)
-            else:
-                dst.sub_(w)
+        with _work_buffer(min(self.slice, out.numel())) as work:
+            for w, q, dst, scale in self._pieces(scales, work, codes, out):
+                # The decoded slice is fl(float(q) * scale), exactly what decode() holds;
+                # adding it afterwards keeps the two roundings of out.add_(decode(data)).
+                w.copy_(q)
+                w.mul_(scale)
+                if mode == "add":
+                    dst.add_(w)
+                else:
+                    dst.sub_(w)
 
     def _apply(self, raw: Buffer, out: torch.Tensor, mode: Mode) -> None:
         numel = out.numel()

@@ -147,3 +147,56 @@ def test_int8_rejections_survive_the_fast_path(where: int, bad: float, message: 
     x[where] = bad
     with pytest.raises(CodecError, match=f"int8 encode: input holds .*{message}"):
         codec.encode(x)
+
+
+def test_threads_coding_at_once_each_get_their_own_scratch_and_the_same_bits() -> None:
+    """Scratch buffers are lent from one pool (``_work_buffer``): coders running at the
+    same time must never share one, or each would add the other's slices."""
+    import threading
+
+    codec = make_codec("int8")
+    gen = torch.Generator().manual_seed(7)
+    numel = 3 * (1 << 20) + 5  # several slices each, so the threads' slices interleave
+    deltas = [torch.randn(numel, generator=gen) for _ in range(4)]
+    blobs = [bytes(codec.encode(d)) for d in deltas]
+
+    def three_sums(blob: bytes) -> bytes:
+        acc = torch.zeros(numel)
+        for _ in range(3):
+            codec.decode_accumulate(blob, acc)
+        return acc.numpy().tobytes()
+
+    alone = [three_sums(b) for b in blobs]
+    start = threading.Barrier(len(blobs))
+    sums: list[bytes] = [b""] * len(blobs)
+    encoded: list[bytes] = [b""] * len(blobs)
+
+    def work(i: int) -> None:
+        start.wait()
+        encoded[i] = bytes(codec.encode(deltas[i]))
+        sums[i] = three_sums(blobs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(blobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sums == alone
+    assert encoded == blobs
+
+
+def test_the_scratch_pool_keeps_what_was_in_use_at_once_not_one_per_thread() -> None:
+    """A relay's pushes run on many gRPC threads in turn; each used to keep a 4 MiB
+    buffer of its own for good.  One at a time, on six threads, they now share one."""
+    import threading
+
+    codec = make_codec("int8")
+    delta = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
+    blob = codec.encode(delta)
+    with int8_module._pool_lock:
+        int8_module._free.clear()
+    for _ in range(6):
+        t = threading.Thread(target=lambda: codec.decode_accumulate(blob, torch.zeros(1 << 20)))
+        t.start()
+        t.join()
+    assert len(int8_module._free) == 1
