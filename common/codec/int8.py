@@ -65,8 +65,8 @@ def _work_buffer(numel: int) -> Iterator[torch.Tensor]:
     arithmetic; reusing one keeps every call on warm memory.  The pool holds as many
     as were ever in use at once, not one per thread that ever coded: a relay's gRPC
     threads take turns adding its islands' deltas, and a buffer per thread kept 4 MiB
-    more for every thread a push had run on (its memory bound does not grow with the
-    number of islands).  The values are scratch only: no result depends on which
+    more for every thread a push had ever run on, where its memory must not grow with
+    the number of islands.  The values are scratch only: no result depends on which
     buffer a call gets.
     """
     with _pool_lock:
