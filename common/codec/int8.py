@@ -70,7 +70,10 @@ def _work_buffer(numel: int) -> Iterator[torch.Tensor]:
     buffer a call gets.
     """
     with _pool_lock:
-        work = _free.pop() if _free else None
+        # One large enough if there is one (a smaller one would be thrown away for a
+        # fresh, page-faulting allocation); else any, to be replaced by a larger one.
+        fit = next((i for i, w in enumerate(_free) if w.numel() >= numel), -1)
+        work = _free.pop(fit) if _free else None
     if work is None or work.numel() < numel:
         work = torch.empty(numel)  # a smaller one taken from the pool is let go
     try:

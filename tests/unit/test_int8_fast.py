@@ -200,3 +200,13 @@ def test_the_scratch_pool_keeps_what_was_in_use_at_once_not_one_per_thread() -> 
         t.start()
         t.join()
     assert len(int8_module._free) == 1
+
+
+def test_the_scratch_pool_lends_a_buffer_large_enough_when_it_has_one() -> None:
+    """A smaller buffer lent to a larger call would be thrown away for a fresh one."""
+    small, large = torch.empty(10), torch.empty(1 << 20)
+    with int8_module._pool_lock:
+        int8_module._free[:] = [large, small]  # the small one on top
+    with int8_module._work_buffer(1 << 20) as work:
+        assert work is large
+    assert {id(w) for w in int8_module._free} == {id(small), id(large)}
