@@ -45,8 +45,11 @@ Floors: how low a ratio can go on this machine, also measured in the same run.  
 durable writes on the path at the measured disk rate (``disk_rate``), and the work no sync
 can skip at this machine's core costs (``CoreCosts``: TCP on both ends, a sha256 digest by
 each sender and each receiver, encoding, decoding and adding, the outer step, applying the
-merge) spread over every core with none idle.  A target below the larger floor is out of
-reach here, whatever the code does; the tables mark it FLOOR.
+merge) spread over every core with none idle.  Part A's window holds all of its work;
+part B's floor is one island's own path (``CoreCosts.sync``).  A target below the larger
+floor is out of reach here, whatever the code does; the tables mark it FLOOR.  Beside it,
+``serial``: the same work and writes (in part B, every island's) done one after another on
+one core; a ratio above that is spent on work the floor does not count, or on waiting.
 
 The bench refuses (exit 2, one line) when MemAvailable is short of its estimate for the
 requested P (at 1e8 it estimates ~5.5 GiB for part A, ~8.4 GiB for part B; at 1e9 ~40
@@ -239,11 +242,19 @@ class CoreCosts:
         )
         return work / self.cores
 
-    def sync(self, codec: str, regions: int, n_r: int, P: int, delta: int, fwd: int) -> float:
-        """Part B's window, every island of the case syncing at once: each encodes and
-        signs its delta, each relay checks and adds its islands' deltas and digests its
-        forward, the aggregator checks and adds the forwards, steps and digests the
-        merge, each relay and each island checks it, and each island applies it."""
+    def sync(self, codec: str, P: int, delta: int, fwd: int) -> float:
+        """Part B's window for one island (from the end of its training to its next step):
+        only what lies on its own path, since the other islands' deltas and forwards may
+        have been sent before its window opened, and their copies of the merge may come
+        after it closes.  It encodes and signs its delta; its relay checks and adds it and
+        digests its forward; the aggregator checks and adds that forward, steps and
+        digests the merge; its relay and then it check the merge, and it applies it."""
+        return self.sync_all(codec, 1, 1, P, delta, fwd)
+
+    def sync_all(self, codec: str, regions: int, n_r: int, P: int, delta: int, fwd: int) -> float:
+        """Everything every island of the case does when all sync at once (as they do
+        here, in step): ``sync`` for each island and region.  Not a floor of one island's
+        sync (see ``sync``), but what the cores carry while it runs."""
         n = regions * n_r
         moved = n * delta + regions * fwd + regions * 4 * P + n * 4 * P
         senders = n * delta + regions * fwd + 4 * P
@@ -280,7 +291,17 @@ def core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
     the way the daemons run it at its cheapest: into buffers already in memory (no page
     faults of fresh tensors), the outer step a range at a time as the aggregator folds it
     in, an island's lossy encode in its delta's own memory (``consume``), an fp32 delta
-    framed where it lies (one pass, ``ErrorFeedback.encode_framed``)."""
+    framed where it lies (one pass, ``ErrorFeedback.encode_framed``); on one torch thread,
+    which spends the least CPU per unit (two threads add their wake-ups and barriers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the least CPU per unit: no thread wake-ups or barriers
+    try:
+        return _core_costs(tcp_per_byte, codecs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
     import hashlib
 
     from hypertrain.common.codec import ErrorFeedback, make_codec
@@ -1089,7 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## relay_e2e (part A): 1 region x {n_r} islands, h_r = h_g = 1, 2 global rounds")
         print(
             f"{'codec':<18}{'round':>6}{'delta MB':>10}{'e2e s':>9}{'tcp s':>8}{'ratio':>8}"
-            f"{'disk s':>8}{'cpu s':>8}{'floor':>7}{'target':>8}  result"
+            f"{'disk s':>8}{'cpu s':>8}{'floor':>7}{'serial':>8}{'target':>8}  result"
         )
         for codec, r in part_a.items():
             for rd in r["rounds"]:
@@ -1104,13 +1125,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rd["cpu_floor_over_tcp"] = rd["cpu_floor_s"] / rd["tcp_s"]
                 rd["floor_over_tcp"] = max(rd["disk_floor_over_tcp"], rd["cpu_floor_over_tcp"])
+                # The same work and writes done one after another on one core.
+                rd["serial_s"] = rd["cpu_floor_s"] * costs.cores + rd["disk_s"]
+                rd["serial_over_tcp"] = rd["serial_s"] / rd["tcp_s"]
                 ok = None if target is None else rd["ratio"] <= target
                 failed |= ok is False and rd["floor_over_tcp"] <= target
                 print(
                     f"{codec:<18}{rd['step']:>6}{rd['delta_bytes'] / 1e6:>10.1f}"
                     f"{rd['seconds']:>9.2f}{rd['tcp_s']:>8.3f}{rd['ratio']:>8.1f}"
                     f"{rd['disk_s']:>8.2f}{rd['cpu_floor_s']:>8.2f}{rd['floor_over_tcp']:>7.1f}"
-                    f"{(f'{target:.1f}' if target else '-'):>8}  "
+                    f"{rd['serial_over_tcp']:>8.1f}{(f'{target:.1f}' if target else '-'):>8}  "
                     f"{verdict(ok, rd['floor_over_tcp'], target)}"
                 )
             for role in ("relay", "aggregator"):
@@ -1123,7 +1147,9 @@ def main(argv: list[str] | None = None) -> int:
             "above; cpu s: the work no sync can skip (TCP, a digest by each sender and each "
             "receiver, decoding and adding, the outer step) at the core costs above, over "
             f"{costs.cores} cores; floor: the larger of the two over the TCP time, below which "
-            "no ratio can go here; FLOOR: the target is below it)"
+            "no ratio can go here; FLOOR: the target is below it; serial: that work and those "
+            "writes done one after another on one core, over the TCP time: a ratio above it "
+            "is spent on work the floor does not count, or waiting)"
         )
         print("phases of each round (seconds after the first push):")
         for codec, r in [
@@ -1173,18 +1199,23 @@ def main(argv: list[str] | None = None) -> int:
         print("\n## sync_wall (part B): M = 2, h_r = h_g = 2, 6 steps, tau 0, real islands")
         print(
             f"{'case':<14}{'syncs':>6}{'sync_s':>9}{'push_w':>8}{'fetch':>8}{'rest':>8}{'tcp s':>8}"
-            f"{'ratio':>8}{'disk s':>8}{'cpu s':>8}{'floor':>7}{'target':>8}  result"
+            f"{'ratio':>8}{'disk s':>8}{'cpu s':>8}{'floor':>7}{'serial':>8}{'target':>8}  result"
         )
         for c in cases:
             regions, per = c["regions"], c["islands_per_region"]
-            # Every island of the case syncs at once, on the same cores and disk.
-            c["disk_s"] = (regions * per * c["delta_bytes"] + regions * c["forward_bytes"]) / disk
-            c["cpu_floor_s"] = costs.sync(
-                c["codec"], regions, per, P, c["delta_bytes"], c["forward_bytes"]
-            )
+            delta, fwd = c["delta_bytes"], c["forward_bytes"]
+            # One island's own path: its delta at its relay, its region's forward at the
+            # aggregator (CoreCosts.sync says why the others' are not).
+            c["disk_s"] = (delta + fwd) / disk
+            c["cpu_floor_s"] = costs.sync(c["codec"], P, delta, fwd)
             c["disk_floor_over_tcp"] = c["disk_s"] / c["tcp_s"]
             c["cpu_floor_over_tcp"] = c["cpu_floor_s"] / c["tcp_s"]
             c["floor_over_tcp"] = max(c["disk_floor_over_tcp"], c["cpu_floor_over_tcp"])
+            # Every island's work and writes, done one after another on one core.
+            all_disk = (regions * per * delta + regions * fwd) / disk
+            c["cpu_all_s"] = costs.sync_all(c["codec"], regions, per, P, delta, fwd)
+            c["serial_s"] = c["cpu_all_s"] * costs.cores + all_disk
+            c["serial_over_tcp"] = c["serial_s"] / c["tcp_s"]
             ok = c["ratio"] <= TARGET_SYNC_WALL
             failed |= not ok and c["floor_over_tcp"] <= TARGET_SYNC_WALL
             n_used = sum(1 for s in c["syncs"] if s["step"] in c["used_steps"])
@@ -1193,7 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c['median_push_wait_s']:>8.2f}{c['median_fetch_s']:>8.2f}"
                 f"{c['median_rest_s']:>8.2f}{c['tcp_s']:>8.3f}"
                 f"{c['ratio']:>8.1f}{c['disk_s']:>8.2f}{c['cpu_floor_s']:>8.2f}"
-                f"{c['floor_over_tcp']:>7.1f}{TARGET_SYNC_WALL:>8.1f}  "
+                f"{c['floor_over_tcp']:>7.1f}{c['serial_over_tcp']:>8.1f}{TARGET_SYNC_WALL:>8.1f}  "
                 f"{verdict(ok, c['floor_over_tcp'], TARGET_SYNC_WALL)}"
             )
             for role in ("relay", "aggregator", "island"):
@@ -1210,10 +1241,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
         print(
             "(tcp s: one island's critical path, its delta, the relay's forward and the merge "
-            "twice; disk s and cpu s: what every island of the case syncing at once must "
-            "write durably (deltas at the relays, forwards at the aggregator) and compute "
-            "(encode and sign, TCP, a digest by each sender and receiver, decoding and "
-            "adding, the outer step, applying the merge), as in part A)"
+            "twice; disk s and cpu s: what that path must write durably (its delta at the "
+            "relay, the forward at the aggregator) and compute (encode and sign, TCP, a "
+            "digest by each sender and receiver, decoding and adding, the outer step, "
+            "applying the merge), as in part A; serial: what every island of the case, "
+            "syncing at once, writes and computes, done one after another on one core)"
         )
     if rss_rows:
         print(f"\n## peak RSS (m = {m / 2**20:.0f} MiB)")
@@ -1282,6 +1314,13 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "sync_wall_cpu_floor_over_tcp_min": (
                 min(c["cpu_floor_over_tcp"] for c in cases) if cases else None
+            ),
+            "sync_wall_floor_over_tcp_max": (
+                max(c["floor_over_tcp"] for c in cases) if cases else None
+            ),
+            "relay_e2e_serial_over_tcp": int8["rounds"][-1]["serial_over_tcp"] if int8 else None,
+            "sync_wall_serial_over_tcp_max": (
+                max(c["serial_over_tcp"] for c in cases) if cases else None
             ),
             "core_costs": asdict(costs),
             "interpreter_floor_bytes": floor,

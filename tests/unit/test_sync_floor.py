@@ -48,19 +48,37 @@ def test_part_a_counts_each_transfer_each_digest_and_each_sum_once() -> None:
     assert only(encode=1.0, copy=1.0).relay_e2e("int8", n_r, P, path, fwd) == 0.0
 
 
+def test_part_b_floor_is_one_islands_own_path() -> None:
+    """The other islands' deltas and forwards may have gone before this island's window,
+    and their copies of the merge may come after it: only its own path is a floor."""
+    delta, fwd = 250, 4 * P + 64
+    moved = delta + fwd + 4 * P + 4 * P  # to the relay, to the aggregator, back twice
+    signed = delta + fwd + 4 * P  # its delta, the forward, the merge
+    assert only(tcp=1.0).sync("int8", P, delta, fwd) == moved / 2
+    assert only(sha256=1.0).sync("int8", P, delta, fwd) == (moved + signed) / 2
+    assert only(encode=1.0).sync("int8", P, delta, fwd) == P / 2
+    assert only(int8_add=1.0).sync("int8", P, delta, fwd) == P / 2
+    assert only(fp32_add=1.0).sync("int8", P, delta, fwd) == P / 2
+    assert only(outer=1.0).sync("int8", P, delta, fwd) == P / 2
+    assert only(copy=1.0).sync("int8", P, delta, fwd) == 4 * P / 2
+
+
 @pytest.mark.parametrize(("regions", "per"), [(1, 2), (2, 1)])
-def test_part_b_counts_every_island_of_the_case_syncing_at_once(regions: int, per: int) -> None:
+def test_part_b_all_at_once_counts_every_island_of_the_case(regions: int, per: int) -> None:
     delta, fwd = 250, 4 * P + 64
     n = regions * per
     moved = n * delta + regions * fwd + regions * 4 * P + n * 4 * P
     signed = n * delta + regions * fwd + 4 * P  # each payload digested by its sender
-    assert only(tcp=1.0).sync("int8", regions, per, P, delta, fwd) == moved / 2
-    assert only(sha256=1.0).sync("int8", regions, per, P, delta, fwd) == (moved + signed) / 2
-    assert only(encode=1.0).sync("int8", regions, per, P, delta, fwd) == n * P / 2
-    assert only(int8_add=1.0).sync("int8", regions, per, P, delta, fwd) == n * P / 2
-    assert only(fp32_add=1.0).sync("int8", regions, per, P, delta, fwd) == regions * P / 2
-    assert only(outer=1.0).sync("int8", regions, per, P, delta, fwd) == P / 2
-    assert only(copy=1.0).sync("int8", regions, per, P, delta, fwd) == n * 4 * P / 2
+    every = only(tcp=1.0, sha256=1.0)
+    assert only(tcp=1.0).sync_all("int8", regions, per, P, delta, fwd) == moved / 2
+    assert only(sha256=1.0).sync_all("int8", regions, per, P, delta, fwd) == (moved + signed) / 2
+    assert only(encode=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * P / 2
+    assert only(int8_add=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * P / 2
+    assert only(fp32_add=1.0).sync_all("int8", regions, per, P, delta, fwd) == regions * P / 2
+    assert only(outer=1.0).sync_all("int8", regions, per, P, delta, fwd) == P / 2
+    assert only(copy=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * 4 * P / 2
+    # never less than one island's own path
+    assert every.sync_all("int8", regions, per, P, delta, fwd) > every.sync("int8", P, delta, fwd)
 
 
 def test_a_missed_target_is_called_floor_only_when_the_floor_is_above_it() -> None:
