@@ -270,6 +270,22 @@ class CoreCosts:
         return work / self.cores
 
 
+def put_floors(row: dict[str, Any], disk_s: float, cpu_s: float, serial_s: float) -> None:
+    """Store a part A round's or a part B case's floors in ``row``, in seconds and over its
+    ``tcp_s``: the durable writes, the counted work over every core, the larger of the two
+    (the floor), and the same work and writes one after another on one core."""
+    tcp = row["tcp_s"]
+    row.update(
+        disk_s=disk_s,
+        cpu_floor_s=cpu_s,
+        serial_s=serial_s,
+        disk_floor_over_tcp=disk_s / tcp,
+        cpu_floor_over_tcp=cpu_s / tcp,
+        floor_over_tcp=max(disk_s, cpu_s) / tcp,
+        serial_over_tcp=serial_s / tcp,
+    )
+
+
 FLOOR_REPEATS = 3
 #: Parameters of the sample each per-parameter cost is measured on (64 MiB of fp32).
 FLOOR_SAMPLE = 1 << 24
@@ -1116,18 +1132,11 @@ def main(argv: list[str] | None = None) -> int:
             for rd in r["rounds"]:
                 last = rd is r["rounds"][-1]
                 target = TARGET_RELAY_E2E if codec == "int8" and last else None
-                # The durable writes alone, on the critical path, over the TCP time; and
-                # the work no sync can skip, over every core (CoreCosts).
-                rd["disk_s"] = rd["durable_bytes"] / disk
-                rd["disk_floor_over_tcp"] = rd["disk_s"] / rd["tcp_s"]
-                rd["cpu_floor_s"] = costs.relay_e2e(
-                    codec, n_r, P, rd["path_bytes"], rd["forward_bytes"]
-                )
-                rd["cpu_floor_over_tcp"] = rd["cpu_floor_s"] / rd["tcp_s"]
-                rd["floor_over_tcp"] = max(rd["disk_floor_over_tcp"], rd["cpu_floor_over_tcp"])
-                # The same work and writes done one after another on one core.
-                rd["serial_s"] = rd["cpu_floor_s"] * costs.cores + rd["disk_s"]
-                rd["serial_over_tcp"] = rd["serial_s"] / rd["tcp_s"]
+                # The durable writes alone, on the critical path; the work no sync can
+                # skip, over every core (CoreCosts); both one after another on one core.
+                disk_s = rd["durable_bytes"] / disk
+                cpu_s = costs.relay_e2e(codec, n_r, P, rd["path_bytes"], rd["forward_bytes"])
+                put_floors(rd, disk_s, cpu_s, cpu_s * costs.cores + disk_s)
                 ok = None if target is None else rd["ratio"] <= target
                 failed |= ok is False and rd["floor_over_tcp"] <= target
                 print(
@@ -1204,18 +1213,17 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases:
             regions, per = c["regions"], c["islands_per_region"]
             delta, fwd = c["delta_bytes"], c["forward_bytes"]
-            # One island's own path: its delta at its relay, its region's forward at the
-            # aggregator (CoreCosts.sync says why the others' are not).
-            c["disk_s"] = (delta + fwd) / disk
-            c["cpu_floor_s"] = costs.sync(c["codec"], P, delta, fwd)
-            c["disk_floor_over_tcp"] = c["disk_s"] / c["tcp_s"]
-            c["cpu_floor_over_tcp"] = c["cpu_floor_s"] / c["tcp_s"]
-            c["floor_over_tcp"] = max(c["disk_floor_over_tcp"], c["cpu_floor_over_tcp"])
-            # Every island's work and writes, done one after another on one core.
+            # The floors: one island's own path, its delta at its relay and its region's
+            # forward at the aggregator (CoreCosts.sync says why the others' are not).
+            # Serial: every island's work and writes, one after another on one core.
             all_disk = (regions * per * delta + regions * fwd) / disk
             c["cpu_all_s"] = costs.sync_all(c["codec"], regions, per, P, delta, fwd)
-            c["serial_s"] = c["cpu_all_s"] * costs.cores + all_disk
-            c["serial_over_tcp"] = c["serial_s"] / c["tcp_s"]
+            put_floors(
+                c,
+                (delta + fwd) / disk,
+                costs.sync(c["codec"], P, delta, fwd),
+                c["cpu_all_s"] * costs.cores + all_disk,
+            )
             ok = c["ratio"] <= TARGET_SYNC_WALL
             failed |= not ok and c["floor_over_tcp"] <= TARGET_SYNC_WALL
             n_used = sum(1 for s in c["syncs"] if s["step"] in c["used_steps"])

@@ -97,3 +97,12 @@ def test_the_costs_are_measured_for_every_piece_and_codec(monkeypatch: pytest.Mo
     assert all(math.isfinite(c) and c > 0 for c in pieces), costs
     assert all(math.isfinite(c) and c >= 0 for c in costs.encode.values()), costs
     assert costs.tcp == 1e-9 and costs.cores >= 1
+
+
+def test_a_rows_floor_is_the_larger_of_disk_and_work_over_its_tcp_time() -> None:
+    row: dict[str, object] = {"tcp_s": 2.0}
+    bench.put_floors(row, 3.0, 5.0, 11.0)
+    assert row["floor_over_tcp"] == 2.5 and row["disk_floor_over_tcp"] == 1.5
+    assert row["cpu_floor_over_tcp"] == 2.5 and row["serial_over_tcp"] == 5.5
+    bench.put_floors(row, 6.0, 5.0, 11.0)
+    assert row["floor_over_tcp"] == 3.0
