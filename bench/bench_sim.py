@@ -51,13 +51,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hypertrain.common.data import ensure_default_dataset, holdout_windows
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import partition
 from hypertrain.common.model import GPT, build_model, evaluate
 from hypertrain.common.optim import InnerConfig
 from hypertrain.sim.engine.batched import Batched
 from hypertrain.sim.engine.job import SimJob, flat_job
 from hypertrain.sim.engine.replicas import ReplicaSet
 from hypertrain.sim.engine.run import FragmentSync, make_replicas
-from hypertrain.sim.engine.streaming import partition
 
 MS = (1, 2, 4, 8, 16, 32)
 GLOBAL_BATCH = 32

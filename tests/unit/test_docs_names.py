@@ -459,7 +459,7 @@ def test_checker_catches_planted_names(tmp_path: Path) -> None:
 def test_checker_accepts_every_form_that_exists(tmp_path: Path) -> None:
     good = [
         "`hypertrain.common.aggregate.aggregate`",
-        "`hypertrain.sim.engine.streaming`",
+        "`hypertrain.common.fragments`",
         "`ErrorFeedback.encode`",
         "`IslandCore.base`",  # an instance attribute, assigned in __init__
         "`RunConfig.threads`",  # a dataclass field

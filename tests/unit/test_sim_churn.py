@@ -17,12 +17,12 @@ import torch
 from hypertrain.common.config import MembershipConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment, partition
 from hypertrain.common.model import build_model
 from hypertrain.common.outer import OuterConfig
 from hypertrain.sim.engine.churn import Absence, Churn
 from hypertrain.sim.engine.job import SimJob, flat_job
 from hypertrain.sim.engine.run import FragmentSync, run_job
-from hypertrain.sim.engine.streaming import Fragment, partition
 from hypertrain.sim.study.design import Design, PreregError, Scale
 from hypertrain.sim.study.grid import RUNS_FILE, default_out, job_for, plan_jobs, read_rows
 from hypertrain.sim.study.prereg import (

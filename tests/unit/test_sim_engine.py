@@ -13,6 +13,7 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment, partition
 from hypertrain.common.model import GPT, Block, ModelConfig, build_model
 from hypertrain.common.optim import InnerConfig, InnerOptimizer
 from hypertrain.common.outer import OuterConfig
@@ -23,7 +24,6 @@ from hypertrain.sim.engine.batched import Batched, StackedInnerOptimizer
 from hypertrain.sim.engine.job import DEVICE_ENV, JobResult, SimJob, dp_job, flat_job
 from hypertrain.sim.engine.run import _dataset, anneal_start, eval_steps, make_replicas, run_job
 from hypertrain.sim.engine.stacked import StackedGPT
-from hypertrain.sim.engine.streaming import Fragment, partition
 
 INNER = InnerConfig(warmup_steps=2)
 MUON = InnerConfig(name="muon", warmup_steps=2)

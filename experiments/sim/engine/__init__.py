@@ -4,6 +4,5 @@
 - ``run``: ``run_job``, the outer loop over the core's role classes and the schedule.
 - ``replicas`` / ``batched`` / ``stacked``: the per-replica and the batched (stacked model)
   execution paths; they compute the same function.
-- ``streaming``: Streaming DiLoCo fragments (the schedule itself is ``common/schedule.py``).
 - ``device``: the CPU/CUDA equivalence check.
 """

@@ -44,11 +44,11 @@ from torch import nn
 
 from hypertrain.common.data import SampleStream
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment
 from hypertrain.common.model import GPT
 from hypertrain.common.optim import InnerConfig, InnerOptimizer, wsd_factor
 from hypertrain.sim.engine.replicas import split_row
 from hypertrain.sim.engine.stacked import StackedGPT
-from hypertrain.sim.engine.streaming import Fragment
 
 
 @torch.no_grad()

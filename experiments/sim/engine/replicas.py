@@ -29,9 +29,9 @@ import torch
 
 from hypertrain.common.data import SampleStream
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment
 from hypertrain.common.model import GPT
 from hypertrain.common.optim import InnerConfig, InnerOptimizer, wsd_factor
-from hypertrain.sim.engine.streaming import Fragment
 
 
 class ReplicaSet(Protocol):

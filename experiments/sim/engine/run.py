@@ -53,6 +53,7 @@ from hypertrain.common.data import (
 )
 from hypertrain.common.errors import CodecError, ConfigError
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment, partition
 from hypertrain.common.model import GPT, build_model, evaluate
 from hypertrain.common.optim import LAWA
 from hypertrain.common.roles import GlobalCore, RegionCore
@@ -61,7 +62,6 @@ from hypertrain.sim.engine.batched import Batched
 from hypertrain.sim.engine.churn import Absence, Churn
 from hypertrain.sim.engine.job import JobResult, SimJob, dp_job, flat_job
 from hypertrain.sim.engine.replicas import PerReplica, ReplicaSet
-from hypertrain.sim.engine.streaming import Fragment, partition
 
 __all__ = [
     "FragmentSync",

@@ -1,4 +1,8 @@
-"""Streaming DiLoCo fragments and the sync schedule of every fragment.
+"""Streaming DiLoCo fragments: the one rule that cuts the parameters into F fragments.
+
+It lives in the core, beside the schedule, so that every driver cuts the same
+fragments: the simulator today (experiments/sim/engine/run.py), the daemons and the
+in-process run once they sync by fragment (issue 16).
 
 Parameters (in the flat layout's name-sorted order, common/flat.py) are split
 into F fragments of whole parameters, contiguous in the flat vector and of
@@ -12,8 +16,9 @@ the rule: at the end of step t it syncs regionally when ``(t - o_f) % h_r == 0``
 and globally when ``(t - o_f) % h_g == 0`` or t is the last step).  The first
 round of a fragment with o_f > 0 is therefore o_f steps long, and at the last
 step every fragment that did not just sync globally does a final global sync, so
-the final model contains every replica's last steps of every fragment; see
-run.py for the pending-merge rule at that flush.
+the final model contains every replica's last steps of every fragment; see the
+simulator's ``FragmentSync`` (experiments/sim/engine/run.py) for the pending-merge
+rule at that flush.
 
 Invariants: fragments partition ``[0, numel)`` in order, each holds >= 1
 parameter; F = 1 is one fragment at offset 0, the schedule of the daemons and the
