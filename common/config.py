@@ -218,6 +218,22 @@ class RobustConfig:
         return self.rule == "mean" and not self.norm_median
 
 
+#: Held-out tokens a run evaluates by default when a preset is chosen on the command line
+#: (``preset_holdout_windows``): 512 windows of the tiny preset's 64 tokens is 32,768 tokens;
+#: twice that keeps every tiny run's 512.  With 512 windows at gpt-125m (1024 tokens
+#: each, 2 cores, one thread) the aggregator's evaluation of round 0 ended 14 minutes after
+#: the islands finished training, and ``hypertrain up``, which waits for the final one, was
+#: still waiting 15 minutes after training.
+HOLDOUT_TOKENS = 65536
+
+
+def preset_holdout_windows(name: str) -> int:
+    """The held-out windows a run of preset ``name`` evaluates unless told otherwise: as
+    many as make ``HOLDOUT_TOKENS`` tokens, at most the registered 512 (tiny 512, proxy 256,
+    small 128, gpt-125m 64).  Always the first windows of the same registered set."""
+    return max(1, min(512, HOLDOUT_TOKENS // preset(name).seq_len))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """Everything that changes the numbers of a run."""
@@ -248,7 +264,9 @@ class RunConfig:
     data: str | None = None
     """Prepared dataset directory; None = the built-in corpus."""
     holdout_windows: int = 512
-    """Held-out windows evaluated (the first n of the registered 512; docs/design.md §7)."""
+    """Held-out windows evaluated (the first n of the registered 512; docs/design.md §7).
+    The command line's ``--preset`` sets it by the preset's window length
+    (``preset_holdout_windows``) unless ``--holdout-windows`` or the config file does."""
     threads: int = 1
     """Intra-op threads per island.  CPU GEMM results depend on the thread
     count, so it is part of the config: equal threads give equal bits."""

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from hypertrain.common.config import RunConfig
+from hypertrain.common.config import RunConfig, load_tables, preset_holdout_windows
 
 
 def _count_or_fraction(text: str) -> int | float:
@@ -75,4 +75,11 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
             changes[dest] = value
     if args.regions:
         changes["topology.regions"] = [r.strip() for r in args.regions.split(",")]
+    name = changes.get("model")
+    if (
+        name is not None
+        and "holdout_windows" not in changes
+        and not (args.config and "holdout_windows" in load_tables(args.config).get("run", {}))
+    ):  # the preset's own evaluation size, unless one was asked for
+        changes["holdout_windows"] = preset_holdout_windows(name)
     return cfg.with_overrides(**changes) if changes else cfg

@@ -4,6 +4,7 @@ mistyped key (exit 2, before anything binds)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,8 +12,15 @@ from pathlib import Path
 import pytest
 
 from hypertrain.aggregator.__main__ import main as aggregator_main
-from hypertrain.common.config import TopologyConfig
+from hypertrain.common.config import (
+    HOLDOUT_TOKENS,
+    RunConfig,
+    TopologyConfig,
+    preset_holdout_windows,
+)
 from hypertrain.common.errors import ConfigError
+from hypertrain.common.model import preset
+from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.settings import (
     KNOWN_TABLES,
     AggregatorSettings,
@@ -351,3 +359,31 @@ def test_transport_settings_are_checked() -> None:
         AggregatorSettings.resolve({"insecure": True, "tls_cert": "a.crt"})
     with pytest.raises(ConfigError, match=r"calls_per_peer must be >= 1, got 0"):
         RelaySettings.resolve({"calls_per_peer": 0})
+
+
+# -- a preset's held-out evaluation size on the command line ---------------------------------
+def _flags(*argv: str) -> RunConfig:
+    p = argparse.ArgumentParser()
+    add_run_config_flags(p)
+    return run_config_from_args(p.parse_args(list(argv)))
+
+
+def test_a_preset_on_the_command_line_evaluates_its_own_number_of_held_out_windows() -> None:
+    expected = {"tiny": 512, "proxy": 256, "small": 128, "gpt-125m": 64}
+    for name, windows in expected.items():
+        assert (
+            preset_holdout_windows(name)
+            == windows
+            == min(512, HOLDOUT_TOKENS // preset(name).seq_len)
+        )
+        assert _flags("--preset", name).holdout_windows == windows
+    assert _flags().holdout_windows == 512  # no preset flag: the config's value
+
+
+def test_an_asked_for_held_out_size_wins_over_the_presets(tmp_path: Path) -> None:
+    assert _flags("--preset", "gpt-125m", "--holdout-windows", "8").holdout_windows == 8
+    config = tmp_path / "run.toml"
+    config.write_text("[run]\nholdout_windows = 16\n")
+    assert _flags("--config", str(config), "--preset", "gpt-125m").holdout_windows == 16
+    config.write_text("[run]\nseed = 3\n")  # the file says nothing of it: the preset's
+    assert _flags("--config", str(config), "--preset", "gpt-125m").holdout_windows == 64
