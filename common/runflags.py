@@ -67,7 +67,8 @@ def add_run_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
+    run_table = load_tables(args.config).get("run", {}) if args.config else {}
+    cfg = RunConfig.from_dict(run_table)
     changes: dict[str, Any] = {}
     for dest, _ in RUN_FLAGS.values():
         value = getattr(args, dest.replace(".", "__"))
@@ -77,9 +78,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         changes["topology.regions"] = [r.strip() for r in args.regions.split(",")]
     name = changes.get("model")
     if (
-        name is not None
-        and "holdout_windows" not in changes
-        and not (args.config and "holdout_windows" in load_tables(args.config).get("run", {}))
+        name is not None and "holdout_windows" not in changes and "holdout_windows" not in run_table
     ):  # the preset's own evaluation size, unless one was asked for
         changes["holdout_windows"] = preset_holdout_windows(name)
     return cfg.with_overrides(**changes) if changes else cfg
