@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hypertrain.common.codec import parse_codec_spec
+from hypertrain.common.data.sampling import HOLDOUT_WINDOWS
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
@@ -231,7 +232,7 @@ def preset_holdout_windows(name: str) -> int:
     """The held-out windows a run of preset ``name`` evaluates unless told otherwise: as
     many as make ``HOLDOUT_TOKENS`` tokens, at most the registered 512 (tiny 512, proxy 256,
     small 128, gpt-125m 64).  Always the first windows of the same registered set."""
-    return max(1, min(512, HOLDOUT_TOKENS // preset(name).seq_len))
+    return max(1, min(HOLDOUT_WINDOWS, HOLDOUT_TOKENS // preset(name).seq_len))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,7 +264,7 @@ class RunConfig:
     """Error-feedback decay at the senders (1.0 keeps the whole residual)."""
     data: str | None = None
     """Prepared dataset directory; None = the built-in corpus."""
-    holdout_windows: int = 512
+    holdout_windows: int = HOLDOUT_WINDOWS
     """Held-out windows evaluated (the first n of the registered 512; docs/design.md §7).
     The command line's ``--preset`` sets it by the preset's window length
     (``preset_holdout_windows``) unless ``--holdout-windows`` or the config file does."""
@@ -297,9 +298,9 @@ class RunConfig:
             )
         if self.batch_per_island < 1 or self.threads < 1:
             raise ConfigError("run: batch_per_island and threads must be >= 1")
-        if not 1 <= self.holdout_windows <= 512:
+        if not 1 <= self.holdout_windows <= HOLDOUT_WINDOWS:
             raise ConfigError(
-                f"run: holdout_windows must be in [1, 512], got {self.holdout_windows}"
+                f"run: holdout_windows must be in [1, {HOLDOUT_WINDOWS}], got {self.holdout_windows}"
             )
         if not 0 < self.ef_beta <= 1:
             raise ConfigError(f"run: ef_beta must be in (0, 1], got {self.ef_beta}")
