@@ -268,6 +268,10 @@ class RunConfig:
     """Held-out windows evaluated (the first n of the registered 512; docs/design.md §7).
     The command line's ``--preset`` sets it by the preset's window length
     (``preset_holdout_windows``) unless ``--holdout-windows`` or the config file does."""
+    lawa: int = 0
+    """LAWA: the run's final model is also published as the fixed-order fp32 mean of the
+    aggregator's states after its last ``lawa`` global rounds (common/optim.py
+    ``LawaSum``; 0: off).  Choose it so those rounds fall in the schedule's decay."""
     threads: int = 1
     """Intra-op threads per island.  CPU GEMM results depend on the thread
     count, so it is part of the config: equal threads give equal bits."""
@@ -301,6 +305,11 @@ class RunConfig:
         if not 1 <= self.holdout_windows <= HOLDOUT_WINDOWS:
             raise ConfigError(
                 f"run: holdout_windows must be in [1, {HOLDOUT_WINDOWS}], got {self.holdout_windows}"
+            )
+        rounds = self.steps // self.topology.h_g
+        if not 0 <= self.lawa <= rounds:
+            raise ConfigError(
+                f"run: lawa must be in [0, {rounds}] (the run's global rounds), got {self.lawa}"
             )
         if not 0 < self.ef_beta <= 1:
             raise ConfigError(f"run: ef_beta must be in (0, 1], got {self.ef_beta}")
@@ -397,6 +406,8 @@ class RunConfig:
         d["topology"]["regions"] = list(self.topology.regions)
         if self.model_shape is None:
             del d["model_shape"]
+        if not self.lawa:  # configs from before LAWA keep their digest
+            del d["lawa"]
         if self.topology.relay_shards == 1:  # configs from before shards keep their digest
             del d["topology"]["relay_shards"]
         if self.robust == RobustConfig():  # ... and from before robust rules

@@ -212,6 +212,34 @@ class InnerOptimizer:
             opt.load_state_dict(st)
 
 
+class LawaSum:
+    """The fixed-order fp32 sum behind LAWA: states added oldest first into zeros, then
+    divided by their count.  One rule for the simulator's ``LAWA`` and the aggregator's
+    running sum (common/rounds/machines.py), so both give the same bits; elementwise, so
+    a sum kept whole and one computed range by range agree too."""
+
+    def __init__(self, total: torch.Tensor | None = None, count: int = 0) -> None:
+        """``total``/``count``: a sum restored from a checkpoint (None, 0: empty)."""
+        if (total is None) != (count == 0) or count < 0:
+            raise ConfigError(
+                f"lawa: a restored sum needs both its total and count >= 1, got {count}"
+            )
+        self.total = total
+        self.count = count
+
+    def add(self, flat: torch.Tensor) -> None:
+        if self.total is None:
+            self.total = torch.zeros_like(flat, dtype=torch.float32)
+        self.total.add_(flat)
+        self.count += 1
+
+    def average(self) -> torch.Tensor:
+        """The mean so far, in a new tensor (the sum is left as it is)."""
+        if self.total is None:
+            raise ConfigError("lawa: no checkpoints to average")
+        return self.total.clone().div_(self.count)
+
+
 class LAWA:
     """Latest-weight averaging over the last ``k`` checkpoints (flat fp32 vectors)."""
 
@@ -225,10 +253,8 @@ class LAWA:
         self.snapshots.append(flat.detach().clone())
 
     def average(self) -> torch.Tensor:
-        """Fixed-order (oldest first) fp32 mean of the kept snapshots."""
-        if not self.snapshots:
-            raise ConfigError("lawa: no checkpoints to average")
-        acc = torch.zeros_like(self.snapshots[0])
+        """Fixed-order (oldest first) fp32 mean of the kept snapshots (``LawaSum``)."""
+        acc = LawaSum()
         for snap in self.snapshots:
-            acc.add_(snap)
-        return acc.div_(len(self.snapshots))
+            acc.add(snap)
+        return acc.average()

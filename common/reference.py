@@ -60,6 +60,11 @@ class RunResult:
     seconds_eval: float = 0.0
     final_params: torch.Tensor | None = None
     """The final global parameters (flat, name-sorted layout)."""
+    lawa_params: torch.Tensor | None = None
+    """RunConfig.lawa: the aggregator's LAWA average (flat), published as the final model."""
+    lawa_digest: str = ""
+    lawa_loss: float = float("nan")
+    """Held-out loss of the LAWA average."""
 
 
 def open_dataset(cfg: RunConfig) -> TokenDataset:
@@ -125,6 +130,15 @@ def run_reference(
     result.final_loss = result.rounds[-1]["heldout_loss"]
     result.final_digest = state_digest(layout.unflatten(theta))
     result.final_params = theta
+    averaged = cluster.aggregator.node.averaged
+    if cfg.lawa:
+        if averaged is None:
+            raise HypertrainError("in-process run: the aggregator published no LAWA average")
+        t0 = time.perf_counter()
+        result.lawa_params = averaged.payload
+        result.lawa_digest = state_digest(layout.unflatten(averaged.payload))
+        result.lawa_loss = held_out(averaged.payload)
+        result.seconds_eval += time.perf_counter() - t0
     sent, sends = _sent(islands)
     result.bytes_per_sync = sent / max(sends, 1)
     return result

@@ -50,6 +50,7 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--data": ("data", str),
     "--threads": ("threads", int),
     "--holdout-windows": ("holdout_windows", int),
+    "--lawa": ("lawa", int),
     "--regional-cutoff": ("membership.regional_cutoff_s", float),
     "--global-cutoff": ("membership.global_cutoff_s", float),
     "--regional-quorum": ("membership.regional_quorum", _count_or_fraction),

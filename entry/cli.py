@@ -57,12 +57,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"sync overhead {100 * res.seconds_sync / busy:.1f}% of train+sync time"
     )
     print(f"final state digest {res.final_digest}")
+    if cfg.lawa:
+        print(
+            f"LAWA average of the last {cfg.lawa} global rounds: held-out loss "
+            f"{res.lawa_loss:.4f}, digest {res.lawa_digest}"
+        )
     if args.json:
         summary = {
             "config": cfg.to_dict(),
             "initial_loss": res.initial_loss,
             "final_loss": res.final_loss,
             "final_digest": res.final_digest,
+            **({"lawa_digest": res.lawa_digest, "lawa_loss": res.lawa_loss} if cfg.lawa else {}),
             "bytes_per_sync": res.bytes_per_sync,
             "fp32_bytes": res.fp32_bytes,
             "seconds_train": res.seconds_train,

@@ -85,6 +85,8 @@ class Progress:
         self.evals: dict[int, float] = {}
         self.done: dict[str, dict[str, str]] = {}
         self.final_digest: str | None = None
+        self.lawa: dict[str, str] | None = None
+        """The aggregator's ``event=lawa`` (RunConfig.lawa): the average's rounds and digest."""
         self.rounds = cfg.steps // cfg.topology.h_g
         self.t0 = time.monotonic()
         self.watchers: list[Callable[[str, dict[str, str]], None]] = []
@@ -113,6 +115,8 @@ class Progress:
                 self.done[e["island"]] = e
             elif kind == "final" and "digest" in e:
                 self.final_digest = e["digest"]
+            elif kind == "lawa" and "digest" in e:
+                self.lawa = e
 
 
 def identity_flags(keys: Path, name: str) -> tuple[str, ...]:
@@ -343,6 +347,16 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
         + ("(all islands and the aggregator agree)" if agree else f"(DISAGREE: {sorted(digests)})"),
         f"state and published inputs: {run_dir}/aggregator, {run_dir}/relay-*; logs: {run_dir}/logs",
     ]
+    if cfg.lawa:
+        got = progress.lawa
+        lines.insert(
+            4,
+            f"LAWA average of global rounds {got.get('rounds', '?')}: digest {got['digest']} "
+            f"({run_dir}/aggregator/lawa.pt)"
+            if got is not None
+            else "LAWA average: MISSING (the aggregator logged no event=lawa)",
+        )
+        agree = agree and got is not None
     return "\n".join(lines), agree
 
 

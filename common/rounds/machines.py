@@ -50,6 +50,7 @@ from hypertrain.common.codec import Codec, ErrorFeedback
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest, zeros_digest
 from hypertrain.common.errors import HypertrainError, UnknownKeyError
+from hypertrain.common.optim import LawaSum
 from hypertrain.common.pages import drop_pages
 from hypertrain.common.roles import GlobalCore, RegionCore
 from hypertrain.common.schedule import Schedule, SyncKind
@@ -68,6 +69,7 @@ from hypertrain.common.trust.schema import (
     GlobalAppliedEntry,
     GlobalMergeEntry,
     InputEntry,
+    LawaEntry,
     MemberEntry,
     Record,
     RegionalMergeEntry,
@@ -350,7 +352,16 @@ class Membership:
     record: MemberEntry
 
 
-Effect = Publish | Committed | Forward | Applied | Cut | ArmCutoff | Membership
+@dataclass(frozen=True, slots=True)
+class Averaged:
+    """Effect at the aggregator, right after the run's last global merge (RunConfig.lawa):
+    the LAWA average of its last global states, published as the final model."""
+
+    payload: torch.Tensor
+    record: LawaEntry
+
+
+Effect = Publish | Committed | Forward | Applied | Cut | ArmCutoff | Membership | Averaged
 
 
 @dataclass
@@ -1166,6 +1177,8 @@ class AggregatorSnapshot:
     sync_step: int
     theta: torch.Tensor
     outer: dict[str, Any]
+    lawa: torch.Tensor | None = None
+    """The LAWA running sum of the states so far in its window (None outside it)."""
 
 
 class AggregatorMachine:
@@ -1197,6 +1210,10 @@ class AggregatorMachine:
         self.done = False
         self._theta_digest: str | None = None
         self._outer_digest: str | None = None
+        self.lawa_first = self.schedule.rounds - cfg.lawa
+        """LAWA: the first global round whose state is averaged (rounds past the end: off)."""
+        self._lawa = LawaSum()
+        self._lawa_states: list[str] = []  # the digests of the states summed, oldest first
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -1214,7 +1231,7 @@ class AggregatorMachine:
             return refusal, []
         effects: list[Effect] = [Publish(d, d.record())]
         if self.level.take(d):
-            done = _completed(self.level, d, lambda s: [self._commit(s)])
+            done = _completed(self.level, d, self._commit_effects)
             if isinstance(done, Decision):
                 return done, []
             effects.extend(done)
@@ -1226,7 +1243,30 @@ class AggregatorMachine:
 
     def on_cutoff(self, step: int) -> tuple[Decision, list[Effect]]:
         """The cutoff of global sync step ``step`` was reached (see ``RelayMachine``)."""
-        return _take_cutoff(self.level, step, lambda s: [self._commit(s)])
+        return _take_cutoff(self.level, step, self._commit_effects)
+
+    def _commit_effects(self, step: int) -> list[Effect]:
+        """The outer step of ``step``; after the run's last one, the LAWA average too."""
+        merge = self._commit(step)
+        if merge.round >= self.lawa_first:
+            self._lawa.add(merge.payload)
+            self._lawa_states.append(merge.payload_digest)
+        averaged = self.final_average()
+        return [merge] if averaged is None else [merge, averaged]
+
+    def final_average(self) -> Averaged | None:
+        """The LAWA average, once the run's last global round is committed (None before
+        it, or without LAWA)."""
+        if not self.done or not self.cfg.lawa:
+            return None
+        average = self._lawa.average()
+        record = LawaEntry(
+            first_round=self.lawa_first,
+            last_round=self.schedule.rounds - 1,
+            states=tuple(self._lawa_states),
+            average=flat_digest(average),
+        )
+        return Averaged(average, record)
 
     def _commit(self, step: int) -> Committed:
         sched, core = self.schedule, self.core
@@ -1298,9 +1338,15 @@ class AggregatorMachine:
         last = max(self.merges, default=None)
         if last is None or self.level.open_step != self.schedule.next_sync_step("global", last):
             raise HypertrainError("aggregator: a snapshot only right after a global round")
+        lawa = self._lawa.total
         if not copy:
-            return AggregatorSnapshot(last, self.core.theta, self.core.outer.state_view())
-        return AggregatorSnapshot(last, self.core.theta.clone(), self.core.outer.state_dict())
+            return AggregatorSnapshot(last, self.core.theta, self.core.outer.state_view(), lawa)
+        return AggregatorSnapshot(
+            last,
+            self.core.theta.clone(),
+            self.core.outer.state_dict(),
+            None if lawa is None else lawa.clone(),
+        )
 
     def restore(self, snap: AggregatorSnapshot, prior: Iterable[Record]) -> None:
         """Resume from ``snap`` (a fresh machine only).  ``prior``: the records taped before
@@ -1346,3 +1392,23 @@ class AggregatorMachine:
         self.level.open_step = self.schedule.next_sync_step("global", snap.sync_step)
         self.level.remember(prior)
         self.done = self.schedule.is_final(snap.sync_step)
+        self._restore_lawa(snap.lawa, last.round, prior)
+
+    def _restore_lawa(self, total: torch.Tensor | None, last: int, prior: list[Record]) -> None:
+        """The LAWA sum of a snapshot taken after round ``last``, and the digests of the
+        states in it (from their ``global_merge`` records)."""
+        states = [
+            r.post_state
+            for r in prior
+            if isinstance(r, GlobalMergeEntry) and self.lawa_first <= r.round <= last
+        ]
+        if (total is None) != (not states) or (
+            total is not None and total.numel() != self.core.theta.numel()
+        ):
+            raise HypertrainError(
+                f"aggregator: the checkpoint of round {last} does not hold the LAWA sum of "
+                f"rounds {self.lawa_first}..{last} (it holds "
+                f"{'none' if total is None else f'{total.numel()} values'})"
+            )
+        self._lawa = LawaSum(None if total is None else total.detach().clone(), len(states))
+        self._lawa_states = states

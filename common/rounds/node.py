@@ -49,6 +49,7 @@ from hypertrain.common.rounds.machines import (
     AggregatorMachine,
     AggregatorSnapshot,
     Applied,
+    Averaged,
     Committed,
     Cut,
     Decision,
@@ -73,6 +74,7 @@ from hypertrain.common.trust.schema import (
     GenesisEntry,
     GlobalAppliedEntry,
     GlobalMergeEntry,
+    LawaEntry,
     RegionalMergeEntry,
     RejectionEntry,
     parse,
@@ -80,7 +82,9 @@ from hypertrain.common.trust.schema import (
 )
 
 #: Entries that commit a merge (or a relay's forward of one): the tape is sealed after them.
-SEALED_KINDS = frozenset({RegionalMergeEntry.KIND, ForwardEntry.KIND, GlobalMergeEntry.KIND})
+SEALED_KINDS = frozenset(
+    {RegionalMergeEntry.KIND, ForwardEntry.KIND, GlobalMergeEntry.KIND, LawaEntry.KIND}
+)
 
 FORBIDDEN = "permission_denied"
 """Decision code of a fetch by someone who is not a member here."""
@@ -725,6 +729,8 @@ class AggregatorNode(_Node):
         self._open_tape(None, trusted, ca)
         self.committed: list[Committed] = []
         """Global merges made durable since the driver last looked (it evaluates them)."""
+        self.averaged: Averaged | None = None
+        """The LAWA average, once published (RunConfig.lawa; the driver logs it)."""
         self.recovered: dict[str, Any] = {}
 
     def push(
@@ -746,6 +752,13 @@ class AggregatorNode(_Node):
     def _carry_out(self, effect: Effect) -> None:
         if isinstance(effect, Cut):
             self._record(effect)
+            return
+        if isinstance(effect, Averaged):
+            # The file first: a crash before the entry computes and writes it again.
+            self._write_average(effect)
+            self._crash("before_lawa_entry")
+            self._record(effect)
+            self.averaged = effect
             return
         if not isinstance(effect, Committed):
             return
@@ -775,9 +788,26 @@ class AggregatorNode(_Node):
             "tape_seq": seq,
             "tape_head": head,
         }
+        if snap.lawa is not None:  # the LAWA sum so far (its window's rounds)
+            state["lawa"] = snap.lawa
         # After the round's tape entry, which with the published inputs determines it: a
         # restart that finds the entry without its checkpoint replays the round.
         self.store.write_checkpoint(c.round, state, copy_as="state.pt", deferrable=deferrable)
+
+    def _write_average(self, a: Averaged) -> None:
+        """``lawa.pt``: the LAWA average (flat, the checkpoints' layout) with what it is."""
+        if self.store is None:
+            return
+        self.store.write_average(
+            {
+                "run_id": self.cfg.run_id,
+                "config_digest": self.cfg.digest,
+                "first_round": a.record.first_round,
+                "last_round": a.record.last_round,
+                "digest": a.record.average,
+                "theta": a.payload,
+            }
+        )
 
     def applied(self, requester: str, step: int) -> Decision | None:
         """A relay reports the global merge of ``step`` applied and durable at its end.
@@ -818,7 +848,9 @@ class AggregatorNode(_Node):
                     f"tape {store.folder / 'tape'} does not contain what {path} recorded "
                     f"({start} entries ending in {head[:16]})"
                 )
-            snap = AggregatorSnapshot(int(ck["sync_step"]), ck["theta"], ck["outer"])
+            snap = AggregatorSnapshot(
+                int(ck["sync_step"]), ck["theta"], ck["outer"], ck.get("lawa")
+            )
             try:
                 self.machine.restore(snap, records(entries[:start]))
             except HypertrainError as e:
@@ -839,6 +871,13 @@ class AggregatorNode(_Node):
             raise ConfigError(f"cannot resume {store.folder}: {where}: {e.detail}") from None
         for effect in replay.pending:  # completed by taped inputs, crashed before its entry
             self._carry_out(effect)
+            redone += 1
+        if replay.average is not None:  # taped; the file is written before, unless removed
+            self.averaged = replay.average
+            if not store.has_average():
+                self._write_average(replay.average)
+        elif self.averaged is None and (late := self.machine.final_average()) is not None:
+            self._carry_out(late)  # the last round checkpointed, the crash came before LAWA
             redone += 1
         self._seal()  # a crash between a merge's entry and its seal
         self.recovered = {"rounds_redone": redone}

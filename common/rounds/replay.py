@@ -47,6 +47,7 @@ from hypertrain.common.rounds.machines import (
     AggregatorMachine,
     Applied,
     ArmCutoff,
+    Averaged,
     Committed,
     Decision,
     Delta,
@@ -62,6 +63,7 @@ from hypertrain.common.trust.schema import (
     GenesisEntry,
     GlobalAppliedEntry,
     InputEntry,
+    LawaEntry,
     MemberEntry,
     Record,
     parse,
@@ -322,6 +324,8 @@ class AggregatorReplay(_Replay):
         each relay's forward must be)."""
         self.on_merge: Callable[[Committed], None] | None = None
         """Called with each global merge matched, while the machine holds its state."""
+        self.average: Averaged | None = None
+        """The LAWA average the tape's ``lawa`` entry records, recomputed (RunConfig.lawa)."""
 
     def next_merge(self) -> tuple[Committed, Entry] | None:
         """Replay up to the next global merge the tape records; returns it with its entry,
@@ -339,6 +343,21 @@ class AggregatorReplay(_Replay):
                 self.pending.extend(x for x in effects if not isinstance(x, Publish | ArmCutoff))
             elif isinstance(rec, CutoffEntry):
                 self._cutoff(e, rec, m.on_cutoff)  # its global_merge entry comes next
+            elif isinstance(rec, LawaEntry):
+                if not any(isinstance(x, Averaged) for x in self.pending):
+                    # a machine restored after the last round: its sum is the checkpoint's
+                    late = m.final_average()
+                    if late is None:
+                        why = (
+                            "before the run's last global merge"
+                            if m.cfg.lawa
+                            else ("but the run's configuration has no LAWA (lawa = 0)")
+                        )
+                        raise ReplayError(e, f"a lawa entry {why}")
+                    self.pending.append(late)
+                average = self._match(e, rec)
+                assert isinstance(average, Averaged)
+                self.average = average
             elif rec is not None and rec.KIND == "global_merge":
                 merge = self._match(e, rec)
                 assert isinstance(merge, Committed)

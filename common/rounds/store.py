@@ -7,6 +7,7 @@ One folder per relay or aggregator (a daemon's ``--state-dir``)::
     spool/                    transfers still arriving (the gRPC driver's; never state)
     checkpoints/round-N.pt    the machine's state after global round N (torch.save)
     state.pt                  aggregator: a hard link to the latest checkpoint
+    lawa.pt                   aggregator: the LAWA average (RunConfig.lawa), after the last round
     final/<member>            members known to hold the run's final merge (shard eu/1: eu@1)
 
 Small files are written atomically (temp file in the same folder, fsync, rename, fsync of
@@ -42,6 +43,9 @@ from hypertrain.common.rounds.replay import PublishedFolder
 from hypertrain.common.trust.keys import SigningKey, fsync_dir
 from hypertrain.common.trust.schema import Record
 from hypertrain.common.trust.tape import Entry, TapeWriter
+
+LAWA_FILE = "lawa.pt"
+"""The aggregator's LAWA average, the run's final model when RunConfig.lawa is set."""
 
 Crash = Callable[[str], None]
 """A crash hook: called with a point's name where a process may die between two writes."""
@@ -217,6 +221,13 @@ class NodeStore:
                 future.result()
             except OSError as e:
                 raise HypertrainError(f"writing a checkpoint in {self.checkpoints}: {e}") from e
+
+    def write_average(self, state: dict[str, Any]) -> None:
+        """``lawa.pt``: the run's LAWA average (RunConfig.lawa), atomically."""
+        atomic_save(self.folder / LAWA_FILE, state, self.crash, self.sync)
+
+    def has_average(self) -> bool:
+        return (self.folder / LAWA_FILE).exists()
 
     def latest_checkpoint(self) -> Path | None:
         found = sorted(self.checkpoints.glob("round-*.pt"))

@@ -48,6 +48,7 @@ from hypertrain.common.aggregate import Commitment
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import HypertrainError, TapeError
+from hypertrain.common.flat import ParamLayout
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.machines import (
     AggregatorMachine,
@@ -64,6 +65,7 @@ from hypertrain.common.rounds.replay import (
     RelayReplay,
     ReplayError,
 )
+from hypertrain.common.rounds.store import LAWA_FILE
 from hypertrain.common.shards import relay_members
 from hypertrain.common.trust import merkle
 from hypertrain.common.trust.certs import fingerprint
@@ -141,6 +143,8 @@ class AuditReport:
     segment: bool = False
     receipts: int = 0
     """Receipts found and checked against the tapes."""
+    lawa_digest: str = ""
+    """The LAWA average's state digest, recomputed (RunConfig.lawa; "" without LAWA)."""
 
     @property
     def complete(self) -> bool:
@@ -160,6 +164,7 @@ class AuditReport:
             f"{self.first_step}..{self.last_step} of {self.steps}), {self.entries} entries and "
             f"{self.bytes} bytes checked, {self.receipts} receipts agree, final state digest "
             f"{self.final_digest}"
+            + (f", LAWA average digest {self.lawa_digest}" if self.lawa_digest else "")
         )
         if self.complete:
             return f"audit OK: complete, {covered}"
@@ -320,7 +325,11 @@ class Auditor:
             return
         ck = torch.load(path, weights_only=True, mmap=True)
         if isinstance(live, AggregatorSnapshot):
-            same = _same(ck.get("theta"), live.theta) and _same(ck.get("outer"), live.outer)
+            same = (
+                _same(ck.get("theta"), live.theta)
+                and _same(ck.get("outer"), live.outer)
+                and _same(ck.get("lawa"), live.lawa)
+            )
         else:
             same = _same(ck.get("theta"), live.theta) and _same_residual(
                 ck.get("residual"), live.residual, live.theta.numel()
@@ -450,6 +459,7 @@ class Auditor:
             raise AuditError(f"{agg_tape}: no global round after round {from_round}")
         sched = agg.schedule
         first, last = merges[0].round, merges[-1].round
+        lawa = self._check_lawa(agg_tape, agg_replay, layout)
         return AuditReport(
             first,
             last,
@@ -462,7 +472,34 @@ class Auditor:
             steps=sched.steps,
             segment=from_round is not None,
             receipts=receipts,
+            lawa_digest=lawa,
         )
+
+    def _check_lawa(self, agg_tape: Path, replay: AggregatorReplay, layout: ParamLayout) -> str:
+        """A run with LAWA that reached its end taped the average (the replay recomputed
+        it and matched the entry), and ``lawa.pt`` holds exactly it; its state digest."""
+        average = replay.average
+        if not self.cfg.lawa or not replay.machine.done:
+            return ""
+        if average is None:
+            raise AuditError(
+                f"{agg_tape}: the run's configuration asks for LAWA over its last "
+                f"{self.cfg.lawa} global rounds, but the tape has no lawa entry after its last "
+                "global merge"
+            )
+        path = self.layout.aggregator / LAWA_FILE
+        if not path.is_file():
+            raise AuditError(f"{path}: missing (the tape records the LAWA average it holds)")
+        ck = torch.load(path, weights_only=True, mmap=True)
+        theta = ck.get("theta") if isinstance(ck, dict) else None
+        if not isinstance(theta, torch.Tensor) or not _same(theta, average.payload):
+            found = flat_digest(theta) if isinstance(theta, torch.Tensor) else "no parameters"
+            raise AuditError(
+                f"{path}: not the LAWA average of rounds {average.record.first_round}.."
+                f"{average.record.last_round} the tape records (sha256 {average.record.average}, "
+                f"the file holds {found})"
+            )
+        return state_digest(layout.unflatten(average.payload))
 
     def _check_receipts(self, tapes: dict[str, Path], verified: dict[str, list[Entry]]) -> int:
         """Every kept receipt is its signer's, and a head of its signer's tape as it is now
@@ -661,8 +698,11 @@ class Auditor:
             )
         if outer_state_digest(ck["outer"]) != merge.post_outer:
             raise AuditError(f"{path}: outer optimizer state does not match the tape")
-        snap = AggregatorSnapshot(merge.sync_step, theta, ck["outer"])
-        agg.restore(snap, prior)
+        snap = AggregatorSnapshot(merge.sync_step, theta, ck["outer"], ck.get("lawa"))
+        try:
+            agg.restore(snap, prior)
+        except HypertrainError as e:
+            raise AuditError(f"{path}: {e}") from None
         starts = {AGGREGATOR_KEY: start}
         shards = self.cfg.shards(theta.numel())
         for region, folder in self.layout.relays.items():  # each relay by its member id

@@ -327,6 +327,21 @@ class GlobalMergeEntry(_Record):
     """Members (relays) that had not delivered when the round committed after its cutoff."""
 
 
+@dataclass(frozen=True, slots=True)
+class LawaEntry(_Record):
+    """The aggregator published the LAWA average as the run's final model (RunConfig.lawa):
+    the fixed-order fp32 mean of its states after global rounds ``first_round`` to
+    ``last_round``, whose digests (``post_state`` of their ``global_merge`` entries) are
+    ``states``, oldest first."""
+
+    KIND: ClassVar[str] = "lawa"
+    first_round: int
+    last_round: int
+    states: Names
+    average: str
+    """``flat_digest`` of the mean."""
+
+
 Record: TypeAlias = (
     GenesisEntry
     | InputEntry
@@ -337,6 +352,7 @@ Record: TypeAlias = (
     | GlobalMergeEntry
     | CutoffEntry
     | MemberEntry
+    | LawaEntry
 )
 KINDS: dict[str, type[_Record]] = {
     c.KIND: c
@@ -350,6 +366,7 @@ KINDS: dict[str, type[_Record]] = {
         GlobalMergeEntry,
         CutoffEntry,
         MemberEntry,
+        LawaEntry,
     )
 }
 

@@ -382,6 +382,10 @@ class AggregatorService:
             )
             if c.sync_step == self.cfg.steps:
                 log_event("final", role="aggregator", step=c.sync_step, digest=digest)
+                if (a := self.node.averaged) is not None:  # published with the last round
+                    rounds = f"{a.record.first_round}..{a.record.last_round}"
+                    lawa = state_digest(self.layout.unflatten(a.payload))
+                    log_event("lawa", role="aggregator", rounds=rounds, digest=lawa)
             self.evaluator.submit(c.round, c.sync_step, c.payload)
 
     def close(self) -> None:

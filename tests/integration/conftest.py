@@ -115,6 +115,17 @@ class Cluster:
             child.stop(grace=5)
 
 
+def finished_cluster(cfg: RunConfig, run_dir: Path, timeout_s: float = 300) -> Cluster:
+    """Run ``cfg``'s whole cluster in ``run_dir`` to its end (a module fixture's run)."""
+    cluster = Cluster(cfg, run_dir)
+    try:
+        failed = cluster.run_all(timeout_s=timeout_s)
+        assert failed is None, failed.failure_message()
+    finally:
+        cluster.stop()
+    return cluster
+
+
 @pytest.fixture
 def cluster_factory(tmp_path: Path) -> Iterator[object]:
     made: list[Cluster] = []

@@ -20,7 +20,7 @@ from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_k
 from hypertrain.common.trust.schema import InputEntry, Record, RejectionEntry
 from hypertrain.common.trust.tape import TapeWriter, read_tape, verify_tape
 from hypertrain.common.trust.tape_format import encode_record
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, finished_cluster
 
 CFG = RunConfig.from_dict(
     {
@@ -34,12 +34,7 @@ CFG = RunConfig.from_dict(
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Cluster]:
-    cluster = Cluster(CFG, tmp_path_factory.mktemp("audit") / "run")
-    try:
-        failed = cluster.run_all(timeout_s=300)
-        assert failed is None, failed.failure_message()
-    finally:
-        cluster.stop()
+    cluster = finished_cluster(CFG, tmp_path_factory.mktemp("audit") / "run")
     return cluster.run_dir, cluster
 
 

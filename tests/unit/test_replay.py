@@ -14,7 +14,7 @@ import torch
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.rounds.local import Cluster, Crash, IslandActor, Observer
+from hypertrain.common.rounds.local import Cluster, Crash
 from hypertrain.common.rounds.machines import AggregatorMachine, RelayMachine
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.common.rounds.replay import (
@@ -24,10 +24,10 @@ from hypertrain.common.rounds.replay import (
     ReplayError,
 )
 from hypertrain.common.rounds.store import NodeStore
-from hypertrain.common.toy import ToyIsland
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import flat_digest, outer_state_digest
 from hypertrain.common.trust.tape import TapeWriter, verify_tape
+from tests.unit.toycluster import CrashHook, drive, toy_cluster
 
 CFG = RunConfig.from_dict(
     {
@@ -40,47 +40,12 @@ KEYS = {n: SigningKey.generate(n) for n in daemon_key_names(CFG.topology)}
 TRUSTED = TrustedKeys.of(KEYS.values())
 
 
-class _Restarter(Observer):
-    """Restarts a crashed process one virtual second later, from its folder."""
-
-    cluster: Cluster
-
-    def crashed(self, name: str) -> None:
-        net, actor = self.cluster.net, self.cluster.actors[name]
-
-        def restart() -> None:
-            actor.restart()
-            if isinstance(actor, IslandActor) and actor.alive:
-                self.cluster.start_training(actor, 1.0)
-
-        net.at(net.now + 1.0, restart)
-
-
-def _cluster(
-    run_dir: Path | None, crash: Callable[[str], Callable[[str], None]] | None = None
-) -> Cluster:
-    _, theta0 = initial_parameters(CFG)
-    kw = {} if crash is None else {"crash_hook": crash}
-    restarter = _Restarter()
-    cluster = Cluster(
-        CFG,
-        theta0,
-        lambda i: ToyIsland(CFG, i, theta0),
-        run_dir=run_dir,
-        keys=KEYS if run_dir else {},
-        trusted=TRUSTED if run_dir else None,
-        observer=restarter,
-        **kw,  # type: ignore[arg-type]
-    )
-    restarter.cluster = cluster
-    return cluster
+def _cluster(run_dir: Path | None, crash: CrashHook | None = None) -> Cluster:
+    return toy_cluster(CFG, run_dir, KEYS, TRUSTED, crash)
 
 
 def _run(cluster: Cluster) -> torch.Tensor:
-    for island in cluster.islands.values():
-        cluster.start_training(island, 1.0)
-    cluster.drive(100_000)
-    return cluster.final_theta()
+    return drive(cluster).final_theta()
 
 
 @pytest.fixture(scope="module")

@@ -52,9 +52,12 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
     if shards == 1 and n_r >= 2 and join_rng.random() < 1 / 3:
         region = join_rng.choice(REGIONS[:n_regions])
         membership["standby"] = [f"{region}-{n_r - 1}"]
+    # LAWA over the last 1 or 2 global rounds in half the schedules, likewise.
+    lawa = random.Random(f"lawa-{seed}").choice((0, 0, 1, 2))
     return RunConfig.from_dict(
         {
             "run_id": f"chaos-{seed}",
+            "lawa": min(lawa, rounds),
             "model": model,
             # One data seed for every schedule: the faults differ by seed, and the
             # fault-free result of a cluster shape is then computed once per process.

@@ -88,19 +88,31 @@ def _keys(names: tuple[str, ...]) -> tuple[dict[str, SigningKey], TrustedKeys]:
 
 def fault_free_digest(cfg: RunConfig) -> str:
     """The final parameters' digest of ``cfg`` run without faults, with no bug planted."""
+    return _fault_free(_shape(cfg))[0]
+
+
+def fault_free_lawa(cfg: RunConfig) -> str:
+    """The digest of the LAWA average ``cfg`` publishes without faults ("" without LAWA)."""
+    return _fault_free(_shape(cfg))[1]
+
+
+def _shape(cfg: RunConfig) -> str:
     shape = cfg.to_dict()
     shape.pop("run_id")  # names the run; changes no number
-    return _fault_free(json.dumps(shape, sort_keys=True))
+    return json.dumps(shape, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=4096)
-def _fault_free(cfg_json: str) -> str:
+def _fault_free(cfg_json: str) -> tuple[str, str]:
     cfg = RunConfig.from_dict(json.loads(cfg_json))
     was = planted.active()
     planted.enable(None)
     try:
         _, theta0 = initial_parameters(cfg)
-        return flat_digest(Cluster(cfg, theta0, _core_factory(cfg, theta0)).run_lockstep())
+        cluster = Cluster(cfg, theta0, _core_factory(cfg, theta0))
+        final = flat_digest(cluster.run_lockstep())
+        averaged = cluster.aggregator.node.averaged
+        return final, "" if averaged is None else averaged.record.average
     finally:
         planted.enable(was)
 
@@ -230,6 +242,12 @@ def _run(
         want = fault_free_digest(cfg)
         if final != want:
             raise Violation(f"final digest {final[:16]} != the fault-free run's {want[:16]}")
+        averaged = cluster.aggregator.node.averaged
+        got = "" if averaged is None else averaged.record.average
+        if got != (want := fault_free_lawa(cfg)):
+            raise Violation(
+                f"LAWA average {got[:16] or 'none'} != the fault-free run's {want[:16]}"
+            )
     out.absences = checker.absences
     for island in cluster.islands.values():  # every process stops: the tapes close
         island.alive = False

@@ -98,10 +98,11 @@ _RUN_MAPPED = frozenset({
     "model", "model_shape", "seed", "steps", "batch_per_island", "topology", "inner", "outer",
     "regional_codec", "global_codec", "ef_beta", "data", "holdout_windows",
 })  # fmt: skip
-_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust"})
+_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust", "lawa"})
 """RunConfig fields that are not the simulator's: a job's run keeps their defaults (the
-simulator has no clock and takes no cutoffs, and its islands are all honest: robust rules
-are the daemons' defence against hostile ones)."""
+simulator has no clock and takes no cutoffs, its islands are all honest: robust rules
+are the daemons' defence against hostile ones, and its LAWA is its own ``lawa_k`` and
+``lawa_every``, with the same arithmetic)."""
 _TOPO_MAPPED = frozenset({"regions", "islands_per_region", "h_r", "h_g", "tau"})
 _TOPO_FIXED = frozenset({"relay_shards"})
 """TopologyConfig fields that are not the simulator's: how many processes a region's relay
@@ -175,6 +176,8 @@ class SimJob:
         run, topo = self.run, self.run.topology
         if run.run_id != _DEFAULT_RUN["run_id"] or run.threads != _DEFAULT_RUN["threads"]:
             raise bad("run.run_id and run.threads stay at their defaults (threads: SimJob.threads)")
+        if run.lawa:
+            raise bad("run.lawa stays 0: the simulator's LAWA is lawa_k (and lawa_every)")
         if topo.regions != region_names(len(topo.regions)):
             raise bad(
                 f"run.topology.regions must be {region_names(len(topo.regions))} (sorted order "
@@ -475,10 +478,13 @@ class JobResult:
     without churn (engine/churn.py)."""
     final_params: torch.Tensor | None = None
     """The final global parameters (flat, CPU); not serialized by ``to_dict``."""
+    lawa_params: torch.Tensor | None = None
+    """The LAWA average (lawa_k > 0; flat, CPU); not serialized by ``to_dict``."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d.pop("final_params")
+        d.pop("lawa_params")
         for name in ("final_loss", "final_loss_raw", "initial_loss"):
             d[name] = _finite_or_none(d[name])
         d["curve"] = [[s, _finite_or_none(v)] for s, v in self.curve]  # JSON pairs

@@ -337,7 +337,8 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
         res.final_loss = res.final_loss_raw
         if lawa is not None:
             t0 = time.perf_counter()
-            res.final_loss = held_out(lawa.average())
+            res.lawa_params = lawa.average()
+            res.final_loss = held_out(res.lawa_params)
             res.seconds_eval += time.perf_counter() - t0
             if not math.isfinite(res.final_loss):
                 raise Diverged(job.steps, "non-finite held-out loss of the LAWA average")

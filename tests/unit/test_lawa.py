@@ -1,0 +1,287 @@
+"""LAWA in the core (RunConfig.lawa): the aggregator's average of its last global states is
+the simulator's arithmetic bit for bit, is taped and published as lawa.pt, survives a crash
+at any point of the last round, and the audit recomputes it and catches a changed one (the
+toy model and the tiny preset in process, real files; the daemons: tests/integration/
+test_lawa_daemons.py)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import ConfigError
+from hypertrain.common.optim import LAWA, LawaSum
+from hypertrain.common.reference import run_reference
+from hypertrain.common.roles import initial_parameters
+from hypertrain.common.rounds.local import Cluster, Crash
+from hypertrain.common.rounds.machines import AggregatorMachine
+from hypertrain.common.rounds.replay import AggregatorReplay, PublishedFolder, ReplayError
+from hypertrain.common.rounds.store import LAWA_FILE
+from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
+from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
+from hypertrain.common.trust.ledger import AGGREGATOR_KEY, flat_digest, relay_key
+from hypertrain.common.trust.tape import TapeWriter, verify_tape
+from hypertrain.sim.engine.job import SimJob
+from hypertrain.sim.engine.run import run_job
+from tests.unit.toycluster import CrashHook, drive, toy_cluster
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+CFG = RunConfig.from_dict(
+    {
+        "model": "toy",
+        "steps": 12,  # 3 global rounds; LAWA over the last 2
+        "lawa": 2,
+        "topology": {"regions": ["a", "b"], "islands_per_region": 2, "h_r": 2, "h_g": 4, "tau": 1},
+    }
+)
+KEYS = {n: SigningKey.generate(n) for n in daemon_key_names(CFG.topology)}
+TRUSTED = TrustedKeys.of(KEYS.values())
+
+
+# -- the arithmetic ------------------------------------------------------------------------
+
+
+def test_the_running_sum_is_the_simulators_mean_whole_or_by_ranges() -> None:
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(1000, generator=g) * 10 ** (i - 2) for i in range(5)]
+    states[1][:7] = -0.0
+    by_hand = torch.zeros(1000)
+    for s in states:
+        by_hand.add_(s)
+    by_hand.div_(len(states))
+    lawa = LAWA(k=5)
+    running = LawaSum()
+    for s in states:
+        lawa.add(s)
+        running.add(s)
+    assert torch.equal(lawa.average(), by_hand) and torch.equal(running.average(), by_hand)
+    assert torch.equal(running.average(), by_hand)  # averaging leaves the sum as it was
+    pieces = []
+    for a, b in ((0, 300), (300, 301), (301, 1000)):
+        part = LawaSum()
+        for s in states:
+            part.add(s[a:b])
+        pieces.append(part.average())
+    assert torch.equal(torch.cat(pieces), by_hand)
+    # a sum restored from a checkpoint goes on exactly
+    half = LawaSum()
+    for s in states[:2]:
+        half.add(s)
+    assert half.total is not None
+    resumed = LawaSum(half.total.clone(), 2)
+    for s in states[2:]:
+        resumed.add(s)
+    assert torch.equal(resumed.average(), by_hand)
+
+
+def test_the_config_field_its_range_its_flag_and_old_digests() -> None:
+    plain = RunConfig()
+    assert "lawa" not in plain.to_dict()  # configs from before LAWA keep their digest
+    assert RunConfig(lawa=0).digest == plain.digest
+    assert RunConfig(lawa=3).to_dict()["lawa"] == 3
+    rounds = plain.steps // plain.topology.h_g
+    with pytest.raises(ConfigError, match=rf"lawa must be in \[0, {rounds}\].*got {rounds + 1}"):
+        RunConfig(lawa=rounds + 1)
+    with pytest.raises(ConfigError, match="lawa must be in"):
+        RunConfig(lawa=-1)
+    p = argparse.ArgumentParser()
+    add_run_config_flags(p)
+    assert run_config_from_args(p.parse_args(["--lawa", "2"])).lawa == 2
+    with pytest.raises(ConfigError, match=r"sim job: run\.lawa stays 0"):
+        SimJob(run=RunConfig(lawa=1))
+
+
+# -- the in-process run is the simulator's per-replica path --------------------------------
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_in_process_lawa_is_the_simulators_per_replica_path_bit_for_bit(tau: int) -> None:
+    cfg = RunConfig.from_dict(
+        {
+            "steps": 12,
+            "batch_per_island": 4,
+            "holdout_windows": 16,
+            "lawa": 2,
+            "topology": {
+                "regions": ["r0", "r1"],
+                "islands_per_region": 2,
+                "h_r": 2,
+                "h_g": 4,
+                "tau": tau,
+            },
+        }
+    )
+    ref = run_reference(cfg)
+    job = SimJob(run=cfg.with_overrides(lawa=0), path="per_replica", eval_points=1, lawa_k=2)
+    sim = run_job(job)
+    assert ref.lawa_params is not None and sim.lawa_params is not None
+    assert torch.equal(ref.final_params, sim.final_params)  # type: ignore[arg-type]
+    assert torch.equal(ref.lawa_params, sim.lawa_params)
+    assert ref.lawa_loss == sim.final_loss  # the simulator's final loss is the average's
+    assert not torch.equal(ref.lawa_params, ref.final_params)  # type: ignore[arg-type]
+
+
+# -- the toy cluster: tape, file, crashes, audit --------------------------------------------
+
+
+def _run(run_dir: Path | None, crash: CrashHook | None = None) -> Cluster:
+    return drive(toy_cluster(CFG, run_dir, KEYS, TRUSTED, crash))
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[str, str]:
+    """(final state, LAWA average) digests of the run in memory, without faults."""
+    cluster = _run(None)
+    averaged = cluster.aggregator.node.averaged
+    assert averaged is not None
+    return flat_digest(cluster.final_theta()), averaged.record.average
+
+
+def _audit(run_dir: Path, cfg: RunConfig = CFG) -> str:
+    relays = {r: run_dir / relay_key(r) for r in cfg.topology.regions}
+    return Auditor(RunLayout(cfg, run_dir / "aggregator", relays), TRUSTED).run().summary()
+
+
+def _close(cluster: Cluster) -> None:
+    for node in [cluster.aggregator.node, *(r.node for r in cluster.relays.values())]:
+        node.close()
+
+
+def test_the_average_is_taped_published_and_audited(
+    tmp_path: Path, reference: tuple[str, str]
+) -> None:
+    cluster = _run(tmp_path)
+    _close(cluster)
+    averaged = cluster.aggregator.node.averaged
+    assert averaged is not None and averaged.record.average == reference[1]
+    rec = averaged.record
+    assert (rec.first_round, rec.last_round) == (1, 2)
+    entries = verify_tape(tmp_path / "aggregator" / "tape", TRUSTED).entries
+    merges = [e.body["post_state"] for e in entries if e.kind == "global_merge"]
+    lawa = [e for e in entries if e.kind == "lawa"]
+    assert len(lawa) == 1 and lawa[0].body["states"] == merges[1:]
+    assert entries[lawa[0].seq + 1].kind == "checkpoint"  # sealed, like a merge
+    saved = torch.load(tmp_path / "aggregator" / LAWA_FILE, weights_only=True)
+    assert flat_digest(saved["theta"]) == rec.average == saved["digest"]
+    assert (saved["first_round"], saved["last_round"]) == (1, 2)
+    # the checkpoints of the window's rounds hold the running sum; the one before none
+    ck = sorted((tmp_path / "aggregator" / "checkpoints").iterdir())
+    assert [("lawa" in torch.load(p, weights_only=True)) for p in ck] == [False, True, True]
+    summary = _audit(tmp_path)
+    assert summary.startswith("audit OK: complete") and ", LAWA average digest " in summary
+
+
+def test_a_changed_lawa_file_fails_the_audit(tmp_path: Path) -> None:
+    _close(_run(tmp_path))
+    path = tmp_path / "aggregator" / LAWA_FILE
+    saved = torch.load(path, weights_only=True)
+    saved["theta"][3] += 1e-3
+    torch.save(saved, path)
+    with pytest.raises(AuditError, match=r"lawa.pt: not the LAWA average of rounds 1..2"):
+        _audit(tmp_path)
+    path.unlink()
+    with pytest.raises(AuditError, match=r"lawa.pt: missing"):
+        _audit(tmp_path)
+
+
+def _resign(tape: Path, change: Callable[[str, dict], dict | None]) -> None:  # type: ignore[type-arg]
+    """Rebuild the aggregator's tape with its own key (valid signatures and chain), each
+    body through ``change`` (None drops the entry)."""
+    entries = verify_tape(tape, TRUSTED).entries
+    tape.unlink()
+    with TapeWriter.open(tape, CFG.run_id, KEYS[AGGREGATOR_KEY], checkpoint_every=0) as w:
+        for e in entries:
+            if e.kind == "checkpoint":
+                w.checkpoint()
+            elif (body := change(e.kind, dict(e.body))) is not None:
+                w.append(e.kind, body)
+
+
+def test_a_forged_average_signed_by_the_aggregator_is_recomputed_and_caught(
+    tmp_path: Path,
+) -> None:
+    _close(_run(tmp_path))
+    forged = "0" * 64
+
+    def change(kind: str, body: dict) -> dict:  # type: ignore[type-arg]
+        if kind == "lawa":
+            body["average"] = forged
+        return body
+
+    _resign(tmp_path / "aggregator" / "tape", change)
+    with pytest.raises(AuditError, match=f"recomputed average differs: tape has {forged}"):
+        _audit(tmp_path)
+
+
+def test_a_tape_without_its_lawa_entry_or_with_one_too_many_fails(tmp_path: Path) -> None:
+    _close(_run(tmp_path))
+    tape = tmp_path / "aggregator" / "tape"
+    kept = verify_tape(tape, TRUSTED).entries
+    _resign(tape, lambda kind, body: None if kind == "lawa" else body)
+    with pytest.raises(AuditError, match="asks for LAWA over its last 2 global rounds, but"):
+        _audit(tmp_path)
+    # the same tape replayed under a configuration without LAWA: the entry has no place
+    _, theta0 = initial_parameters(CFG)
+    plain = CFG.with_overrides(lawa=0)
+    replay = AggregatorReplay(
+        AggregatorMachine(plain, theta0, TRUSTED),
+        [e for e in kept if e.kind != "genesis"],
+        PublishedFolder(tmp_path / "aggregator" / "published"),
+    )
+    with pytest.raises(ReplayError, match=r"a lawa entry but the run's configuration has no LAWA"):
+        replay.advance()
+
+
+CRASHES = [
+    ("after_publish", 1),  # the input that completed round 1: its merge not yet taped
+    ("after_publish", 2),  # restarts from round 1's checkpoint, which holds the sum so far
+    ("after_tape", 1),  # the last merge taped, not checkpointed
+    ("between_checkpoints", 1),
+    ("mid_write", 1),  # the last checkpoint half written
+    ("mid_write", 2),  # lawa.pt half written
+    ("before_rename", 1),
+    ("before_rename", 2),
+    ("before_lawa_entry", 1),  # lawa.pt written, its entry not
+    ("before_seal", 1),  # the lawa entry written, not sealed
+]
+
+
+@pytest.mark.parametrize(("point", "nth"), CRASHES)
+def test_an_aggregator_killed_in_its_last_round_resumes_on_the_same_average(
+    tmp_path: Path, reference: tuple[str, str], point: str, nth: int
+) -> None:
+    """The aggregator dies the ``nth`` time it passes ``point`` once its last round is
+    open, is restarted from its folder, and publishes the same average."""
+    fired: list[str] = []
+    holder: dict[str, Cluster] = {}
+    seen = [0]  # across restarts: each start makes its store with a new hook
+
+    def hook(name: str) -> Callable[[str], None]:
+        def crash(p: str) -> None:
+            cluster = holder.get("c")
+            if name != "aggregator" or p != point or cluster is None:
+                return
+            if cluster.aggregator.node.machine.level.open_step < CFG.steps:
+                return
+            seen[0] += 1
+            if seen[0] == nth:
+                fired.append(p)
+                raise Crash(f"{name} at {p}")
+
+        return crash
+
+    cluster = holder["c"] = toy_cluster(CFG, tmp_path, KEYS, TRUSTED, hook)
+    drive(cluster)
+    assert fired == [point]
+    assert flat_digest(cluster.final_theta()) == reference[0]
+    averaged = cluster.aggregator.node.averaged
+    assert averaged is not None and averaged.record.average == reference[1]
+    _close(cluster)
+    assert _audit(tmp_path).startswith("audit OK: complete")
