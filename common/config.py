@@ -25,7 +25,12 @@ from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
+from hypertrain.common.schedule import anneal_start
 from hypertrain.common.shards import Shards, shard_unit
+
+ANNEAL_MODES = ("full_m", "h_r1")
+"""``RunConfig.anneal``'s values: the decay on the full hierarchy (the control), or at
+H_r = 1."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -268,6 +273,12 @@ class RunConfig:
     """Held-out windows evaluated (the first n of the registered 512; docs/design.md §7).
     The command line's ``--preset`` sets it by the preset's window length
     (``preset_holdout_windows``) unless ``--holdout-windows`` or the config file does."""
+    anneal: str = "full_m"
+    """The decay phase (docs/design.md §3.6): ``full_m``, the control, trains it on the
+    full hierarchy as the stable phase; ``h_r1`` (the anneal at M = 1 within each region)
+    syncs every island with its region after every step from the last global sync step at
+    or before the inner schedule's decay starts (common/schedule.py ``anneal_start``),
+    global syncs unchanged.  The switch is taped by the relays and the aggregator."""
     lawa: int = 0
     """LAWA: the run's final model is also published as the fixed-order fp32 mean of the
     aggregator's states after its last ``lawa`` global rounds (common/optim.py
@@ -307,6 +318,22 @@ class RunConfig:
                 f"run: holdout_windows must be in [1, {HOLDOUT_WINDOWS}], got {self.holdout_windows}"
             )
         rounds = self.steps // self.topology.h_g
+        if self.anneal not in ANNEAL_MODES:
+            raise ConfigError(
+                f"run: anneal must be one of {', '.join(ANNEAL_MODES)}, got {self.anneal!r}"
+            )
+        if self.anneal != "full_m":
+            if self.topology.tau:
+                raise ConfigError(
+                    f"run: anneal {self.anneal} needs tau = 0 (every step syncs in the anneal, "
+                    f"and a merge must apply before the next sync), got tau {self.topology.tau}"
+                )
+            if anneal_start(self.steps, self.topology.h_g, self.inner.decay_fraction) is None:
+                raise ConfigError(
+                    f"run: anneal {self.anneal}: no global sync step before the last one is at "
+                    f"or before the decay's start (steps {self.steps}, h_g {self.topology.h_g}, "
+                    f"inner decay_fraction {self.inner.decay_fraction}): nothing to anneal"
+                )
         if not 0 <= self.lawa <= rounds:
             raise ConfigError(
                 f"run: lawa must be in [0, {rounds}] (the run's global rounds), got {self.lawa}"
@@ -408,6 +435,8 @@ class RunConfig:
             del d["model_shape"]
         if not self.lawa:  # configs from before LAWA keep their digest
             del d["lawa"]
+        if self.anneal == "full_m":  # ... and from before the anneal
+            del d["anneal"]
         if self.topology.relay_shards == 1:  # configs from before shards keep their digest
             del d["topology"]["relay_shards"]
         if self.robust == RobustConfig():  # ... and from before robust rules

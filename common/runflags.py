@@ -51,6 +51,7 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--threads": ("threads", int),
     "--holdout-windows": ("holdout_windows", int),
     "--lawa": ("lawa", int),
+    "--anneal": ("anneal", str),
     "--regional-cutoff": ("membership.regional_cutoff_s", float),
     "--global-cutoff": ("membership.global_cutoff_s", float),
     "--regional-quorum": ("membership.regional_quorum", _count_or_fraction),

@@ -13,6 +13,9 @@ after it.  With sync intervals ``h_r`` (regional) and ``h_g = K * h_r`` (global)
 - the merge of sync step s is applied at step ``s + tau`` (``Schedule.merge_step``),
   except after the last step, where every member takes the final global state;
 - sync step s belongs to global round ``(s - 1) // h_g`` (0-based, ``Schedule.round_of``);
+- the anneal at H_r = 1 (``RunConfig.anneal = "h_r1"``): after the anneal's first step
+  ``anneal_at`` (the last global sync step at or before the inner schedule's decay starts,
+  ``anneal_start``), every step syncs regionally, and globally as before;
 - with tau > 0 a member keeps training through the overlap and then takes the merged
   state plus the progress it made since the sync step (``overlap_merge``).
 
@@ -53,6 +56,8 @@ class Schedule:
     """The run's last step (inner steps per island)."""
     offset: int = 0
     """A streaming fragment's stagger in steps (0 <= offset < h_g); 0 for the whole model."""
+    anneal_at: int | None = None
+    """The anneal at H_r = 1: every step after this global sync step syncs (None: no anneal)."""
 
     def __post_init__(self) -> None:
         if self.h_r < 1 or self.h_g % self.h_r or self.h_g < 1:
@@ -63,11 +68,29 @@ class Schedule:
             raise HypertrainError(f"schedule: tau must satisfy 0 <= tau < h_r, got {self.tau}")
         if not 0 <= self.offset < self.h_g:
             raise HypertrainError(f"schedule: offset must be in [0, h_g), got {self.offset}")
+        if self.anneal_at is not None and (
+            self.anneal_at % self.h_g
+            or not 0 <= self.anneal_at < self.steps
+            or self.tau
+            or self.offset
+        ):
+            raise HypertrainError(
+                f"schedule: the anneal starts at a global sync step before the last step, "
+                f"with tau 0 and no fragments (got step {self.anneal_at}, tau {self.tau}, "
+                f"offset {self.offset})"
+            )
 
     @classmethod
     def of(cls, cfg: RunConfig, offset: int = 0) -> Schedule:
         t = cfg.topology
-        return cls(h_r=t.h_r, h_g=t.h_g, tau=t.tau, steps=cfg.steps, offset=offset)
+        at = None
+        if cfg.anneal == "h_r1":
+            at = anneal_start(cfg.steps, t.h_g, cfg.inner.decay_fraction)
+        return cls(h_r=t.h_r, h_g=t.h_g, tau=t.tau, steps=cfg.steps, offset=offset, anneal_at=at)
+
+    def annealing(self, step: int) -> bool:
+        """Is ``step`` (1-based) in the anneal, where every step syncs?"""
+        return self.anneal_at is not None and step > self.anneal_at
 
     # -- which steps sync -------------------------------------------------------------
     def sync_kind(self, step: int) -> SyncKind | None:
@@ -75,31 +98,47 @@ class Schedule:
         u = step - self.offset
         if u % self.h_g == 0 or step == self.steps:
             return "global"
-        if u % self.h_r == 0:
+        if u % self.h_r == 0 or self.annealing(step):
             return "regional"
         return None
 
     def interval(self, level: SyncKind) -> int:
-        """Steps between two syncs of ``level``."""
+        """Steps between two syncs of ``level`` (before any anneal)."""
         return self.h_g if level == "global" else self.h_r
 
     def is_sync_step(self, step: int, level: SyncKind) -> bool:
         """Does ``level`` sync after ``step``?  (Whole-model schedules: a multiple of the
-        level's interval within the run.)"""
-        return 1 <= step <= self.steps and step % self.interval(level) == 0
+        level's interval within the run, or in the anneal any regional step.)"""
+        if not 1 <= step <= self.steps:
+            return False
+        return step % self.interval(level) == 0 or (level == "regional" and self.annealing(step))
 
     def first_sync_step(self, level: SyncKind) -> int:
-        return self.interval(level)
+        return self.next_sync_step(level, 0)
 
     def next_sync_step(self, level: SyncKind, step: int) -> int:
         """The first sync step of ``level`` after ``step``."""
+        if level == "regional" and self.annealing(step + 1):
+            return step + 1
         n = self.interval(level)
         return (step // n + 1) * n
 
-    def sync_steps(self, level: SyncKind) -> range:
-        """Every sync step of ``level``, in order."""
+    def prev_sync_step(self, level: SyncKind, step: int) -> int:
+        """The last sync step of ``level`` before ``step`` (0: none)."""
+        if level == "regional" and self.annealing(step - 1):
+            return step - 1
         n = self.interval(level)
-        return range(n, self.steps + 1, n)
+        return (step - 1) // n * n
+
+    def sync_steps(self, level: SyncKind, after: int = 0, until: int | None = None) -> list[int]:
+        """Every sync step of ``level`` in ``(after, until]`` (default: the whole run), in
+        order."""
+        end = self.steps if until is None else min(until, self.steps)
+        out, s = [], self.next_sync_step(level, after)
+        while s <= end:
+            out.append(s)
+            s = self.next_sync_step(level, s)
+        return out
 
     # -- merges and rounds ------------------------------------------------------------
     def merge_step(self, sync_step: int) -> int:
@@ -131,6 +170,16 @@ class Schedule:
     def syncs_per_round(self) -> int:
         """K = h_g / h_r regional syncs per global round."""
         return self.h_g // self.h_r
+
+
+def anneal_start(steps: int, h_g: int, decay_fraction: float) -> int | None:
+    """The anneal's first step: the last global sync step at or before the inner schedule's
+    decay starts (its merge applied; the WSD decay spans the last ``decay_fraction`` of the
+    steps); None where that is the last step (no anneal).  The simulator's M = 1 anneal
+    starts there too."""
+    decay = round(decay_fraction * steps)
+    start = (steps - decay) // h_g * h_g
+    return start if start < steps else None
 
 
 def overlap_merge(merged: torch.Tensor, now: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:

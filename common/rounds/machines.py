@@ -64,6 +64,7 @@ from hypertrain.common.trust.ledger import (
     transfer_message,
 )
 from hypertrain.common.trust.schema import (
+    AnnealEntry,
     CutoffEntry,
     ForwardEntry,
     GlobalAppliedEntry,
@@ -361,7 +362,24 @@ class Averaged:
     record: LawaEntry
 
 
-Effect = Publish | Committed | Forward | Applied | Cut | ArmCutoff | Membership | Averaged
+@dataclass(frozen=True, slots=True)
+class Switched:
+    """Effect at a relay and at the aggregator, right after the merge of the anneal's
+    first step (RunConfig.anneal): from the next step on the schedule is the anneal's."""
+
+    record: AnnealEntry
+
+
+def anneal_switch(schedule: Schedule, cfg: RunConfig, step: int) -> list[Effect]:
+    """The anneal's switch, after the merge of ``step`` if the anneal starts there."""
+    if schedule.anneal_at is None or step != schedule.anneal_at:
+        return []
+    return [Switched(AnnealEntry(step=step, mode=cfg.anneal, h_r=1))]
+
+
+Effect = (
+    Publish | Committed | Forward | Applied | Cut | ArmCutoff | Membership | Averaged | Switched
+)
 
 
 @dataclass
@@ -973,7 +991,7 @@ class RelayMachine:
         elif self.idle:
             # No member left to carry the region to its next global round: start from the
             # newest merge (the relay's base is that merge; nothing moved it since).
-            start = lv.open_step - sched.h_r
+            start = sched.prev_sync_step("regional", lv.open_step)
         else:
             start = sched.global_step_of(sched.round_of(lv.open_step))
         return start, sched.next_sync_step("regional", start)
@@ -1054,7 +1072,7 @@ class RelayMachine:
                 post_residual=post_res,
             ),
         )
-        return [regional, forward]
+        return [regional, forward, *anneal_switch(sched, self.cfg, step)]
 
     @property
     def idle(self) -> bool:
@@ -1089,7 +1107,11 @@ class RelayMachine:
         # Following, the last step this relay committed (its newest merge) stands for the
         # forward: the steps after it, which nobody delivered, are skipped, as for a
         # region left behind.
-        last = self.level.open_step - self.schedule.h_r if pending is None else pending
+        last = (
+            self.schedule.prev_sync_step("regional", self.level.open_step)
+            if pending is None
+            else pending
+        )
         self.core.adopt_global(event.theta)
         self.global_pending = None
         if s > last:
@@ -1252,7 +1274,8 @@ class AggregatorMachine:
             self._lawa.add(merge.payload)
             self._lawa_states.append(merge.payload_digest)
         averaged = self.final_average()
-        return [merge] if averaged is None else [merge, averaged]
+        switched = anneal_switch(self.schedule, self.cfg, step)
+        return [merge, *switched] if averaged is None else [merge, *switched, averaged]
 
     def final_average(self) -> Averaged | None:
         """The LAWA average, once the run's last global round is committed (None before

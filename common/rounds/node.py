@@ -62,6 +62,8 @@ from hypertrain.common.rounds.machines import (
     Publish,
     RelayMachine,
     RelaySnapshot,
+    Switched,
+    anneal_switch,
     out_of_range,
 )
 from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, ReplayError
@@ -70,6 +72,7 @@ from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY, flat_digest, relay_key
 from hypertrain.common.trust.receipts import Witness, raw_receipt
 from hypertrain.common.trust.schema import (
+    AnnealEntry,
     ForwardEntry,
     GenesisEntry,
     GlobalAppliedEntry,
@@ -80,10 +83,17 @@ from hypertrain.common.trust.schema import (
     parse,
     records,
 )
+from hypertrain.common.trust.tape import Entry
 
 #: Entries that commit a merge (or a relay's forward of one): the tape is sealed after them.
 SEALED_KINDS = frozenset(
-    {RegionalMergeEntry.KIND, ForwardEntry.KIND, GlobalMergeEntry.KIND, LawaEntry.KIND}
+    {
+        RegionalMergeEntry.KIND,
+        ForwardEntry.KIND,
+        GlobalMergeEntry.KIND,
+        LawaEntry.KIND,
+        AnnealEntry.KIND,
+    }
 )
 
 FORBIDDEN = "permission_denied"
@@ -409,7 +419,10 @@ class RelayNode(_Node):
         self.settle()
 
     def _carry_out(self, effect: Effect) -> None:
-        if isinstance(effect, Cut | Membership):
+        if isinstance(effect, Switched):
+            self._crash("before_anneal_entry")
+            self._record(effect)
+        elif isinstance(effect, Cut | Membership):
             self._record(effect)
         elif isinstance(effect, Committed):
             self._crash("relay_before_merge_entry")
@@ -560,7 +573,7 @@ class RelayNode(_Node):
             return None
         g = s.round_of(sync_step)
         start = s.global_step_of(g - 1) if g else 0
-        steps = range(start + s.h_r, sync_step + 1, s.h_r)
+        steps = s.sync_steps("regional", after=start, until=sync_step)
         digests = [{i: m.level.accepted.get((t, i)) for i in m.level.members_of(t)} for t in steps]
         if any(d is None for ds in digests for d in ds.values()):
             return None
@@ -750,7 +763,9 @@ class AggregatorNode(_Node):
             self.store.settle()
 
     def _carry_out(self, effect: Effect) -> None:
-        if isinstance(effect, Cut):
+        if isinstance(effect, Switched):
+            self._crash("before_anneal_entry")
+        if isinstance(effect, Cut | Switched):
             self._record(effect)
             return
         if isinstance(effect, Averaged):
@@ -808,6 +823,20 @@ class AggregatorNode(_Node):
                 "theta": a.payload,
             }
         )
+
+    def _untaped_switch(self, entries: list[Entry]) -> Switched | None:
+        """The anneal's switch when the machine's last round is the anneal's first and the
+        tape has no ``anneal`` entry: the crash came after the round's checkpoint, before
+        the entry (the replay redoes a switch taped or cut off after a redone round)."""
+        m = self.machine
+        last = max(m.merges, default=None)
+        if last is None or last != m.schedule.anneal_at:
+            return None
+        if any(e.kind == AnnealEntry.KIND for e in entries):
+            return None
+        (switch,) = anneal_switch(m.schedule, self.cfg, last)
+        assert isinstance(switch, Switched)
+        return switch
 
     def applied(self, requester: str, step: int) -> Decision | None:
         """A relay reports the global merge of ``step`` applied and durable at its end.
@@ -871,6 +900,10 @@ class AggregatorNode(_Node):
             raise ConfigError(f"cannot resume {store.folder}: {where}: {e.detail}") from None
         for effect in replay.pending:  # completed by taped inputs, crashed before its entry
             self._carry_out(effect)
+            redone += 1
+        switched = any(isinstance(x, Switched) for x in replay.pending)
+        if not switched and (switch := self._untaped_switch(entries)) is not None:
+            self._carry_out(switch)  # the anneal's first round checkpointed, not its switch
             redone += 1
         if replay.average is not None:  # taped; the file is written before, unless removed
             self.averaged = replay.average

@@ -57,6 +57,8 @@ from hypertrain.common.rounds.machines import (
     MemberRequest,
     Publish,
     RelayMachine,
+    Switched,
+    anneal_switch,
 )
 from hypertrain.common.trust.schema import (
     CutoffEntry,
@@ -269,7 +271,7 @@ class RelayReplay(_Replay):
                 self._cutoff(e, rec, m.on_cutoff)
             elif isinstance(rec, MemberEntry):
                 self._member(e, rec)
-            elif rec is not None and rec.KIND in ("regional_merge", "forward"):
+            elif rec is not None and rec.KIND in ("regional_merge", "forward", "anneal"):
                 effect = self._match(e, rec)
                 if isinstance(effect, Forward):
                     self.forwards[effect.sync_step] = effect
@@ -343,18 +345,29 @@ class AggregatorReplay(_Replay):
                 self.pending.extend(x for x in effects if not isinstance(x, Publish | ArmCutoff))
             elif isinstance(rec, CutoffEntry):
                 self._cutoff(e, rec, m.on_cutoff)  # its global_merge entry comes next
+            elif rec is not None and rec.KIND == "anneal":
+                if not any(isinstance(x, Switched) for x in self.pending):
+                    # a machine restored from the checkpoint of the anneal's first round,
+                    # which is written before the switch's entry
+                    last = max(m.merges, default=0)
+                    switch = anneal_switch(m.schedule, m.cfg, last)
+                    if not switch:
+                        raise ReplayError(e, f"an anneal entry after step {last}, where the "
+                                          "run's schedule has no switch")  # fmt: skip
+                    self.pending.extend(switch)
+                self._match(e, rec)
             elif isinstance(rec, LawaEntry):
                 if not any(isinstance(x, Averaged) for x in self.pending):
                     # a machine restored after the last round: its sum is the checkpoint's
-                    late = m.final_average()
-                    if late is None:
+                    final = m.final_average()
+                    if final is None:
                         why = (
                             "before the run's last global merge"
                             if m.cfg.lawa
                             else ("but the run's configuration has no LAWA (lawa = 0)")
                         )
                         raise ReplayError(e, f"a lawa entry {why}")
-                    self.pending.append(late)
+                    self.pending.append(final)
                 average = self._match(e, rec)
                 assert isinstance(average, Averaged)
                 self.average = average

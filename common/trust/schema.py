@@ -328,6 +328,18 @@ class GlobalMergeEntry(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class AnnealEntry(_Record):
+    """The decay phase starts after sync step ``step`` (RunConfig.anneal): from the next
+    step on, every step syncs regionally (``mode`` ``h_r1``)."""
+
+    KIND: ClassVar[str] = "anneal"
+    step: int
+    mode: str
+    h_r: int
+    """The regional sync interval from then on."""
+
+
+@dataclass(frozen=True, slots=True)
 class LawaEntry(_Record):
     """The aggregator published the LAWA average as the run's final model (RunConfig.lawa):
     the fixed-order fp32 mean of its states after global rounds ``first_round`` to
@@ -353,6 +365,7 @@ Record: TypeAlias = (
     | CutoffEntry
     | MemberEntry
     | LawaEntry
+    | AnnealEntry
 )
 KINDS: dict[str, type[_Record]] = {
     c.KIND: c
@@ -367,6 +380,7 @@ KINDS: dict[str, type[_Record]] = {
         CutoffEntry,
         MemberEntry,
         LawaEntry,
+        AnnealEntry,
     )
 }
 

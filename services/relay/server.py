@@ -192,7 +192,7 @@ class RelayService:
                 run_id=self.cfg.run_id,
                 role=f"relay/{self.member}",
                 round=m.open_round,
-                last_step=m.level.open_step - m.schedule.h_r,
+                last_step=m.schedule.prev_sync_step("regional", m.level.open_step),
                 # the regional base; while a global round is pending (the base is spent
                 # on the forward) the last global parameters
                 state_digest=tensor_digest(

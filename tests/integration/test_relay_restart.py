@@ -90,6 +90,13 @@ def test_a_killed_relay_shard_resumes_from_its_tape(
     _trial(tmp_path, reference_digest, fault, CFG.with_overrides(**{"topology.relay_shards": 2}))
 
 
+def test_a_relay_killed_at_the_anneal_switch_resumes_from_its_tape(tmp_path: Path) -> None:
+    """Killed after its forward of the anneal's first step (40), before the switch's tape
+    entry: the restarted relay tapes the switch and syncs every step after it."""
+    cfg = CFG.with_overrides(anneal="h_r1")
+    _trial(tmp_path, run_reference(cfg).final_digest, "before_anneal_entry:1", cfg)
+
+
 def _trial(tmp_path: Path, reference_digest: str, fault: str, cfg: RunConfig = CFG) -> None:
     """One run whose relay eu (with relay shards: its last shard) dies at ``fault`` and
     is restarted.

@@ -1,13 +1,16 @@
-"""The one schedule: sync kinds, merge steps, rounds, the pending-merge queue, the overlap rule."""
+"""The one schedule: sync kinds, merge steps, rounds, the pending-merge queue, the overlap rule,
+the anneal at H_r = 1."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from hypertrain.common.config import RunConfig
-from hypertrain.common.errors import HypertrainError
-from hypertrain.common.schedule import PendingMerges, Schedule, overlap_merge
+from hypertrain.common.errors import ConfigError, HypertrainError
+from hypertrain.common.schedule import PendingMerges, Schedule, anneal_start, overlap_merge
 
 
 def test_sync_kinds_merge_steps_and_rounds_follow_the_documented_formulas() -> None:
@@ -70,3 +73,50 @@ def test_overlap_merge_keeps_the_progress_made_during_the_overlap() -> None:
     snapshot = torch.tensor([0.5, 0.5])
     now = torch.tensor([0.75, 0.0])
     assert torch.equal(overlap_merge(merged, now, snapshot), torch.tensor([1.25, 1.5]))
+
+
+def test_the_anneal_at_h_r1_syncs_every_step_after_its_start() -> None:
+    """From the last global sync step at or before the decay's start, every step syncs
+    regionally; global syncs, rounds and merge steps are those of the stable phase."""
+    assert anneal_start(100, 20, 0.2) == 80  # decay 20 steps: starts exactly at a global step
+    assert anneal_start(100, 20, 0.3) == 60  # decay from step 70: the global step before it
+    assert anneal_start(100, 20, 0.0) is None  # no decay, nothing to anneal
+    assert anneal_start(100, 20, 1.0) == 0  # the whole run
+    s = Schedule(h_r=5, h_g=20, tau=0, steps=100, anneal_at=60)
+    plain = Schedule(h_r=5, h_g=20, tau=0, steps=100)
+    for t in range(1, 101):
+        want = plain.sync_kind(t) if t <= 60 or t % 20 == 0 else "regional"
+        assert s.sync_kind(t) == want, t
+        assert s.is_sync_step(t, "regional") == (want is not None), t
+        assert s.is_sync_step(t, "global") == plain.is_sync_step(t, "global"), t
+    regional = s.sync_steps("regional")
+    assert regional == [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60, *range(61, 101)]
+    assert s.sync_steps("regional", after=58, until=63) == [60, 61, 62, 63]
+    assert s.sync_steps("global") == plain.sync_steps("global") == [20, 40, 60, 80, 100]
+    for a, b in itertools.pairwise(regional):  # next and prev walk the same list
+        assert s.next_sync_step("regional", a) == b and s.prev_sync_step("regional", b) == a
+    assert s.first_sync_step("regional") == 5 and s.prev_sync_step("regional", 5) == 0
+    assert s.next_sync_step("global", 60) == 80 and s.round_of(61) == 3 and s.rounds == 5
+    whole = Schedule(h_r=5, h_g=20, tau=0, steps=40, anneal_at=0)
+    assert whole.first_sync_step("regional") == 1 and whole.sync_steps("regional")[:3] == [1, 2, 3]
+    for bad in (
+        dict(anneal_at=50),  # not a global sync step
+        dict(anneal_at=100),  # the last step
+        dict(anneal_at=60, tau=1),  # a merge would apply after the next sync
+    ):
+        with pytest.raises(HypertrainError, match="the anneal starts at a global sync step"):
+            Schedule(**{"h_r": 5, "h_g": 20, "tau": 0, "steps": 100, **bad})  # type: ignore[arg-type]
+
+
+def test_the_run_config_names_its_anneal_and_old_configs_keep_their_digest() -> None:
+    plain = RunConfig()
+    assert "anneal" not in plain.to_dict() and RunConfig(anneal="full_m").digest == plain.digest
+    cfg = RunConfig(anneal="h_r1")  # 200 steps, h_g 20, decay 0.2: from step 160
+    assert cfg.to_dict()["anneal"] == "h_r1" and Schedule.of(cfg).anneal_at == 160
+    assert Schedule.of(plain).anneal_at is None
+    with pytest.raises(ConfigError, match="anneal must be one of full_m, h_r1, got 'm1'"):
+        RunConfig(anneal="m1")
+    with pytest.raises(ConfigError, match="anneal h_r1 needs tau = 0"):
+        RunConfig.from_dict({"anneal": "h_r1", "topology": {"tau": 1}})
+    with pytest.raises(ConfigError, match="anneal h_r1: no global sync step before the last"):
+        RunConfig.from_dict({"anneal": "h_r1", "inner": {"decay_fraction": 0.0}})  # no decay

@@ -14,7 +14,9 @@ import random
 from dataclasses import dataclass, field
 
 from hypertrain.common.config import TOY_MODEL, RunConfig
+from hypertrain.common.optim import InnerConfig
 from hypertrain.common.rounds.local import Crash
+from hypertrain.common.schedule import anneal_start
 from hypertrain.common.shards import shard_unit
 from hypertrain.common.toy import TOY_NUMEL
 
@@ -52,12 +54,19 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
     if shards == 1 and n_r >= 2 and join_rng.random() < 1 / 3:
         region = join_rng.choice(REGIONS[:n_regions])
         membership["standby"] = [f"{region}-{n_r - 1}"]
-    # LAWA over the last 1 or 2 global rounds in half the schedules, likewise.
+    # LAWA over the last 1 or 2 global rounds in half the schedules, likewise; the anneal
+    # at H_r = 1 in a third of those with tau = 0.
     lawa = random.Random(f"lawa-{seed}").choice((0, 0, 1, 2))
+    annealable = (
+        tau == 0
+        and anneal_start(h_r * k * rounds, h_r * k, InnerConfig().decay_fraction) is not None
+    )
+    anneal = "h_r1" if annealable and random.Random(f"anneal-{seed}").random() < 1 / 3 else "full_m"
     return RunConfig.from_dict(
         {
             "run_id": f"chaos-{seed}",
             "lawa": min(lawa, rounds),
+            "anneal": anneal,
             "model": model,
             # One data seed for every schedule: the faults differ by seed, and the
             # fault-free result of a cluster shape is then computed once per process.

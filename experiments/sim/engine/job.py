@@ -68,7 +68,7 @@ from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
 
 ExecPath = Literal["batched", "per_replica"]
-Anneal = Literal["full_m", "m1"]
+Anneal = Literal["full_m", "m1", "h_r1"]
 DEVICE_ENV = "HYPERTRAIN_SIM_DEVICE"
 EXECUTION_FIELDS = ("path", "device", "threads")
 """Fields outside the design: they choose how a job runs, not what it computes."""
@@ -98,11 +98,12 @@ _RUN_MAPPED = frozenset({
     "model", "model_shape", "seed", "steps", "batch_per_island", "topology", "inner", "outer",
     "regional_codec", "global_codec", "ef_beta", "data", "holdout_windows",
 })  # fmt: skip
-_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust", "lawa"})
+_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust", "lawa", "anneal"})
 """RunConfig fields that are not the simulator's: a job's run keeps their defaults (the
 simulator has no clock and takes no cutoffs, its islands are all honest: robust rules
 are the daemons' defence against hostile ones, and its LAWA is its own ``lawa_k`` and
-``lawa_every``, with the same arithmetic)."""
+``lawa_every``, with the same arithmetic; its anneal is its own ``anneal``, whose ``h_r1``
+is the system's)."""
 _TOPO_MAPPED = frozenset({"regions", "islands_per_region", "h_r", "h_g", "tau"})
 _TOPO_FIXED = frozenset({"relay_shards"})
 """TopologyConfig fields that are not the simulator's: how many processes a region's relay
@@ -178,6 +179,8 @@ class SimJob:
             raise bad("run.run_id and run.threads stay at their defaults (threads: SimJob.threads)")
         if run.lawa:
             raise bad("run.lawa stays 0: the simulator's LAWA is lawa_k (and lawa_every)")
+        if run.anneal != "full_m":
+            raise bad("run.anneal stays full_m: the simulator's anneal is its own anneal field")
         if topo.regions != region_names(len(topo.regions)):
             raise bad(
                 f"run.topology.regions must be {region_names(len(topo.regions))} (sorted order "
@@ -189,8 +192,8 @@ class SimJob:
             raise bad("seeds must be >= 0 and diverge_ratio > 0")
         if self.path not in ("batched", "per_replica"):
             raise bad(f"path must be batched|per_replica, got {self.path!r}")
-        if self.anneal not in ("full_m", "m1"):
-            raise bad(f"anneal must be full_m|m1, got {self.anneal!r}")
+        if self.anneal not in ("full_m", "m1", "h_r1"):
+            raise bad(f"anneal must be full_m|m1|h_r1, got {self.anneal!r}")
         if self.threads is not None and self.threads < 1:
             raise bad("threads must be >= 1")
         if self.dp_steps is not None:
@@ -207,8 +210,11 @@ class SimJob:
                 )
         if self.fragments > self.h_g:
             raise bad(f"fragments ({self.fragments}) must be <= h_g ({self.h_g}) to stagger")
-        if self.anneal == "m1" and (self.fragments != 1 or self.tau):
-            raise bad("anneal m1 needs fragments = 1 and tau = 0 (all replicas equal at its start)")
+        if self.anneal != "full_m" and (self.fragments != 1 or self.tau):
+            raise bad(
+                f"anneal {self.anneal} needs fragments = 1 and tau = 0 (all replicas equal at "
+                "its start)"
+            )
         if self.fragments > 1 and self.steps < self.h_g:
             raise bad("streaming needs at least one full global round")
         if not 0.0 <= self.drop < 1.0:

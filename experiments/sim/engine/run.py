@@ -58,6 +58,7 @@ from hypertrain.common.model import GPT, build_model, evaluate
 from hypertrain.common.optim import LAWA
 from hypertrain.common.roles import GlobalCore, RegionCore
 from hypertrain.common.schedule import PendingMerges, Schedule, SyncKind, overlap_merge
+from hypertrain.common.schedule import anneal_start as schedule_anneal_start
 from hypertrain.sim.engine.batched import Batched
 from hypertrain.sim.engine.churn import Absence, Churn
 from hypertrain.sim.engine.job import JobResult, SimJob, dp_job, flat_job
@@ -116,12 +117,11 @@ def eval_steps(job: SimJob) -> list[int]:
 
 
 def anneal_start(job: SimJob) -> int | None:
-    """m1 anneal: the last global sync step at or before the WSD decay start."""
-    if job.anneal != "m1" or job.dp:
+    """The anneal's first step (m1, h_r1): the last global sync step at or before the WSD
+    decay start (common/schedule.py ``anneal_start``, the system's rule)."""
+    if job.anneal == "full_m" or job.dp:
         return None
-    decay = round(job.inner.decay_fraction * job.steps)
-    start = (job.steps - decay) // job.h_g * job.h_g
-    return start if start < job.steps else None
+    return schedule_anneal_start(job.steps, job.h_g, job.inner.decay_fraction)
 
 
 @dataclass(slots=True)
@@ -143,7 +143,12 @@ class FragmentSync:
         topo = cfg.topology
         self.frag = frag
         self.schedule = Schedule(
-            h_r=job.h_r, h_g=job.h_g, tau=job.tau, steps=job.steps, offset=frag.offset
+            h_r=job.h_r,
+            h_g=job.h_g,
+            tau=job.tau,
+            steps=job.steps,
+            offset=frag.offset,
+            anneal_at=anneal_start(job) if job.anneal == "h_r1" else None,
         )
         self.island_ids = topo.island_ids()
         self.n_r = topo.islands_per_region
@@ -268,8 +273,9 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
                       job.run.membership)  # fmt: skip
     syncs = [] if job.dp else [FragmentSync(job, f, theta0, churn) for f in frags]
     a_start = anneal_start(job)
+    m1_start = a_start if job.anneal == "m1" else None  # h_r1 is the schedule's (FragmentSync)
     anneal: _Anneal | None = None
-    if a_start == 0:  # the whole run is the anneal
+    if m1_start == 0:  # the whole run is the anneal
         anneal = _Anneal(full, syncs[0].island_ids, theta0)
     lawa = LAWA(job.lawa_k) if job.lawa_k else None
     lawa_every = job.lawa_every or job.h_g
@@ -317,7 +323,7 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
                     level = s.schedule.sync_kind(step)
                     if level is not None:
                         s.sync(replicas, step, level)
-                if a_start is not None and step == a_start:
+                if m1_start is not None and step == m1_start:
                     anneal = _Anneal(full, syncs[0].island_ids, syncs[0].glob.theta)
             if lawa is not None and step % lawa_every == 0:
                 lawa.add(global_theta())

@@ -1,6 +1,9 @@
-"""LAWA with the real daemons (RunConfig.lawa): the aggregator process publishes the same
-average, bit for bit, as the in-process run and the simulator's per-replica path; ``up``
-reports it; the audit recomputes it from the tapes and catches a changed lawa.pt."""
+"""The decay phase with the real daemons: LAWA (RunConfig.lawa) and the anneal at H_r = 1
+(RunConfig.anneal), alone and together.  The daemons end on the same final state and
+publish the same average, bit for bit, as the in-process run and the simulator's
+per-replica path; ``up`` reports the average; the audit replays the switch and recomputes
+the average from the tapes, and catches a changed lawa.pt.  (Restarts during the switch:
+tests/integration/test_crash.py and test_relay_restart.py.)"""
 
 from __future__ import annotations
 
@@ -17,12 +20,13 @@ from hypertrain.common.roles import initial_parameters
 from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import TrustedKeys
 from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.common.trust.tape import verify_tape
 from hypertrain.sim.engine.job import SimJob
 from hypertrain.sim.engine.run import run_job
 from hypertrain.up import summary
 from tests.integration.conftest import Cluster, finished_cluster
 
-CFG = RunConfig.from_dict(
+LAWA = RunConfig.from_dict(
     {
         "steps": 12,  # 3 global rounds; the average of the last 2
         "batch_per_island": 4,
@@ -37,39 +41,63 @@ CFG = RunConfig.from_dict(
         },
     }
 )
+BOTH = LAWA.with_overrides(
+    anneal="h_r1", **{"topology.tau": 0, "topology.islands_per_region": 2}
+)  # 2 x 2 islands; every step syncs after step 8 (decay 0.2 of 12 steps)
+CONFIGS = {"lawa": LAWA, "anneal+lawa": BOTH}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Cluster]:
-    cluster = finished_cluster(CFG, tmp_path_factory.mktemp("lawa") / "run")
-    return cluster.run_dir, cluster
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunConfig, Cluster]:
+    cfg = CONFIGS[request.param]
+    return cfg, finished_cluster(cfg, tmp_path_factory.mktemp("decay") / "run")
 
 
 def _trusted(run_dir: Path) -> TrustedKeys:
     return TrustedKeys.load(run_dir / "keys" / "trusted_keys.json")
 
 
-def test_daemons_in_process_and_simulator_publish_the_same_average(run) -> None:  # type: ignore[no-untyped-def]
-    run_dir, cluster = run
+def test_daemons_in_process_and_simulator_end_on_the_same_state_and_average(run) -> None:  # type: ignore[no-untyped-def]
+    cfg, cluster = run
+    run_dir = cluster.run_dir
     saved = torch.load(run_dir / "aggregator" / "lawa.pt", weights_only=True)
-    ref = run_reference(CFG)
-    sim = run_job(SimJob(run=CFG.with_overrides(lawa=0), path="per_replica", lawa_k=2))
+    ref = run_reference(cfg)
+    job = SimJob(
+        run=cfg.with_overrides(lawa=0, anneal="full_m"),
+        path="per_replica",
+        lawa_k=cfg.lawa,
+        anneal=cfg.anneal,  # type: ignore[arg-type]
+    )
+    sim = run_job(job)
     assert ref.lawa_params is not None and sim.lawa_params is not None
     assert torch.equal(saved["theta"], ref.lawa_params)
     assert torch.equal(saved["theta"], sim.lawa_params)
+    assert torch.equal(ref.final_params, sim.final_params)  # type: ignore[arg-type]
     assert flat_digest(saved["theta"]) == saved["digest"]
     assert (saved["first_round"], saved["last_round"]) == (1, 2)
-    layout, _ = initial_parameters(CFG)
+    layout, _ = initial_parameters(cfg)
     logged = cluster.progress.lawa
     assert logged is not None and logged["rounds"] == "1..2"
     assert logged["digest"] == ref.lawa_digest == state_digest(layout.unflatten(saved["theta"]))
     assert cluster.progress.final_digest == ref.final_digest  # the islands' final state
-    text, ok = summary(CFG, cluster.progress, run_dir, 1.0)
+    assert {e["digest"] for e in cluster.progress.done.values()} == {ref.final_digest}
+    text, ok = summary(cfg, cluster.progress, run_dir, 1.0)
     assert ok and f"LAWA average of global rounds 1..2: digest {ref.lawa_digest}" in text
+    switches = [
+        e.body
+        for name in ("aggregator", "relay-r0", "relay-r1")
+        for e in verify_tape(run_dir / name / "tape", _trusted(run_dir)).entries
+        if e.kind == "anneal"
+    ]
+    want = [{"step": 8, "mode": "h_r1", "h_r": 1}] * 3 if cfg.anneal == "h_r1" else []
+    assert switches == want
 
 
-def test_the_audit_recomputes_the_average_and_catches_a_changed_file(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    run_dir, cluster = run
+def test_the_audit_replays_both_and_catches_a_changed_average(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    _, cluster = run
+    run_dir = cluster.run_dir
     report = audit_run(run_dir, _trusted(run_dir))
     assert report.lawa_digest == cluster.progress.lawa["digest"]
     assert report.summary().startswith("audit OK: complete")

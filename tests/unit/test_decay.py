@@ -1,12 +1,14 @@
-"""LAWA in the core (RunConfig.lawa): the aggregator's average of its last global states is
-the simulator's arithmetic bit for bit, is taped and published as lawa.pt, survives a crash
-at any point of the last round, and the audit recomputes it and catches a changed one (the
-toy model and the tiny preset in process, real files; the daemons: tests/integration/
-test_lawa_daemons.py)."""
+"""The decay phase in the core: the anneal at H_r = 1 (RunConfig.anneal) and LAWA
+(RunConfig.lawa).  The in-process run is the simulator's per-replica path bit for bit; the
+switch is taped by every relay and the aggregator, the average is taped and published as
+lawa.pt; a crash at any point around either resumes on the same digests; the audit replays
+both and catches a forged entry or a changed lawa.pt (the toy model and the tiny preset in
+process, real files; the daemons: tests/integration/test_decay_daemons.py)."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,14 +103,19 @@ def test_the_config_field_its_range_its_flag_and_old_digests() -> None:
 # -- the in-process run is the simulator's per-replica path --------------------------------
 
 
-@pytest.mark.parametrize("tau", [0, 1])
-def test_in_process_lawa_is_the_simulators_per_replica_path_bit_for_bit(tau: int) -> None:
+@pytest.mark.parametrize(
+    ("tau", "anneal"), [(0, "full_m"), (1, "full_m"), (0, "h_r1")], ids=["lawa", "lawa-tau1", "all"]
+)
+def test_in_process_run_is_the_simulators_per_replica_path_bit_for_bit(
+    tau: int, anneal: str
+) -> None:
     cfg = RunConfig.from_dict(
         {
-            "steps": 12,
+            "steps": 16,  # 4 rounds; the anneal from step 12, LAWA over the last 2
             "batch_per_island": 4,
             "holdout_windows": 16,
             "lawa": 2,
+            "anneal": anneal,
             "topology": {
                 "regions": ["r0", "r1"],
                 "islands_per_region": 2,
@@ -119,29 +126,41 @@ def test_in_process_lawa_is_the_simulators_per_replica_path_bit_for_bit(tau: int
         }
     )
     ref = run_reference(cfg)
-    job = SimJob(run=cfg.with_overrides(lawa=0), path="per_replica", eval_points=1, lawa_k=2)
-    sim = run_job(job)
-    assert ref.lawa_params is not None and sim.lawa_params is not None
-    assert torch.equal(ref.final_params, sim.final_params)  # type: ignore[arg-type]
-    assert torch.equal(ref.lawa_params, sim.lawa_params)
-    assert ref.lawa_loss == sim.final_loss  # the simulator's final loss is the average's
+    run = cfg.with_overrides(lawa=0, anneal="full_m")  # the simulator's own fields say them
+    for path in ("per_replica", "batched"):
+        job = SimJob(run=run, path=path, eval_points=1, lawa_k=2, anneal=anneal)  # type: ignore[arg-type]
+        sim = run_job(job)
+        assert ref.lawa_params is not None and sim.lawa_params is not None
+        assert torch.equal(ref.final_params, sim.final_params), path  # type: ignore[arg-type]
+        assert torch.equal(ref.lawa_params, sim.lawa_params), path
+        assert ref.lawa_loss == sim.final_loss  # the simulator's final loss is the average's
     assert not torch.equal(ref.lawa_params, ref.final_params)  # type: ignore[arg-type]
+    if anneal != "full_m":
+        plain = run_reference(cfg.with_overrides(anneal="full_m"))
+        assert not torch.equal(plain.final_params, ref.final_params)  # type: ignore[arg-type]
 
 
 # -- the toy cluster: tape, file, crashes, audit --------------------------------------------
 
 
-def _run(run_dir: Path | None, crash: CrashHook | None = None) -> Cluster:
-    return drive(toy_cluster(CFG, run_dir, KEYS, TRUSTED, crash))
+ANNEAL = CFG.with_overrides(anneal="h_r1", **{"topology.tau": 0})
+"""The toy run with the anneal: 12 steps, h_g 4, decay 0.2: every step syncs after step 8."""
 
 
-@pytest.fixture(scope="module")
-def reference() -> tuple[str, str]:
-    """(final state, LAWA average) digests of the run in memory, without faults."""
-    cluster = _run(None)
+def _run(run_dir: Path | None, crash: CrashHook | None = None, cfg: RunConfig = CFG) -> Cluster:
+    return drive(toy_cluster(cfg, run_dir, KEYS, TRUSTED, crash))
+
+
+def _digests(cluster: Cluster) -> tuple[str, str]:
     averaged = cluster.aggregator.node.averaged
     assert averaged is not None
     return flat_digest(cluster.final_theta()), averaged.record.average
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[str, str]]:
+    """Per config, the (final state, LAWA average) digests of its run in memory."""
+    return {"lawa": _digests(_run(None)), "anneal": _digests(_run(None, cfg=ANNEAL))}
 
 
 def _audit(run_dir: Path, cfg: RunConfig = CFG) -> str:
@@ -155,12 +174,12 @@ def _close(cluster: Cluster) -> None:
 
 
 def test_the_average_is_taped_published_and_audited(
-    tmp_path: Path, reference: tuple[str, str]
+    tmp_path: Path, reference: dict[str, tuple[str, str]]
 ) -> None:
     cluster = _run(tmp_path)
     _close(cluster)
     averaged = cluster.aggregator.node.averaged
-    assert averaged is not None and averaged.record.average == reference[1]
+    assert averaged is not None and averaged.record.average == reference["lawa"][1]
     rec = averaged.record
     assert (rec.first_round, rec.last_round) == (1, 2)
     entries = verify_tape(tmp_path / "aggregator" / "tape", TRUSTED).entries
@@ -239,26 +258,79 @@ def test_a_tape_without_its_lawa_entry_or_with_one_too_many_fails(tmp_path: Path
         replay.advance()
 
 
+def test_the_switch_is_taped_by_every_relay_and_the_aggregator(
+    tmp_path: Path, reference: dict[str, tuple[str, str]]
+) -> None:
+    cluster = _run(tmp_path, cfg=ANNEAL)
+    _close(cluster)
+    assert _digests(cluster) == reference["anneal"] != reference["lawa"]
+    for name in ("aggregator", "relay-a", "relay-b"):
+        entries = verify_tape(tmp_path / name / "tape", TRUSTED).entries
+        switches = [e for e in entries if e.kind == "anneal"]
+        assert [e.body for e in switches] == [{"step": 8, "mode": "h_r1", "h_r": 1}], name
+        before, after = entries[switches[0].seq - 1], entries[switches[0].seq + 1]
+        assert before.kind == ("global_merge" if name == "aggregator" else "forward"), name
+        assert before.body["sync_step"] == 8 and after.kind == "checkpoint", name
+        if name != "aggregator":  # every step after the switch merges regionally
+            merged = [e.body["sync_step"] for e in entries if e.kind == "regional_merge"]
+            assert merged == [2, 4, 6, 8, 9, 10, 11, 12], name
+    assert _audit(tmp_path, ANNEAL).startswith("audit OK: complete")
+
+
+def test_a_forged_switch_is_caught_by_the_replay(tmp_path: Path) -> None:
+    _close(_run(tmp_path, cfg=ANNEAL))
+
+    def change(kind: str, body: dict) -> dict:  # type: ignore[type-arg]
+        if kind == "anneal":
+            body["h_r"] = 2
+        return body
+
+    _resign(tmp_path / "aggregator" / "tape", change)
+    # the checkpoints after it recorded the old tape head (a fork): a forger who also
+    # controls the aggregator's disk drops them, and the replay still catches it
+    with pytest.raises(AuditError, match="fork"):
+        _audit(tmp_path, ANNEAL)
+    shutil.rmtree(tmp_path / "aggregator" / "checkpoints")
+    with pytest.raises(AuditError, match="recomputed h_r differs: tape has 2, replay gives 1"):
+        _audit(tmp_path, ANNEAL)
+
+
 CRASHES = [
-    ("after_publish", 1),  # the input that completed round 1: its merge not yet taped
-    ("after_publish", 2),  # restarts from round 1's checkpoint, which holds the sum so far
-    ("after_tape", 1),  # the last merge taped, not checkpointed
-    ("between_checkpoints", 1),
-    ("mid_write", 1),  # the last checkpoint half written
-    ("mid_write", 2),  # lawa.pt half written
-    ("before_rename", 1),
-    ("before_rename", 2),
-    ("before_lawa_entry", 1),  # lawa.pt written, its entry not
-    ("before_seal", 1),  # the lawa entry written, not sealed
+    # (config, process, point, its n-th pass once the process's open step is >= from)
+    ("lawa", "aggregator", "after_publish", 1, 12),  # completes the last round, untaped
+    ("lawa", "aggregator", "after_publish", 2, 12),  # restarts from round 1's checkpoint,
+    # which holds the sum so far
+    ("lawa", "aggregator", "after_tape", 1, 12),  # the last merge taped, not checkpointed
+    ("lawa", "aggregator", "between_checkpoints", 1, 12),
+    ("lawa", "aggregator", "mid_write", 1, 12),  # the last checkpoint half written
+    ("lawa", "aggregator", "mid_write", 2, 12),  # lawa.pt half written
+    ("lawa", "aggregator", "before_rename", 1, 12),
+    ("lawa", "aggregator", "before_rename", 2, 12),
+    ("lawa", "aggregator", "before_lawa_entry", 1, 12),  # lawa.pt written, its entry not
+    ("lawa", "aggregator", "before_seal", 1, 12),  # the lawa entry written, not sealed
+    ("anneal", "aggregator", "before_anneal_entry", 1, 8),  # round 1 checkpointed, no switch
+    ("anneal", "aggregator", "after_tape", 1, 8),  # the switch's round taped, not checkpointed
+    ("anneal", "aggregator", "before_seal", 1, 12),  # the switch taped, not sealed
+    ("anneal", "relay-a", "before_anneal_entry", 1, 8),  # forward taped, the switch not
+    ("anneal", "relay-a", "before_seal", 2, 8),  # the switch taped, not sealed
+    ("anneal", "relay-b", "relay_before_merge_entry", 2, 9),  # in the anneal
 ]
 
 
-@pytest.mark.parametrize(("point", "nth"), CRASHES)
-def test_an_aggregator_killed_in_its_last_round_resumes_on_the_same_average(
-    tmp_path: Path, reference: tuple[str, str], point: str, nth: int
+@pytest.mark.parametrize(("which", "victim", "point", "nth", "from_step"), CRASHES)
+def test_a_node_killed_around_the_switch_or_the_average_resumes_on_the_same_digests(
+    tmp_path: Path,
+    reference: dict[str, tuple[str, str]],
+    which: str,
+    victim: str,
+    point: str,
+    nth: int,
+    from_step: int,
 ) -> None:
-    """The aggregator dies the ``nth`` time it passes ``point`` once its last round is
-    open, is restarted from its folder, and publishes the same average."""
+    """``victim`` dies the ``nth`` time it passes ``point`` once its open step is at least
+    ``from_step``, is restarted from its folder, and the run ends on the fault-free final
+    state and average, with tapes that audit clean."""
+    cfg = ANNEAL if which == "anneal" else CFG
     fired: list[str] = []
     holder: dict[str, Cluster] = {}
     seen = [0]  # across restarts: each start makes its store with a new hook
@@ -266,9 +338,9 @@ def test_an_aggregator_killed_in_its_last_round_resumes_on_the_same_average(
     def hook(name: str) -> Callable[[str], None]:
         def crash(p: str) -> None:
             cluster = holder.get("c")
-            if name != "aggregator" or p != point or cluster is None:
+            if name != victim or p != point or cluster is None:
                 return
-            if cluster.aggregator.node.machine.level.open_step < CFG.steps:
+            if cluster.actors[name].node.machine.level.open_step < from_step:  # type: ignore[attr-defined]
                 return
             seen[0] += 1
             if seen[0] == nth:
@@ -277,11 +349,9 @@ def test_an_aggregator_killed_in_its_last_round_resumes_on_the_same_average(
 
         return crash
 
-    cluster = holder["c"] = toy_cluster(CFG, tmp_path, KEYS, TRUSTED, hook)
+    cluster = holder["c"] = toy_cluster(cfg, tmp_path, KEYS, TRUSTED, hook)
     drive(cluster)
     assert fired == [point]
-    assert flat_digest(cluster.final_theta()) == reference[0]
-    averaged = cluster.aggregator.node.averaged
-    assert averaged is not None and averaged.record.average == reference[1]
+    assert _digests(cluster) == reference[which]
     _close(cluster)
-    assert _audit(tmp_path).startswith("audit OK: complete")
+    assert _audit(tmp_path, cfg).startswith("audit OK: complete")
