@@ -28,9 +28,22 @@ from hypertrain.common.outer import OuterConfig
 from hypertrain.common.schedule import anneal_start
 from hypertrain.common.shards import Shards, shard_unit
 
-ANNEAL_MODES = ("full_m", "h_r1")
-"""``RunConfig.anneal``'s values: the decay on the full hierarchy (the control), or at
-H_r = 1."""
+ANNEAL_MODES = ("full_m", "h_r1", "islands:K")
+"""``RunConfig.anneal``'s values: the decay on the full hierarchy (the control), at
+H_r = 1, or on the run's first K islands (``islands:1``, ``islands:2``, ...)."""
+
+
+def anneal_islands(mode: str) -> int | None:
+    """K of an ``islands:K`` anneal mode (None for another mode; ConfigError if malformed)."""
+    if not mode.startswith("islands:"):
+        return None
+    try:
+        k = int(mode.removeprefix("islands:"))
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ConfigError(f"run: anneal {mode!r}: K in islands:K must be an integer >= 1")
+    return k
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -278,7 +291,10 @@ class RunConfig:
     full hierarchy as the stable phase; ``h_r1`` (the anneal at M = 1 within each region)
     syncs every island with its region after every step from the last global sync step at
     or before the inner schedule's decay starts (common/schedule.py ``anneal_start``),
-    global syncs unchanged.  The switch is taped by the relays and the aggregator."""
+    global syncs unchanged; ``islands:K`` trains the decay on the run's first K islands
+    (``anneal_kept``): the others push their delta of that step, take its global merge and
+    stop, and the regions left without an island follow the global rounds.  The switch is
+    taped by the relays and the aggregator."""
     lawa: int = 0
     """LAWA: the run's final model is also published as the fixed-order fp32 mean of the
     aggregator's states after its last ``lawa`` global rounds (common/optim.py
@@ -318,9 +334,19 @@ class RunConfig:
                 f"run: holdout_windows must be in [1, {HOLDOUT_WINDOWS}], got {self.holdout_windows}"
             )
         rounds = self.steps // self.topology.h_g
-        if self.anneal not in ANNEAL_MODES:
+        k = anneal_islands(self.anneal)
+        if self.anneal not in ANNEAL_MODES and k is None:
             raise ConfigError(
                 f"run: anneal must be one of {', '.join(ANNEAL_MODES)}, got {self.anneal!r}"
+            )
+        if k is not None and not k < self.topology.n_islands:
+            raise ConfigError(
+                f"run: anneal {self.anneal}: K must be below the run's "
+                f"{self.topology.n_islands} islands"
+            )
+        if k is not None and (self.membership.standby or self.topology.relay_shards > 1):
+            raise ConfigError(
+                f"run: anneal {self.anneal} does not work with standby islands or relay shards yet"
             )
         if self.anneal != "full_m":
             if self.topology.tau:
@@ -448,6 +474,21 @@ class RunConfig:
         else:
             d["membership"]["standby"] = list(self.membership.standby)
         return d
+
+    @property
+    def anneal_step(self) -> int | None:
+        """The anneal's first step: its switch follows the merge of this global sync step
+        (None: no anneal, ``full_m``)."""
+        if self.anneal == "full_m":
+            return None
+        return anneal_start(self.steps, self.topology.h_g, self.inner.decay_fraction)
+
+    def anneal_kept(self) -> tuple[str, ...] | None:
+        """The islands that train the decay of an ``islands:K`` anneal: the first K of the
+        run's island order (``TopologyConfig.island_ids``: regions sorted, then by index),
+        so the decay stays in as few regions as it can; None for another mode."""
+        k = anneal_islands(self.anneal)
+        return None if k is None else self.topology.island_ids()[:k]
 
     def shards(self, numel: int) -> Shards:
         """How ``numel`` parameters are split between each region's relay shards."""

@@ -86,7 +86,7 @@ def run_reference(
     eval_windows = holdout.windows[: cfg.holdout_windows]
     layout, theta0 = initial_parameters(cfg)
     cluster = Cluster(cfg, theta0, lambda i: IslandCore(cfg, i, stream, theta0))
-    islands = list(cluster.islands.values())
+    every = list(cluster.islands.values())
     eval_model = build_model(mcfg, seed=cfg.seed)
     sched = Schedule.of(cfg)
 
@@ -98,10 +98,11 @@ def run_reference(
     result = RunResult(held_out(theta0), 0.0, "", fp32_bytes=4 * layout.numel)
     result.seconds_eval = time.perf_counter() - t0
     losses: list[float] = []
-    pool = ThreadPoolExecutor(max_workers=workers or min(len(islands), os.cpu_count() or 1))
+    pool = ThreadPoolExecutor(max_workers=workers or min(len(every), os.cpu_count() or 1))
     committed = cluster.aggregator.node.committed
     for _ in range(cfg.steps):
         t0 = time.perf_counter()
+        islands = cluster.training()  # an islands:K anneal stops the others at its start
         trained = list(pool.map(IslandActor.train, islands))
         losses.extend(trained)
         t1 = time.perf_counter()
@@ -116,7 +117,7 @@ def run_reference(
                 "step": merge.sync_step,
                 "train_loss": sum(losses) / len(losses),
                 "heldout_loss": loss,
-                "bytes_per_sync": _sent(islands)[0] / max(_sent(islands)[1], 1),
+                "bytes_per_sync": _sent(every)[0] / max(_sent(every)[1], 1),
             }
             losses.clear()
             result.rounds.append(event)
@@ -139,7 +140,7 @@ def run_reference(
         result.lawa_digest = state_digest(layout.unflatten(averaged.payload))
         result.lawa_loss = held_out(averaged.payload)
         result.seconds_eval += time.perf_counter() - t0
-    sent, sends = _sent(islands)
+    sent, sends = _sent(every)
     result.bytes_per_sync = sent / max(sends, 1)
     return result
 

@@ -89,7 +89,7 @@ class IslandState:
     def __init__(self, cfg: RunConfig, island_id: str, theta0: torch.Tensor) -> None:
         topo = cfg.topology
         self.cfg = cfg
-        self.schedule = Schedule.of(cfg)
+        self.schedule = Schedule.of(cfg, island=island_id)
         self.island_id = island_id
         self.region = topo.region_of(island_id)
         self.data_index = topo.island_ids().index(island_id)

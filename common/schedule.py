@@ -13,6 +13,8 @@ after it.  With sync intervals ``h_r`` (regional) and ``h_g = K * h_r`` (global)
 - the merge of sync step s is applied at step ``s + tau`` (``Schedule.merge_step``),
   except after the last step, where every member takes the final global state;
 - sync step s belongs to global round ``(s - 1) // h_g`` (0-based, ``Schedule.round_of``);
+- an island that an ``islands:K`` anneal stops ends at the anneal's first step (its
+  schedule's ``steps``; ``Schedule.of(cfg, island=...)``);
 - the anneal at H_r = 1 (``RunConfig.anneal = "h_r1"``): after the anneal's first step
   ``anneal_at`` (the last global sync step at or before the inner schedule's decay starts,
   ``anneal_start``), every step syncs regionally, and globally as before;
@@ -81,12 +83,18 @@ class Schedule:
             )
 
     @classmethod
-    def of(cls, cfg: RunConfig, offset: int = 0) -> Schedule:
+    def of(cls, cfg: RunConfig, offset: int = 0, island: str | None = None) -> Schedule:
+        """The run's schedule; for ``island``, that island's: with an ``islands:K`` anneal
+        an island that does not train the decay ends at the anneal's first step (it takes
+        that step's global merge as its final state)."""
         t = cfg.topology
-        at = None
-        if cfg.anneal == "h_r1":
-            at = anneal_start(cfg.steps, t.h_g, cfg.inner.decay_fraction)
-        return cls(h_r=t.h_r, h_g=t.h_g, tau=t.tau, steps=cfg.steps, offset=offset, anneal_at=at)
+        at = cfg.anneal_step if cfg.anneal == "h_r1" else None
+        steps = cfg.steps
+        kept = cfg.anneal_kept()
+        if island is not None and kept is not None and island not in kept:
+            assert cfg.anneal_step is not None
+            steps = cfg.anneal_step
+        return cls(h_r=t.h_r, h_g=t.h_g, tau=t.tau, steps=steps, offset=offset, anneal_at=at)
 
     def annealing(self, step: int) -> bool:
         """Is ``step`` (1-based) in the anneal, where every step syncs?"""

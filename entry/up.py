@@ -328,7 +328,9 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
     layout, _ = initial_parameters(cfg)
     fp32 = 4 * layout.numel
     done = progress.done
-    digests = {e["digest"] for e in done.values()}
+    kept = cfg.anneal_kept()
+    stopped = {i: e for i, e in done.items() if kept is not None and i not in kept}
+    digests = {e["digest"] for i, e in done.items() if i not in stopped}
     per_sync = sum(int(e["bytes_per_sync"]) for e in done.values()) / max(len(done), 1)
     blocked = max((float(e["blocked_share"]) for e in done.values()), default=0.0)
     # The initial state's evaluation is skipped when the aggregator's second outer step
@@ -344,9 +346,23 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
         f"{fp32 / max(per_sync, 1):.1f}x smaller than fp32 {fp32 / 1024:.1f} KiB)",
         f"islands blocked on sync: at most {100 * blocked:.1f}% of their wall time",
         f"final state digest {progress.final_digest} "
-        + ("(all islands and the aggregator agree)" if agree else f"(DISAGREE: {sorted(digests)})"),
+        + (
+            f"({'the islands that trained to the end' if stopped else 'all islands'} and the "
+            "aggregator agree)"
+            if agree
+            else f"(DISAGREE: {sorted(digests)})"
+        ),
         f"state and published inputs: {run_dir}/aggregator, {run_dir}/relay-*; logs: {run_dir}/logs",
     ]
+    if stopped:  # an islands:K anneal: the others stopped once their delta of its start was in
+        early = sorted(i for i, e in stopped.items() if e.get("step") != str(cfg.anneal_step))
+        lines.insert(
+            4,
+            f"anneal {cfg.anneal}: {', '.join(kept or ())} trained the decay; "
+            f"{len(stopped)} islands stopped after step {cfg.anneal_step}, their delta merged in"
+            + (f" (NOT at that step: {', '.join(early)})" if early else ""),
+        )
+        agree = agree and not early
     if cfg.lawa:
         got = progress.lawa
         lines.insert(

@@ -10,7 +10,8 @@ asks it what to do:
 - ``due()``: the pending merges pinned to the current step: the driver fetches each
   (blocking, or retrying in a simulation) and hands it to ``apply``;
 - ``final_due()``: after the last step the driver fetches the final global state and
-  calls ``finish``.
+  calls ``finish`` (an island an ``islands:K`` anneal stops, ``stops_early``, fetches
+  nothing: once its last push is acknowledged it calls ``stop``).
 - ``join(parts)``: with relay shards, a merge is fetched from every shard and joined
   here into the whole vector ``apply`` / ``finish`` take; the receipts each part came
   with are checked and kept first (``common/trust/receipts.py``).
@@ -56,6 +57,19 @@ class IslandRounds:
     def finished(self) -> bool:
         """Trained every step (the final merge may still be outstanding)."""
         return self.core.step >= self.schedule.steps
+
+    @property
+    def stops_early(self) -> bool:
+        """An ``islands:K`` anneal does not keep this island: its schedule ends at the
+        anneal's first step, whose delta it pushes (it is merged in) and then stops, without
+        waiting for that merge (its relay may follow the run past it meanwhile)."""
+        return self.schedule.steps < self.core.cfg.steps
+
+    def stop(self) -> None:
+        """An island that ``stops_early``: its last push was acknowledged; nothing more."""
+        if not (self.finished and self.stops_early):
+            raise HypertrainError(f"island {self.core.island_id}: stop before its last step")
+        self.pending.flush()
 
     def after_step(self, encode: bool = True) -> list[Delta]:
         """After an inner step: at a sync step, the deltas to push, the i-th for relay shard
@@ -131,7 +145,7 @@ class IslandRounds:
 
     def final_due(self) -> int | None:
         """After the last step: the sync step whose global state ends the run."""
-        if not self.finished:
+        if not self.finished or self.stops_early:
             return None
         head = self.pending.peek()
         return head.sync_step if head is not None else None

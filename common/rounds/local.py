@@ -328,6 +328,7 @@ class IslandActor(_Client):
         return (
             self.alive
             and not self.done
+            and not self.rounds.finished
             and not self.waiting
             and not self.final_wait
             and not self.joining
@@ -446,6 +447,11 @@ class IslandActor(_Client):
             wake, self.wake = self.wake, None
             wake()
         if self.push_step is not None:
+            return
+        if self.rounds.finished and self.rounds.stops_early and not self.done:
+            self.rounds.stop()  # its last delta is in: an anneal does not keep it
+            self.done = True
+            self.cluster.observer.finished(self.name, self.core.params())
             return
         if self.waiting:
             self._fetch(self.waiting[0].sync_step, self.waiting[0].kind)
@@ -571,6 +577,8 @@ class RelayActor(_Client):
         nobody is a member of, follow the global rounds instead."""
         fwd = self.node.outbox
         if fwd is None and not self.forwarding and self.node.machine.idle:
+            if self.cluster.lockstep and not self.follows_now():
+                return  # lockstep: kicked again once the aggregator has the merge
             self.forwarding = True
             self._fetch_global(self.node.machine.follow_step, follow=True)
             return
@@ -592,6 +600,15 @@ class RelayActor(_Client):
             raise _refused(self.name, f"forward of step {fwd.sync_step}", d)
 
         self.ask("forward", agg, lambda: agg.endpoint.push(delta), pushed, f"push {fwd.sync_step}")
+
+    def follows_now(self) -> bool:
+        """Idle (no member left in the region), with the aggregator's merge of the step it
+        follows committed: a follow fetch now is answered at once.  In lockstep the relay
+        fetches only then (``Cluster.step_together``): a fetch that waits keeps polling, and
+        the network never goes quiet between two steps."""
+        machine = self.node.machine
+        merge = self.cluster.aggregator.node.machine.merge_for(machine.follow_step)
+        return machine.idle and merge is not None
 
     def _fetch_global(self, step: int, follow: bool = False) -> None:
         agg = self.cluster.aggregator
@@ -747,6 +764,8 @@ class Cluster:
     """For each node name, the crash hook its store calls (the fault simulation's)."""
     gone: set[str] = field(default_factory=set)
     """Islands that left for good: the run is complete without them."""
+    lockstep: bool = False
+    """Driven by ``step_together``: idle relays fetch only merges already committed."""
 
     def __post_init__(self) -> None:
         topo = self.cfg.topology
@@ -843,16 +862,27 @@ class Cluster:
         """Lockstep: every island does its next step (if ``losses`` is None, trained here;
         else already trained, their losses given), then pushes, then the network runs until
         every merge pinned to this step has been applied.  ProtocolFailure if one cannot."""
-        islands = list(self.islands.values())
+        self.lockstep = True
+        islands = self.training()
         if losses is None:
             for i in islands:
                 i.train()
         for i in islands:
             i.after_train()
         self.run_until_quiet()
+        while following := [
+            r for r in self.relays.values() if r.alive and not r.forwarding and r.follows_now()
+        ]:  # relays with no member left follow the global rounds they did not forward to
+            for r in following:
+                r.kick()
+            self.run_until_quiet()
         stuck = [i.name for i in islands if not (i.ready or i.done)]
         if stuck:
             raise ProtocolFailure(f"islands {stuck} still wait at step {islands[0].core.step}")
+
+    def training(self) -> list[IslandActor]:
+        """The islands still training (an ``islands:K`` anneal stops the others)."""
+        return [i for i in self.islands.values() if not i.done]
 
     def run_lockstep(self) -> torch.Tensor:
         """The whole run in lockstep, fault-free; returns the final global parameters."""

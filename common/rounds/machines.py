@@ -370,11 +370,28 @@ class Switched:
     record: AnnealEntry
 
 
+def anneal_members(
+    cfg: RunConfig, roster: tuple[str, ...], region_of: Callable[[str], str]
+) -> tuple[int, frozenset[str]] | None:
+    """An ``islands:K`` anneal: (its first step, the senders of ``roster`` that stay
+    members after it).  A relay's senders are islands: those the anneal keeps; the
+    aggregator's are relays (``region_of`` one of them is its region): those of the regions
+    with a kept island.  None for another anneal."""
+    kept = cfg.anneal_kept()
+    if kept is None:
+        return None
+    assert cfg.anneal_step is not None
+    regions = {cfg.topology.region_of(i) for i in kept}
+    stay = frozenset(m for m in roster if m in kept or region_of(m) in regions)
+    return cfg.anneal_step, stay
+
+
 def anneal_switch(schedule: Schedule, cfg: RunConfig, step: int) -> list[Effect]:
     """The anneal's switch, after the merge of ``step`` if the anneal starts there."""
-    if schedule.anneal_at is None or step != schedule.anneal_at:
+    if cfg.anneal_step is None or step != cfg.anneal_step:
         return []
-    return [Switched(AnnealEntry(step=step, mode=cfg.anneal, h_r=1))]
+    h_r = schedule.next_sync_step("regional", step) - step  # the interval from then on
+    return [Switched(AnnealEntry(step=step, mode=cfg.anneal, h_r=h_r))]
 
 
 Effect = (
@@ -419,6 +436,9 @@ class _Level:
     """The members when the run starts (None: the whole roster)."""
     changes: list[MemberEntry] = field(default_factory=list)
     """Joins and leaves in the order they were taped; each applies from its sync step."""
+    kept_after: tuple[int, frozenset[str]] | None = None
+    """An ``islands:K`` anneal (RunConfig.anneal_kept): after this sync step only these
+    senders are members (``anneal_members``)."""
     _cache: tuple[int, int, tuple[str, ...]] = (-1, -1, ())
 
     @property
@@ -437,6 +457,8 @@ class _Level:
                 continue
             if c.sync_step <= step:
                 (current.add if c.change == JOIN else current.discard)(c.member)
+        if self.kept_after is not None and step > self.kept_after[0]:
+            current &= self.kept_after[1]
         members = tuple(m for m in self.roster if m in current)
         self._cache = (step, len(self.changes), members)
         return members
@@ -840,6 +862,7 @@ class RelayMachine:
             shard=shards.label(shard),
             region=region,
             initial=cfg.membership.initial(cfg.topology.islands_of(region)),
+            kept_after=anneal_members(cfg, cfg.topology.islands_of(region), str),
         )
         self.global_pending: int | None = None  # sync step forwarded, theta not yet back
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
@@ -1226,6 +1249,9 @@ class AggregatorMachine:
             signer_of=relay_key,
             numel_of=self._numel_of,
             unit_of=lambda member: self.shards.split(member)[0],
+            kept_after=anneal_members(
+                cfg, tuple(self.core.members), lambda member: self.shards.split(member)[0]
+            ),
         )
         self.merges: dict[int, Committed] = {}
         self._parts: dict[tuple[int, int], Committed] = {}  # (sync_step, shard) -> its part

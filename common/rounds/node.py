@@ -830,7 +830,7 @@ class AggregatorNode(_Node):
         the entry (the replay redoes a switch taped or cut off after a redone round)."""
         m = self.machine
         last = max(m.merges, default=None)
-        if last is None or last != m.schedule.anneal_at:
+        if last is None or last != self.cfg.anneal_step:
             return None
         if any(e.kind == AnnealEntry.KIND for e in entries):
             return None
@@ -843,7 +843,7 @@ class AggregatorNode(_Node):
 
         The aggregator's work ends when every relay has reported the run's last step (not
         when each fetched it: a relay killed before its checkpoint fetches it again)."""
-        if requester not in self.machine.members:
+        if requester not in self.machine.level.roster:  # an anneal may leave it idle
             return Decision(FORBIDDEN, f"{requester!r} is not a relay of this run")
         if step == self.cfg.steps:
             if self.machine.merge_for(step) is None:

@@ -220,7 +220,7 @@ class Island:
             raise
 
     def _run(self) -> str:
-        cfg, rounds = self.cfg, self.rounds
+        rounds = self.rounds
         push: Future[None] = _done()
         sent = 0
         t_start = t_interval = time.perf_counter()
@@ -228,7 +228,7 @@ class Island:
         m, labels = self.metrics, self._labels
         self._resume()
         self._join()
-        while self.core.step < cfg.steps:
+        while self.core.step < rounds.schedule.steps:  # its own end (an anneal may stop it)
             if self._stopping():
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())
@@ -296,9 +296,13 @@ class Island:
             self._saved()
             rounds.finish(theta)
             del theta  # in the base and the model now
-        # finish() loaded the parameters from the base: its digest is theirs, with no
-        # copy of the model made to compute it.
-        digest = state_digest(self.core.layout.unflatten(self.core.base))
+        if rounds.stops_early:  # an islands:K anneal: its last delta is in, it stops here
+            self._saved()
+            rounds.stop()
+            digest = state_digest(self.core.layout.unflatten(self.core.params()))
+        else:  # finish() loaded the parameters from the base: its digest is theirs, with
+            # no copy of the model made to compute it
+            digest = state_digest(self.core.layout.unflatten(self.core.base))
         if self.ranks is not None:
             self.ranks.check_equal(digest)
         wall = time.perf_counter() - t_start
@@ -306,6 +310,7 @@ class Island:
             "done",
             role="island",
             island=self.island_id,
+            step=self.core.step,
             digest=digest,
             bytes_per_sync=self.bytes_sent // max(self.syncs, 1),
             syncs=self.syncs,

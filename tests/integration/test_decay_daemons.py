@@ -1,5 +1,5 @@
-"""The decay phase with the real daemons: LAWA (RunConfig.lawa) and the anneal at H_r = 1
-(RunConfig.anneal), alone and together.  The daemons end on the same final state and
+"""The decay phase with the real daemons: LAWA (RunConfig.lawa) and the anneal at H_r = 1 or
+on the first islands (RunConfig.anneal), alone and together.  The daemons end on the same final state and
 publish the same average, bit for bit, as the in-process run and the simulator's
 per-replica path; ``up`` reports the average; the audit replays the switch and recomputes
 the average from the tapes, and catches a changed lawa.pt.  (Restarts during the switch:
@@ -44,7 +44,10 @@ LAWA = RunConfig.from_dict(
 BOTH = LAWA.with_overrides(
     anneal="h_r1", **{"topology.tau": 0, "topology.islands_per_region": 2}
 )  # 2 x 2 islands; every step syncs after step 8 (decay 0.2 of 12 steps)
-CONFIGS = {"lawa": LAWA, "anneal+lawa": BOTH}
+ISLANDS = BOTH.with_overrides(anneal="islands:2")
+"""The decay on the first two islands, r0-0 and r0-1: r1's stop after step 8 and its relay
+follows the global rounds."""
+CONFIGS = {"lawa": LAWA, "anneal+lawa": BOTH, "islands+lawa": ISLANDS}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -82,16 +85,26 @@ def test_daemons_in_process_and_simulator_end_on_the_same_state_and_average(run)
     assert logged is not None and logged["rounds"] == "1..2"
     assert logged["digest"] == ref.lawa_digest == state_digest(layout.unflatten(saved["theta"]))
     assert cluster.progress.final_digest == ref.final_digest  # the islands' final state
-    assert {e["digest"] for e in cluster.progress.done.values()} == {ref.final_digest}
+    kept = cfg.anneal_kept() or cfg.topology.island_ids()
+    done = cluster.progress.done
+    assert {e["digest"] for i, e in done.items() if i in kept} == {ref.final_digest}
+    stopped = {i: e for i, e in done.items() if i not in kept}  # after their push of step 8
+    assert sorted(stopped) == sorted(set(cfg.topology.island_ids()) - set(kept))
+    assert all(e["step"] == "8" for e in stopped.values())
     text, ok = summary(cfg, cluster.progress, run_dir, 1.0)
     assert ok and f"LAWA average of global rounds 1..2: digest {ref.lawa_digest}" in text
+    if stopped:
+        assert (
+            "anneal islands:2: r0-0, r0-1 trained the decay; 2 islands stopped after step 8" in text
+        )
     switches = [
         e.body
         for name in ("aggregator", "relay-r0", "relay-r1")
         for e in verify_tape(run_dir / name / "tape", _trusted(run_dir)).entries
         if e.kind == "anneal"
     ]
-    want = [{"step": 8, "mode": "h_r1", "h_r": 1}] * 3 if cfg.anneal == "h_r1" else []
+    h_r = 1 if cfg.anneal == "h_r1" else cfg.topology.h_r
+    want = [{"step": 8, "mode": cfg.anneal, "h_r": h_r}] * 3 if cfg.anneal != "full_m" else []
     assert switches == want
 
 

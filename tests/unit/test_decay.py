@@ -104,7 +104,9 @@ def test_the_config_field_its_range_its_flag_and_old_digests() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tau", "anneal"), [(0, "full_m"), (1, "full_m"), (0, "h_r1")], ids=["lawa", "lawa-tau1", "all"]
+    ("tau", "anneal"),
+    [(0, "full_m"), (1, "full_m"), (0, "h_r1"), (0, "islands:1"), (0, "islands:3")],
+    ids=["lawa", "lawa-tau1", "h_r1", "islands1", "islands3"],
 )
 def test_in_process_run_is_the_simulators_per_replica_path_bit_for_bit(
     tau: int, anneal: str
@@ -144,6 +146,9 @@ def test_in_process_run_is_the_simulators_per_replica_path_bit_for_bit(
 
 
 ANNEAL = CFG.with_overrides(anneal="h_r1", **{"topology.tau": 0})
+ISLANDS = ANNEAL.with_overrides(anneal="islands:1")
+"""The decay on a-0 alone: a-1, b-0 and b-1 stop after step 8, relay-b follows."""
+CONFIGS = {"lawa": CFG, "anneal": ANNEAL, "islands": ISLANDS}
 """The toy run with the anneal: 12 steps, h_g 4, decay 0.2: every step syncs after step 8."""
 
 
@@ -160,7 +165,7 @@ def _digests(cluster: Cluster) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, tuple[str, str]]:
     """Per config, the (final state, LAWA average) digests of its run in memory."""
-    return {"lawa": _digests(_run(None)), "anneal": _digests(_run(None, cfg=ANNEAL))}
+    return {name: _digests(_run(None, cfg=cfg)) for name, cfg in CONFIGS.items()}
 
 
 def _audit(run_dir: Path, cfg: RunConfig = CFG) -> str:
@@ -169,8 +174,11 @@ def _audit(run_dir: Path, cfg: RunConfig = CFG) -> str:
 
 
 def _close(cluster: Cluster) -> None:
-    for node in [cluster.aggregator.node, *(r.node for r in cluster.relays.values())]:
-        node.close()
+    """Every process stops: the tapes close (a relay killed after the last round it was
+    needed in, not restarted yet, was closed by its crash)."""
+    for actor in [cluster.aggregator, *cluster.relays.values()]:
+        if actor.alive:
+            actor.node.close()
 
 
 def test_the_average_is_taped_published_and_audited(
@@ -277,6 +285,40 @@ def test_the_switch_is_taped_by_every_relay_and_the_aggregator(
     assert _audit(tmp_path, ANNEAL).startswith("audit OK: complete")
 
 
+def test_the_decay_on_one_island_stops_the_others_and_its_relay_follows(
+    tmp_path: Path, reference: dict[str, tuple[str, str]]
+) -> None:
+    cluster = _run(tmp_path, cfg=ISLANDS)
+    _close(cluster)
+    assert _digests(cluster) == reference["islands"]
+    assert {n for n, i in cluster.islands.items() if i.core.step == 8} == {"a-1", "b-0", "b-1"}
+    assert cluster.islands["a-0"].core.step == 12
+    relay_b = verify_tape(tmp_path / "relay-b" / "tape", TRUSTED).entries
+    assert [e.body["sync_step"] for e in relay_b if e.kind == "regional_merge"] == [2, 4, 6, 8]
+    applied = [e.body for e in relay_b if e.kind == "global_applied"]
+    assert [a["sync_step"] for a in applied] == [4, 8, 12] and "rejoined_from" in applied[-1]
+    agg = verify_tape(tmp_path / "aggregator" / "tape", TRUSTED).entries
+    members = [[m for m, _ in e.body["members"]] for e in agg if e.kind == "global_merge"]
+    assert members == [["a", "b"], ["a", "b"], ["a"]]
+    assert _audit(tmp_path, ISLANDS).startswith("audit OK: complete")
+
+
+def test_the_anneal_modes_and_their_limits() -> None:
+    assert RunConfig(anneal="islands:2").anneal_kept() == ("eu-0", "eu-1")
+    assert RunConfig(anneal="h_r1").anneal_kept() is None
+    assert RunConfig(anneal="islands:1").anneal_step == 160
+    for bad, words in (
+        ("islands:0", "K in islands:K must be an integer >= 1"),
+        ("islands:x", "K in islands:K must be an integer >= 1"),
+        ("islands:4", "K must be below the run's 4 islands"),
+        ("few", "anneal must be one of full_m, h_r1, islands:K"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            RunConfig(anneal=bad)
+    with pytest.raises(ConfigError, match="does not work with standby islands or relay shards"):
+        RunConfig.from_dict({"anneal": "islands:1", "topology": {"relay_shards": 2}})
+
+
 def test_a_forged_switch_is_caught_by_the_replay(tmp_path: Path) -> None:
     _close(_run(tmp_path, cfg=ANNEAL))
 
@@ -314,6 +356,10 @@ CRASHES = [
     ("anneal", "relay-a", "before_anneal_entry", 1, 8),  # forward taped, the switch not
     ("anneal", "relay-a", "before_seal", 2, 8),  # the switch taped, not sealed
     ("anneal", "relay-b", "relay_before_merge_entry", 2, 9),  # in the anneal
+    ("islands", "aggregator", "before_anneal_entry", 1, 8),
+    ("islands", "aggregator", "after_tape", 1, 12),  # the last round, of region a alone
+    ("islands", "relay-a", "relay_before_merge_entry", 1, 10),  # a-0's first merge alone
+    ("islands", "relay-b", "relay_after_checkpoint", 1, 9),  # the switch round: then it follows
 ]
 
 
@@ -330,7 +376,7 @@ def test_a_node_killed_around_the_switch_or_the_average_resumes_on_the_same_dige
     """``victim`` dies the ``nth`` time it passes ``point`` once its open step is at least
     ``from_step``, is restarted from its folder, and the run ends on the fault-free final
     state and average, with tapes that audit clean."""
-    cfg = ANNEAL if which == "anneal" else CFG
+    cfg = CONFIGS[which]
     fired: list[str] = []
     holder: dict[str, Cluster] = {}
     seen = [0]  # across restarts: each start makes its store with a new hook

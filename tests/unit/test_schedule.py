@@ -114,7 +114,9 @@ def test_the_run_config_names_its_anneal_and_old_configs_keep_their_digest() -> 
     cfg = RunConfig(anneal="h_r1")  # 200 steps, h_g 20, decay 0.2: from step 160
     assert cfg.to_dict()["anneal"] == "h_r1" and Schedule.of(cfg).anneal_at == 160
     assert Schedule.of(plain).anneal_at is None
-    with pytest.raises(ConfigError, match="anneal must be one of full_m, h_r1, got 'm1'"):
+    with pytest.raises(
+        ConfigError, match="anneal must be one of full_m, h_r1, islands:K, got 'm1'"
+    ):
         RunConfig(anneal="m1")
     with pytest.raises(ConfigError, match="anneal h_r1 needs tau = 0"):
         RunConfig.from_dict({"anneal": "h_r1", "topology": {"tau": 1}})

@@ -54,14 +54,20 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
     if shards == 1 and n_r >= 2 and join_rng.random() < 1 / 3:
         region = join_rng.choice(REGIONS[:n_regions])
         membership["standby"] = [f"{region}-{n_r - 1}"]
-    # LAWA over the last 1 or 2 global rounds in half the schedules, likewise; the anneal
-    # at H_r = 1 in a third of those with tau = 0.
+    # LAWA over the last 1 or 2 global rounds in half the schedules, likewise; an anneal
+    # (at H_r = 1, or on the first 1 or 2 islands) in a third of those with tau = 0.
     lawa = random.Random(f"lawa-{seed}").choice((0, 0, 1, 2))
     annealable = (
         tau == 0
         and anneal_start(h_r * k * rounds, h_r * k, InnerConfig().decay_fraction) is not None
     )
-    anneal = "h_r1" if annealable and random.Random(f"anneal-{seed}").random() < 1 / 3 else "full_m"
+    anneal_rng = random.Random(f"anneal-{seed}")
+    anneal = "full_m"
+    if annealable and anneal_rng.random() < 1 / 3:
+        modes = ["h_r1"]
+        if shards == 1 and "standby" not in membership:  # the decay on the first 1 or 2 islands
+            modes += [f"islands:{n}" for n in (1, 2) if n < n_regions * n_r]
+        anneal = anneal_rng.choice(modes)
     return RunConfig.from_dict(
         {
             "run_id": f"chaos-{seed}",
@@ -108,12 +114,14 @@ class Churn:
         join = (standby[0], rng.uniform(0, horizon / 3)) if standby else None
         leave = back = None
         # Only an island with another member in its region leaves: a region that everyone
-        # left holds up every global round without a global cutoff (by design).
+        # left holds up every global round without a global cutoff (by design).  Nor does
+        # one that an islands:K anneal keeps: with them gone nobody trains the decay.
+        kept = cfg.anneal_kept() or ()
         can = [
             i
             for r in sorted(topo.regions)
             for i in cfg.membership.initial(topo.islands_of(r))
-            if len(cfg.membership.initial(topo.islands_of(r))) >= 2
+            if len(cfg.membership.initial(topo.islands_of(r))) >= 2 and i not in kept
         ]
         if topo.relay_shards == 1 and can and rng.random() < 0.3:
             island = rng.choice(can)

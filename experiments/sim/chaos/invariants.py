@@ -55,8 +55,11 @@ class Checker(Observer):
         on_crash: Callable[[str], None] = lambda name: None,
         shards: Shards | None = None,
         standby: tuple[str, ...] = (),
+        anneal: tuple[int, tuple[str, ...]] | None = None,
     ) -> None:
+        """``anneal``: an ``islands:K`` anneal's first step and the islands it keeps."""
         self.members = cluster_members  # node name -> its configured members
+        self.anneal = anneal
         self.standby = standby  # islands that are not members when the run starts
         self.changes: dict[str, list[MemberEntry]] = {n: [] for n in cluster_members}
         """Node -> the joins and leaves it took, as observed (and, after a restart, as its
@@ -136,6 +139,10 @@ class Checker(Observer):
                     members.add(c.member)
                 else:
                     members.discard(c.member)
+        if self.anneal is not None and step > self.anneal[0]:
+            # after an islands:K anneal starts: its islands, and the regions they are in
+            kept = set(self.anneal[1]) | {i.rpartition("-")[0] for i in self.anneal[1]}
+            members &= kept
         return tuple(sorted(members))
 
     def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
@@ -156,6 +163,8 @@ class Checker(Observer):
         return actor.member
 
     def finished(self, island: str, theta: torch.Tensor) -> None:
+        if self.anneal is not None and island not in self.anneal[1]:
+            return  # an islands:K anneal stopped it on its own last step's parameters
         self.finals[island] = flat_digest(theta)
         if len(set(self.finals.values())) > 1:
             raise Violation(f"islands end on different parameters: {self.finals}")

@@ -166,8 +166,13 @@ def _run(
     members = {"aggregator": relay_members}
     members.update({relay_key(m): topo.islands_of(shards.split(m)[0]) for m in relay_members})
     restarts: list[str] = []
+    kept = cfg.anneal_kept()
     checker = Checker(
-        members, on_crash=restarts.append, shards=shards, standby=cfg.membership.standby
+        members,
+        on_crash=restarts.append,
+        shards=shards,
+        standby=cfg.membership.standby,
+        anneal=None if kept is None or cfg.anneal_step is None else (cfg.anneal_step, kept),
     )
     keys, trusted = _keys(tuple(daemon_key_names(topo)))
     cluster = Cluster(
@@ -251,6 +256,9 @@ def _run(
     out.absences = checker.absences
     for island in cluster.islands.values():  # every process stops: the tapes close
         island.alive = False
+    for relay in cluster.relays.values():
+        if not relay.alive:  # killed after the run needed it (a region an anneal left):
+            relay.restart()  # its supervisor starts it once more; it resumes from its tape
     nodes = [cluster.aggregator.node, *(r.node for r in cluster.relays.values())]
     for actor, node in zip((cluster.aggregator, *cluster.relays.values()), nodes, strict=True):
         if actor.alive:

@@ -61,14 +61,15 @@ from typing import Any, Literal
 
 import torch
 
-from hypertrain.common.config import CUSTOM_MODEL, RunConfig, TopologyConfig
+from hypertrain.common.config import CUSTOM_MODEL, RunConfig, TopologyConfig, anneal_islands
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.model import ModelConfig
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
 
 ExecPath = Literal["batched", "per_replica"]
-Anneal = Literal["full_m", "m1", "h_r1"]
+Anneal = str
+"""full_m | m1 | h_r1 | islands:K (docs/design.md §3.6)."""
 DEVICE_ENV = "HYPERTRAIN_SIM_DEVICE"
 EXECUTION_FIELDS = ("path", "device", "threads")
 """Fields outside the design: they choose how a job runs, not what it computes."""
@@ -192,8 +193,14 @@ class SimJob:
             raise bad("seeds must be >= 0 and diverge_ratio > 0")
         if self.path not in ("batched", "per_replica"):
             raise bad(f"path must be batched|per_replica, got {self.path!r}")
-        if self.anneal not in ("full_m", "m1", "h_r1"):
-            raise bad(f"anneal must be full_m|m1|h_r1, got {self.anneal!r}")
+        try:
+            few = anneal_islands(self.anneal)
+        except ConfigError:
+            few = 0
+        if self.anneal not in ("full_m", "m1", "h_r1") and not few:
+            raise bad(f"anneal must be full_m|m1|h_r1|islands:K, got {self.anneal!r}")
+        if few and few >= self.n_replicas:
+            raise bad(f"anneal {self.anneal}: K must be below the {self.n_replicas} replicas")
         if self.threads is not None and self.threads < 1:
             raise bad("threads must be >= 1")
         if self.dp_steps is not None:

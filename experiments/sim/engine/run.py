@@ -44,6 +44,7 @@ import torch
 
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
+from hypertrain.common.config import anneal_islands
 from hypertrain.common.data import (
     HOLDOUT_WINDOWS,
     SampleStream,
@@ -160,6 +161,10 @@ class FragmentSync:
             for _ in self.island_ids
         ]
         self.pending: PendingMerges[_Targets] = PendingMerges(self.schedule)
+        k, a = anneal_islands(job.anneal), anneal_start(job)
+        self.kept = None if k is None or a is None else (a, frozenset(range(k)))
+        """islands:K anneal: after its first step only replicas 0..K-1 sync (the system's
+        ``RunConfig.anneal_kept``: the first K islands); the others' training is ignored."""
         self.churn = churn
         self.absences: list[Absence] = []
         """Churn: who missed each sync step the draw applied to (engine/churn.py)."""
@@ -177,8 +182,20 @@ class FragmentSync:
             self.absences.append(drawn)
             absent = frozenset(drawn.absent)
         targets: list[tuple[int, int, torch.Tensor]] = []
+        left: set[str] = set()  # regions without an island after an islands:K anneal
         for k, core in enumerate(self.regions):
             lo, hi = k * self.n_r, (k + 1) * self.n_r
+            if self.kept is not None and step > self.kept[0]:
+                stay = [i for i in range(lo, hi) if i in self.kept[1]]
+                if not stay:
+                    left.add(core.region)
+                    continue
+                blobs = {
+                    self.island_ids[i]: self.feedback[i].encode(core.base - rows[i]) for i in stay
+                }
+                core.merge(blobs, keep=False)
+                targets.append((lo, hi, core.base.clone()))
+                continue
             blobs = {
                 self.island_ids[i]: self.feedback[i].encode(core.base - rows[i])
                 for i in range(lo, hi)
@@ -189,7 +206,11 @@ class FragmentSync:
             core.merge(blobs, keep=False)
             targets.append((lo, hi, core.base.clone()))
         if level == "global":
-            forwards = {core.region: core.encode_global_delta() for core in self.regions}
+            forwards = {
+                core.region: core.encode_global_delta()
+                for core in self.regions
+                if core.region not in left
+            }
             if absent and self.n_r == 1:  # churn, flat: region k is replica k's, and late
                 forwards = {c.region: forwards[c.region]
                             for k, c in enumerate(self.regions) if k not in absent}  # fmt: skip
