@@ -50,7 +50,14 @@ follows the global rounds."""
 CONFIGS = {"lawa": LAWA, "anneal+lawa": BOTH, "islands+lawa": ISLANDS}
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("lawa", marks=pytest.mark.slow),  # both others run LAWA too
+        "anneal+lawa",
+        "islands+lawa",
+    ],
+)
 def run(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[RunConfig, Cluster]:
