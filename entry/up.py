@@ -116,7 +116,9 @@ class Progress:
             elif kind == "final" and "digest" in e:
                 self.final_digest = e["digest"]
             elif kind == "lawa" and "digest" in e:
-                self.lawa = e
+                self.lawa = {**(self.lawa or {}), **e}
+            elif kind == "eval_lawa":
+                self.lawa = {**(self.lawa or {}), "heldout_loss": e["heldout_loss"]}
 
 
 def identity_flags(keys: Path, name: str) -> tuple[str, ...]:
@@ -365,14 +367,17 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
         agree = agree and not early
     if cfg.lawa:
         got = progress.lawa
-        lines.insert(
-            4,
-            f"LAWA average of global rounds {got.get('rounds', '?')}: digest {got['digest']} "
-            f"({run_dir}/aggregator/lawa.pt)"
-            if got is not None
-            else "LAWA average: MISSING (the aggregator logged no event=lawa)",
-        )
-        agree = agree and got is not None
+        if got is not None and "digest" in got:
+            loss = got.get("heldout_loss")
+            lines.insert(
+                4,
+                f"LAWA average of global rounds {got.get('rounds', '?')}: "
+                + (f"held-out loss {float(loss):.4f}, " if loss is not None else "")
+                + f"digest {got['digest']} ({run_dir}/aggregator/lawa.pt)",
+            )
+        else:
+            lines.insert(4, "LAWA average: MISSING (the aggregator logged no event=lawa)")
+        agree = agree and got is not None and "digest" in got
     return "\n".join(lines), agree
 
 

@@ -100,6 +100,7 @@ class Evaluator:
         self.layout = layout
         self.wake: queue.Queue[bool] = queue.Queue()  # True: a state waits; False: stop
         self._waiting: tuple[int, int, torch.Tensor] | None = None  # the one state queued
+        self._average: torch.Tensor | None = None  # the LAWA average, after the last state
         self._lock = threading.Lock()
         self._newest = -1  # the step of the newest state handed in
         self._current: torch.Tensor | None = None  # the state being evaluated
@@ -124,13 +125,22 @@ class Evaluator:
                 older[0], older[1], f"the state of step {newer} is newer and is evaluated instead"
             )
 
+    def submit_average(self, theta: torch.Tensor) -> None:
+        """The LAWA average (RunConfig.lawa): evaluated once no round's state waits, and
+        logged as ``event=eval_lawa``."""
+        with self._lock:
+            self._average = theta
+        self.wake.put(True)
+
     def _take(self) -> tuple[int, int, torch.Tensor] | None:
-        """The state to evaluate next (None: stop)."""
+        """The state to evaluate next (None: stop); round -1 at step -1: the LAWA average."""
         while True:
             if not self.wake.get():
                 return None
             with self._lock:
                 newest, self._waiting = self._waiting, None
+                if newest is None and self._average is not None:
+                    newest, self._average = (-1, -1, self._average), None
             if newest is not None:
                 return newest
 
@@ -157,6 +167,9 @@ class Evaluator:
                 return
             if aborted:  # (stopping, handled above, aborts it too)
                 _skipped(round_, step, _LET_GO)
+                continue
+            if step == -1:  # the LAWA average: not a round's state
+                log_event("eval_lawa", role="aggregator", heldout_loss=round(loss, 6))
                 continue
             self.metrics.heldout_loss.labels("aggregator").set(loss)
             log_event(
@@ -387,6 +400,8 @@ class AggregatorService:
                     lawa = state_digest(self.layout.unflatten(a.payload))
                     log_event("lawa", role="aggregator", rounds=rounds, digest=lawa)
             self.evaluator.submit(c.round, c.sync_step, c.payload)
+            if c.sync_step == self.cfg.steps and (a := self.node.averaged) is not None:
+                self.evaluator.submit_average(a.payload)  # after the final state's
 
     def close(self) -> None:
         if self._grace is not None:

@@ -99,7 +99,9 @@ def test_daemons_in_process_and_simulator_end_on_the_same_state_and_average(run)
     assert sorted(stopped) == sorted(set(cfg.topology.island_ids()) - set(kept))
     assert all(e["step"] == "8" for e in stopped.values())
     text, ok = summary(cfg, cluster.progress, run_dir, 1.0)
-    assert ok and f"LAWA average of global rounds 1..2: digest {ref.lawa_digest}" in text
+    assert float(logged["heldout_loss"]) == round(ref.lawa_loss, 6)  # event=eval_lawa
+    lawa_line = f"LAWA average of global rounds 1..2: held-out loss {ref.lawa_loss:.4f}, digest "
+    assert ok and lawa_line + ref.lawa_digest in text
     if stopped:
         assert (
             "anneal islands:2: r0-0, r0-1 trained the decay; 2 islands stopped after step 8" in text
