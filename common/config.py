@@ -299,6 +299,11 @@ class RunConfig:
     """LAWA: the run's final model is also published as the fixed-order fp32 mean of the
     aggregator's states after its last ``lawa`` global rounds (common/optim.py
     ``LawaSum``; 0: off).  Choose it so those rounds fall in the schedule's decay."""
+    fragments: int = 1
+    """Streaming DiLoCo (docs/design.md §3.8): the parameters are cut into this many
+    fragments (common/fragments.py ``partition``), fragment f syncs on the schedule
+    staggered by ``f * h_g // fragments`` steps, with its own rounds, error feedback and
+    outer state at every node; 1: the whole model syncs at once."""
     threads: int = 1
     """Intra-op threads per island.  CPU GEMM results depend on the thread
     count, so it is part of the config: equal threads give equal bits."""
@@ -364,6 +369,28 @@ class RunConfig:
             raise ConfigError(
                 f"run: lawa must be in [0, {rounds}] (the run's global rounds), got {self.lawa}"
             )
+        if not 1 <= self.fragments <= self.topology.h_g:
+            raise ConfigError(
+                f"run: fragments must be in [1, h_g = {self.topology.h_g}] (their syncs are "
+                f"staggered over a global interval), got {self.fragments}"
+            )
+        if self.fragments > 1:
+            unsupported = [
+                name
+                for name, on in (
+                    (f"anneal {self.anneal}", self.anneal != "full_m"),
+                    ("lawa", bool(self.lawa)),
+                    ("standby islands", bool(self.membership.standby)),
+                    ("membership cutoffs", self.membership.has_cutoffs),
+                    ("relay shards", self.topology.relay_shards > 1),
+                    ("a robust rule or norm bound", not self.robust.plain),
+                )
+                if on
+            ]
+            if unsupported:
+                raise ConfigError(
+                    f"run: fragments > 1 does not work with {', '.join(unsupported)} yet"
+                )
         if not 0 < self.ef_beta <= 1:
             raise ConfigError(f"run: ef_beta must be in (0, 1], got {self.ef_beta}")
         for name in ("regional_codec", "global_codec"):
@@ -461,6 +488,8 @@ class RunConfig:
             del d["model_shape"]
         if not self.lawa:  # configs from before LAWA keep their digest
             del d["lawa"]
+        if self.fragments == 1:  # ... and from before fragments
+            del d["fragments"]
         if self.anneal == "full_m":  # ... and from before the anneal
             del d["anneal"]
         if self.topology.relay_shards == 1:  # configs from before shards keep their digest

@@ -28,9 +28,18 @@ in-process run; a fragment never has two merges in flight because tau < h_r.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
+
+if TYPE_CHECKING:
+    from hypertrain.common.config import RunConfig
+
+
+def fragment_offset(index: int, n_fragments: int, h_g: int) -> int:
+    """Fragment ``index``'s stagger: ``index * h_g // n_fragments`` steps."""
+    return (index * h_g) // n_fragments
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +56,11 @@ class Fragment:
     offset: int
     """Step offset of its schedule (0 <= offset < h_g)."""
 
+    @classmethod
+    def whole(cls, numel: int) -> Fragment:
+        """The one fragment of a run that is not split: every value, offset 0."""
+        return cls(index=0, names=(), shapes=(), lo=0, hi=numel, offset=0)
+
     @property
     def numel(self) -> int:
         return self.hi - self.lo
@@ -60,6 +74,12 @@ class Fragment:
                 n *= d
             out.append(n)
         return out
+
+
+def run_fragments(cfg: RunConfig, layout: ParamLayout) -> list[Fragment]:
+    """The fragments of ``cfg``'s run (``RunConfig.fragments``; one, the whole model, by
+    default): what every node and island of the run cuts."""
+    return partition(layout, cfg.fragments, cfg.topology.h_g)
 
 
 def partition(layout: ParamLayout, n_fragments: int, h_g: int) -> list[Fragment]:
@@ -96,7 +116,7 @@ def partition(layout: ParamLayout, n_fragments: int, h_g: int) -> list[Fragment]
                 shapes=layout.shapes[first:stop],
                 lo=layout.offsets[first],
                 hi=ends[stop - 1],
-                offset=(f * h_g) // n_fragments,
+                offset=fragment_offset(f, n_fragments, h_g),
             )
         )
         first = stop

@@ -33,6 +33,8 @@ from hypertrain.common.data import (
 )
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import run_fragments
 from hypertrain.common.model import build_model, evaluate
 from hypertrain.common.roles import IslandCore, initial_parameters
 from hypertrain.common.rounds.local import Cluster, IslandActor
@@ -71,6 +73,26 @@ def open_dataset(cfg: RunConfig) -> TokenDataset:
     return TokenDataset.open(cfg.data) if cfg.data else ensure_default_dataset()
 
 
+def model_cluster(
+    cfg: RunConfig,
+    layout: ParamLayout,
+    theta0: torch.Tensor,
+    stream: SampleStream,
+    **kwargs: Any,
+) -> Cluster:
+    """The in-process cluster of ``cfg``'s model: islands training on ``stream``, every
+    node cut into the run's fragments when it has several (``kwargs``: Cluster's own,
+    e.g. ``run_dir``, ``keys``, ``observer``)."""
+    frags = run_fragments(cfg, layout) if cfg.fragments > 1 else None
+    return Cluster(
+        cfg,
+        theta0,
+        lambda i: IslandCore(cfg, i, stream, theta0, fragments=frags),
+        fragments=frags,
+        **kwargs,
+    )
+
+
 def run_reference(
     cfg: RunConfig, on_event: Callable[[Event], None] | None = None, workers: int | None = None
 ) -> RunResult:
@@ -85,10 +107,14 @@ def run_reference(
     holdout = holdout_windows(dataset, mcfg.seq_len, n=HOLDOUT_WINDOWS, seed=cfg.seed)
     eval_windows = holdout.windows[: cfg.holdout_windows]
     layout, theta0 = initial_parameters(cfg)
-    cluster = Cluster(cfg, theta0, lambda i: IslandCore(cfg, i, stream, theta0))
+    cluster = model_cluster(cfg, layout, theta0, stream)
+    frags = cluster.fragments
     every = list(cluster.islands.values())
     eval_model = build_model(mcfg, seed=cfg.seed)
-    sched = Schedule.of(cfg)
+    # Rounds are counted (and evaluated) at the global merges of fragment 0, whose
+    # schedule is the run's; with fragments the model evaluated is every fragment's
+    # newest global state.
+    sched = Schedule.of(cfg, None if frags is None else 0)
 
     def held_out(theta: torch.Tensor) -> float:
         layout.load(eval_model, theta)
@@ -111,7 +137,7 @@ def run_reference(
         t2 = time.perf_counter()
         result.seconds_sync += t2 - t1
         for merge in committed:
-            loss = held_out(merge.payload)
+            loss = held_out(merge.payload if frags is None else cluster.global_theta())
             event = {
                 "round": merge.round,
                 "step": merge.sync_step,

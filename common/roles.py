@@ -22,7 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +41,7 @@ from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment
 from hypertrain.common.model import GPT, build_model
 from hypertrain.common.optim import InnerOptimizer, wsd_factor
 from hypertrain.common.outer import make_outer
@@ -86,21 +87,52 @@ class IslandState:
     sync and merge rules below are the same for both, so what the fault simulation
     checks is what the daemons run."""
 
-    def __init__(self, cfg: RunConfig, island_id: str, theta0: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        island_id: str,
+        theta0: torch.Tensor,
+        fragments: Sequence[Fragment] | None = None,
+    ) -> None:
+        """``fragments``: the run's streaming fragments (``fragments.run_fragments``);
+        needed when ``cfg.fragments`` > 1, else the whole vector is one."""
         topo = cfg.topology
         self.cfg = cfg
-        self.schedule = Schedule.of(cfg, island=island_id)
         self.island_id = island_id
         self.region = topo.region_of(island_id)
         self.data_index = topo.island_ids().index(island_id)
         self.numel = theta0.numel()
+        if fragments is None:
+            if cfg.fragments != 1:
+                raise HypertrainError(
+                    f"island {island_id}: a run with {cfg.fragments} fragments needs their ranges"
+                )
+            fragments = [Fragment.whole(self.numel)]
+        self.fragments = tuple(fragments)
+        if len(self.fragments) != cfg.fragments or self.fragments[-1].hi != self.numel:
+            raise HypertrainError(
+                f"island {island_id}: {len(self.fragments)} fragments up to "
+                f"{self.fragments[-1].hi} for a run of {cfg.fragments} over {self.numel} values"
+            )
+        split = cfg.fragments > 1
+        self.schedules = [
+            Schedule.of(cfg, fragment=f.index if split else None, island=island_id)
+            for f in self.fragments
+        ]
+        """Each fragment's schedule (one, the run's, when it is not split)."""
+        self.schedule = self.schedules[0]
         self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
         self.codec = make_codec(cfg.regional_codec)
-        self.feedback = ErrorFeedback(self.codec, self.numel, beta=cfg.ef_beta)
+        self.feedbacks = [
+            ErrorFeedback(self.codec, f.numel, beta=cfg.ef_beta) for f in self.fragments
+        ]
+        """Each fragment's error feedback of the regional codec."""
+        self.feedback = self.feedbacks[0]
         self.shards = cfg.shards(self.numel)
         """The ranges of the region's relay shards; the island sends each its own part."""
         self.step = 0
-        self.snapshots: dict[int, torch.Tensor] = {}  # sync_step -> theta (tau > 0)
+        self.snapshots: list[dict[int, torch.Tensor]] = [{} for _ in self.fragments]
+        """Per fragment: sync_step -> its values of theta then (tau > 0)."""
         self.last_delta_norm = 0.0  # L2 norm of the last pseudo-gradient (for metrics)
 
     # -- what a subclass provides ----------------------------------------------------------
@@ -128,15 +160,18 @@ class IslandState:
         pass
 
     # -- the sync rules (docs/design.md §2, §3) ----------------------------------------------
-    def sync(self, encode: bool = True) -> list[Blob]:
-        """At a sync step: the regional pseudo-gradient ``base - theta`` through the codec
-        with error feedback, one blob per relay shard (one when the region's relay is not
-        sharded).  With tau > 0 it also snapshots theta for the overlap rule.
+    def sync(self, encode: bool = True, fragment: int = 0) -> list[Blob]:
+        """At a sync step of ``fragment`` (0: the whole model when the run is not split):
+        its regional pseudo-gradient ``base - theta`` through the codec with its error
+        feedback, one blob per relay shard (one when the region's relay is not sharded).
+        With tau > 0 it also snapshots theta's values for the overlap rule.
 
         ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
         only takes the snapshot and returns no bytes."""
+        fr, feedback = self.fragments[fragment], self.feedbacks[fragment]
+        split = len(self.fragments) > 1
         frame: memoryview | None = None
-        if encode and not self.shards.sharded and self.feedback.frames_in_place:
+        if encode and not split and not self.shards.sharded and feedback.frames_in_place:
             # fp32: the delta is computed behind the header room of the blob that is sent
             # (ErrorFeedback.encode_framed), so a sync holds one copy of the model, not two
             # (the parameters' copy, then the encoded blob).
@@ -144,30 +179,41 @@ class IslandState:
             frame = alloc_raw(head + 4 * self.numel)
             theta = tensor_view(frame, torch.float32, head, self.numel)
             self.params_into(theta)
+        elif split:
+            theta = self.params()[fr.lo : fr.hi].clone()  # the fragment's values alone
         else:
             theta = self.params()  # a fresh copy: the delta is computed in its memory
-        if self.schedule.tau:
-            self.snapshots[self.step] = theta.clone()
+        if self.schedules[fragment].tau:
+            self.snapshots[fragment][self.step] = theta.clone()
         if not encode:
             return []
-        delta = torch.sub(self.base, theta, out=theta)
+        delta = torch.sub(self.base[fr.lo : fr.hi], theta, out=theta)
         self.last_delta_norm = float(torch.linalg.vector_norm(delta))
         if frame is not None:
             del theta, delta
-            self.feedback.encode_framed(frame, (self.numel,))
+            feedback.encode_framed(frame, (self.numel,))
             return [frame]
         if not self.shards.sharded:
-            blobs = [self.feedback.encode(delta, consume=True)]
+            blobs = [feedback.encode(delta, consume=True)]
         else:
-            blobs = self.feedback.encode_parts(delta, self.shards.all_bounds(), consume=True)
+            blobs = feedback.encode_parts(delta, self.shards.all_bounds(), consume=True)
         # The new residual lives in the delta's memory now; the old one's is let go here,
         # not held beside it until the next sync (a whole model while the island trains).
-        self.feedback.released = None
+        feedback.released = None
         return blobs
 
-    def apply_merge(self, kind: str, payload: torch.Tensor, sync_step: int) -> None:
-        """Apply the merge of ``sync_step``; must be called at its pinned step
-        (``Schedule.merge_step``).
+    def apply_merge(
+        self,
+        kind: str,
+        payload: torch.Tensor,
+        sync_step: int,
+        fragment: int = 0,
+        before_final: bool = False,
+    ) -> None:
+        """Apply the merge of ``sync_step`` (of ``fragment``: its values); must be called at
+        its pinned step (``Schedule.merge_step``), or, ``before_final``, at the run's last
+        step before that step's sync when it is pinned there or later (a fragment whose
+        last sync is less than tau steps before the end).
 
         ``kind`` "regional": ``payload`` is the relay's regional base after its merge of
         ``sync_step`` (b_r - mean, the bits this island's ``base - mean`` would give),
@@ -175,20 +221,26 @@ class IslandState:
         ``kind`` "global": ``payload`` is theta_{g+1}, base <- theta_{g+1}.
         The island then takes base, plus (tau > 0) the progress made during the overlap.
         """
-        merge_step = self.schedule.merge_step(sync_step)
-        if self.step != merge_step:
+        schedule = self.schedules[fragment]
+        merge_step = schedule.merge_step(sync_step)
+        early = before_final and self.step == schedule.steps <= merge_step
+        if self.step != merge_step and not early:
             raise HypertrainError(
                 f"island {self.island_id}: merge of sync step {sync_step} is pinned to step "
                 f"{merge_step}, island is at step {self.step}"
             )
-        if kind in ("regional", "global"):
-            self.base.copy_(payload)
-        else:
+        if kind not in ("regional", "global"):
             raise HypertrainError(f"island {self.island_id}: unknown merge kind {kind!r}")
-        snapshot = self.snapshots.pop(sync_step, None)
-        merged = (
-            self.base if snapshot is None else overlap_merge(self.base, self.params(), snapshot)
-        )
+        fr = self.fragments[fragment]
+        base = self.base[fr.lo : fr.hi]
+        base.copy_(payload)
+        snapshot = self.snapshots[fragment].pop(sync_step, None)
+        if len(self.fragments) == 1:
+            merged = base if snapshot is None else overlap_merge(base, self.params(), snapshot)
+        else:
+            merged = self.params()
+            now = merged[fr.lo : fr.hi]
+            now.copy_(base if snapshot is None else overlap_merge(base, now, snapshot))
         self.load_params(merged)
 
     def heal(self, theta: torch.Tensor, sync_step: int) -> None:
@@ -202,6 +254,8 @@ class IslandState:
             raise HypertrainError(
                 f"island {self.island_id}: cannot rejoin at step {sync_step}, it is at {self.step}"
             )
+        if len(self.fragments) > 1:  # the config refuses what could leave one behind
+            raise HypertrainError(f"island {self.island_id}: no rejoin with fragments yet")
         self.finish(theta)  # base and parameters are theta, no overlap snapshot pending
         self.feedback.load_state_dict({"residual": None, "beta": self.feedback.beta})
         self.step = sync_step
@@ -210,7 +264,8 @@ class IslandState:
         """End of the run: take the final global parameters (no steps follow, no overlap);
         ``heal`` takes a later global merge the same way."""
         self.base.copy_(theta)
-        self.snapshots.clear()
+        for snaps in self.snapshots:
+            snaps.clear()
         self.load_params(self.base)
 
     def params_equal_base(self) -> bool:
@@ -234,9 +289,19 @@ class IslandState:
             "params": self.params() if copy or not self.params_equal_base() else None,
             "base": keep(self.base),
             **self._train_state(copy),
-            "feedback": self.feedback.state_dict(copy=copy),
-            "snapshots": {k: keep(v) for k, v in self.snapshots.items()},
+            **self._sync_state(keep, copy),
         }
+
+    def _sync_state(
+        self, keep: Callable[[torch.Tensor], torch.Tensor], copy: bool
+    ) -> dict[str, Any]:
+        """Error feedback and overlap snapshots: as before fragments when the run is not
+        split, else one of each per fragment."""
+        feedback = [fb.state_dict(copy=copy) for fb in self.feedbacks]
+        snapshots = [{k: keep(v) for k, v in snaps.items()} for snaps in self.snapshots]
+        if len(self.fragments) == 1:
+            return {"feedback": feedback[0], "snapshots": snapshots[0]}
+        return {"feedback": feedback, "snapshots": snapshots}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["island"] != self.island_id:
@@ -246,8 +311,19 @@ class IslandState:
         self.load_params(state["base"] if params is None else params)
         self.base.copy_(state["base"])
         self._load_train_state(state)
-        self.feedback.load_state_dict(state["feedback"])
-        self.snapshots = {int(k): v.clone() for k, v in state["snapshots"].items()}
+        split = len(self.fragments) > 1
+        feedback, snapshots = state["feedback"], state["snapshots"]
+        if split != isinstance(feedback, list) or (split and len(feedback) != len(self.fragments)):
+            raise HypertrainError(
+                f"island state of {state['island']!r} is not of a run with "
+                f"{len(self.fragments)} fragments"
+            )
+        for fb, fb_state in zip(self.feedbacks, feedback if split else [feedback], strict=True):
+            fb.load_state_dict(fb_state)
+        self.snapshots = [
+            {int(k): v.clone() for k, v in snaps.items()}
+            for snaps in (snapshots if split else [snapshots])
+        ]
 
 
 class IslandCore(IslandState):
@@ -268,8 +344,9 @@ class IslandCore(IslandState):
         theta0: torch.Tensor,
         ranks: RankGroup | None = None,
         device: torch.device | str = "cpu",
+        fragments: Sequence[Fragment] | None = None,
     ) -> None:
-        super().__init__(cfg, island_id, theta0)
+        super().__init__(cfg, island_id, theta0, fragments)
         self.stream = stream
         self.ranks = ranks
         k = 1 if ranks is None else ranks.size

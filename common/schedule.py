@@ -35,6 +35,7 @@ import torch
 
 from hypertrain.common import planted
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.fragments import fragment_offset
 
 if TYPE_CHECKING:
     from hypertrain.common.config import RunConfig
@@ -60,6 +61,9 @@ class Schedule:
     """A streaming fragment's stagger in steps (0 <= offset < h_g); 0 for the whole model."""
     anneal_at: int | None = None
     """The anneal at H_r = 1: every step after this global sync step syncs (None: no anneal)."""
+    fragment: int | None = None
+    """The streaming fragment this schedule is of (None: the run is not split; the whole
+    model syncs on one schedule)."""
 
     def __post_init__(self) -> None:
         if self.h_r < 1 or self.h_g % self.h_r or self.h_g < 1:
@@ -83,18 +87,32 @@ class Schedule:
             )
 
     @classmethod
-    def of(cls, cfg: RunConfig, offset: int = 0, island: str | None = None) -> Schedule:
-        """The run's schedule; for ``island``, that island's: with an ``islands:K`` anneal
-        an island that does not train the decay ends at the anneal's first step (it takes
-        that step's global merge as its final state)."""
+    def of(cls, cfg: RunConfig, fragment: int | None = None, island: str | None = None) -> Schedule:
+        """The run's schedule; of streaming ``fragment`` f (None with ``cfg.fragments`` 1),
+        staggered by ``fragment_offset``; for ``island``, that island's: with an
+        ``islands:K`` anneal an island that does not train the decay ends at the anneal's
+        first step (it takes that step's global merge as its final state)."""
         t = cfg.topology
+        if (fragment is None) != (cfg.fragments == 1) or not 0 <= (fragment or 0) < cfg.fragments:
+            raise HypertrainError(
+                f"schedule: fragment {fragment} of a run with {cfg.fragments} fragments"
+            )
+        offset = 0 if fragment is None else fragment_offset(fragment, cfg.fragments, t.h_g)
         at = cfg.anneal_step if cfg.anneal == "h_r1" else None
         steps = cfg.steps
         kept = cfg.anneal_kept()
         if island is not None and kept is not None and island not in kept:
             assert cfg.anneal_step is not None
             steps = cfg.anneal_step
-        return cls(h_r=t.h_r, h_g=t.h_g, tau=t.tau, steps=steps, offset=offset, anneal_at=at)
+        return cls(
+            h_r=t.h_r,
+            h_g=t.h_g,
+            tau=t.tau,
+            steps=steps,
+            offset=offset,
+            anneal_at=at,
+            fragment=fragment,
+        )
 
     def annealing(self, step: int) -> bool:
         """Is ``step`` (1-based) in the anneal, where every step syncs?"""
@@ -115,28 +133,31 @@ class Schedule:
         return self.h_g if level == "global" else self.h_r
 
     def is_sync_step(self, step: int, level: SyncKind) -> bool:
-        """Does ``level`` sync after ``step``?  (Whole-model schedules: a multiple of the
-        level's interval within the run, or in the anneal any regional step.)"""
+        """Does ``level`` sync after ``step``?  (A global sync includes its regional one.)"""
         if not 1 <= step <= self.steps:
             return False
-        return step % self.interval(level) == 0 or (level == "regional" and self.annealing(step))
+        kind = self.sync_kind(step)
+        return kind is not None and (level == "regional" or kind == "global")
 
     def first_sync_step(self, level: SyncKind) -> int:
         return self.next_sync_step(level, 0)
 
     def next_sync_step(self, level: SyncKind, step: int) -> int:
-        """The first sync step of ``level`` after ``step``."""
+        """The first sync step of ``level`` after ``step`` (past the last step: where the
+        grid of ``level`` would put it)."""
         if level == "regional" and self.annealing(step + 1):
             return step + 1
-        n = self.interval(level)
-        return (step // n + 1) * n
+        n, o = self.interval(level), self.offset
+        s = o + ((step - o) // n + 1) * n
+        return self.steps if step < self.steps < s else s
 
     def prev_sync_step(self, level: SyncKind, step: int) -> int:
         """The last sync step of ``level`` before ``step`` (0: none)."""
         if level == "regional" and self.annealing(step - 1):
             return step - 1
-        n = self.interval(level)
-        return (step - 1) // n * n
+        n, o = self.interval(level), self.offset
+        s = max(o + ((step - 1 - o) // n) * n, 0)
+        return self.steps if s < self.steps < step else s
 
     def sync_steps(self, level: SyncKind, after: int = 0, until: int | None = None) -> list[int]:
         """Every sync step of ``level`` in ``(after, until]`` (default: the whole run), in
@@ -161,18 +182,25 @@ class Schedule:
     def is_final(self, sync_step: int) -> bool:
         return sync_step == self.steps
 
+    @property
+    def _first_global(self) -> int:
+        return self.offset or self.h_g
+
     def round_of(self, sync_step: int) -> int:
-        """The global round (0-based) sync step ``sync_step`` belongs to."""
-        return (sync_step - 1) // self.h_g
+        """The global round (0-based) sync step ``sync_step`` belongs to (with an offset o,
+        round 0 ends at step o, and the run's last step closes one more round)."""
+        return (sync_step - self._first_global + self.h_g - 1) // self.h_g
 
     def global_step_of(self, round_: int) -> int:
         """The global sync step that closes round ``round_``."""
-        return (round_ + 1) * self.h_g
+        if self.offset and round_ == self.rounds - 1:
+            return self.steps
+        return self._first_global + round_ * self.h_g
 
     @property
     def rounds(self) -> int:
-        """Global rounds in the run."""
-        return self.steps // self.h_g
+        """Global rounds in the run (one more with an offset: its last is cut short)."""
+        return self.steps // self.h_g + (1 if self.offset else 0)
 
     @property
     def syncs_per_round(self) -> int:

@@ -37,7 +37,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"reference run {cfg.run_id}: {topo.n_islands} islands in {len(topo.regions)} regions "
         f"({','.join(topo.regions)}), preset {cfg.model}, {cfg.steps} steps, "
         f"H_r={topo.h_r} H_g={topo.h_g} tau={topo.tau}, codecs {cfg.regional_codec}/"
-        f"{cfg.global_codec}, outer {cfg.outer.name}, inner {cfg.inner.name}",
+        f"{cfg.global_codec}, outer {cfg.outer.name}, inner {cfg.inner.name}"
+        + (f", {cfg.fragments} streaming fragments" if cfg.fragments > 1 else ""),
         flush=True,
     )
 

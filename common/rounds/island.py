@@ -12,6 +12,12 @@ asks it what to do:
 - ``final_due()``: after the last step the driver fetches the final global state and
   calls ``finish`` (an island an ``islands:K`` anneal stops, ``stops_early``, fetches
   nothing: once its last push is acknowledged it calls ``stop``).
+- streaming fragments (``RunConfig.fragments`` > 1): each fragment syncs on its own
+  schedule; deltas and pending merges name their fragment (``Delta.fragment``,
+  ``PendingMerge.item``), the driver fetches each from that fragment's relay, and the
+  final state comes a fragment at a time (``final_due`` / ``finish`` until it returns
+  True).  At the last step, a fragment whose merge is still pending takes it before the
+  step's sync (``before_sync``), as the simulator's flush does.
 - ``join(parts)``: with relay shards, a merge is fetched from every shard and joined
   here into the whole vector ``apply`` / ``finish`` take; the receipts each part came
   with are checked and kept first (``common/trust/receipts.py``).
@@ -45,9 +51,13 @@ class IslandRounds:
         self.run_id = run_id
         self.witness = witness
         self.schedule: Schedule = core.schedule
-        self.pending: PendingMerges[None] = PendingMerges(self.schedule)
+        """The run's schedule (fragment 0's when the run is split: its last step is the
+        run's)."""
+        self.pendings: list[PendingMerges[int]] = [PendingMerges(s) for s in core.schedules]
+        """Per fragment, the merges it waits for (the item: the fragment's index)."""
         self.codec = str(core.codec.spec)
         self.last_sync: tuple[int, SyncKind] | None = None
+        self._final: torch.Tensor | None = None  # fragments' final values, as they come
 
     @property
     def step(self) -> int:
@@ -69,32 +79,48 @@ class IslandRounds:
         """An island that ``stops_early``: its last push was acknowledged; nothing more."""
         if not (self.finished and self.stops_early):
             raise HypertrainError(f"island {self.core.island_id}: stop before its last step")
-        self.pending.flush()
+        self._flush()
+
+    def _flush(self) -> list[PendingMerge[int]]:
+        return [p for q in self.pendings for p in q.flush()]
+
+    def before_sync(self) -> list[PendingMerge[int]]:
+        """At the run's last step, before its sync: the merges still pending (pinned to
+        that step, or later with tau > 0), to fetch and ``apply`` first, so the final delta
+        is taken from the state they give (the simulator's flush).  Only a fragment whose
+        last sync before the end lies less than tau steps back has one."""
+        if self.core.step != self.schedule.steps or self.stops_early:
+            return []
+        return [p for q in self.pendings if len(q) for p in q.flush()]
 
     def after_step(self, encode: bool = True) -> list[Delta]:
         """After an inner step: at a sync step, the deltas to push, the i-th for relay shard
-        i (one when the region's relay is not sharded); none on other steps, and none with
-        ``encode=False``, for ranks that send nothing but must snapshot."""
+        i (one when the region's relay is not sharded), fragment by fragment when the run
+        is split; none on other steps, and none with ``encode=False``, for ranks that send
+        nothing but must snapshot."""
         step = self.core.step
-        kind = self.schedule.sync_kind(step)
-        if kind is None:
-            return []
-        blobs = self.core.sync(encode=encode)
-        self.pending.add(step, kind, None)
-        self.last_sync = (step, kind)
         shards = self.core.shards
-        return [
-            Delta.of(
-                self.run_id,
-                step,
-                self.core.island_id,
-                self.codec,
-                blob,
-                self.schedule,
-                shard=shards.label(i),
+        out: list[Delta] = []
+        for f, schedule in enumerate(self.core.schedules):
+            kind = schedule.sync_kind(step)
+            if kind is None:
+                continue
+            blobs = self.core.sync(encode=encode, fragment=f)
+            self.pendings[f].add(step, kind, f)
+            self.last_sync = (step, kind)
+            out.extend(
+                Delta.of(
+                    self.run_id,
+                    step,
+                    self.core.island_id,
+                    self.codec,
+                    blob,
+                    schedule,
+                    shard=shards.label(i),
+                )
+                for i, blob in enumerate(blobs)
             )
-            for i, blob in enumerate(blobs)
-        ]
+        return out
 
     def join(self, parts: list[Committed], out: torch.Tensor | None = None) -> torch.Tensor:
         """The payload of a merge fetched from each relay shard, in shard order, as one
@@ -132,32 +158,55 @@ class IslandRounds:
                 out[a:b].copy_(p.payload.view(-1))
         return out
 
-    def due(self) -> list[PendingMerge[None]]:
-        """The merges to fetch and apply now (pinned to the current step, within the run)."""
+    def due(self) -> list[PendingMerge[int]]:
+        """The merges to fetch and apply now (pinned to the current step, within the run),
+        in fragment order."""
         step = self.core.step
-        head = self.pending.peek()
-        if head is not None and not self.schedule.applies_in_run(head.sync_step):
-            return []  # the last step's merge: taken by ``finish``
-        return self.pending.due(step)
+        out: list[PendingMerge[int]] = []
+        for q in self.pendings:
+            head = q.peek()
+            if head is not None and not q.schedule.applies_in_run(head.sync_step):
+                continue  # the last step's merge: taken by ``finish``
+            out.extend(q.due(step))
+        return out
 
-    def apply(self, merge: PendingMerge[None], payload: torch.Tensor) -> None:
-        self.core.apply_merge(merge.kind, payload, merge.sync_step)
+    def apply(self, merge: PendingMerge[int], payload: torch.Tensor) -> None:
+        """Apply ``merge`` (from ``due``, or ``before_sync`` at the last step)."""
+        self.core.apply_merge(
+            merge.kind, payload, merge.sync_step, fragment=merge.item, before_final=True
+        )
 
-    def final_due(self) -> int | None:
-        """After the last step: the sync step whose global state ends the run."""
+    def final_due(self) -> PendingMerge[int] | None:
+        """After the last step: the merge whose global state ends the run (the next
+        fragment's, when the run is split), or None."""
         if not self.finished or self.stops_early:
             return None
-        head = self.pending.peek()
-        return head.sync_step if head is not None else None
+        return next((q.peek() for q in self.pendings if len(q)), None)
 
-    def finish(self, theta: torch.Tensor) -> None:
-        left = self.pending.flush()
-        if len(left) != 1 or not self.schedule.is_final(left[0].sync_step):
+    def finish(self, theta: torch.Tensor) -> bool:
+        """Take the final global state of ``final_due``'s merge (the whole model, or its
+        fragment's values); True once the island holds the run's final state."""
+        head = self.final_due()
+        if head is None:
+            raise HypertrainError(f"island {self.core.island_id}: no final merge to take")
+        left = self.pendings[head.item].flush()
+        if len(left) != 1 or not self.pendings[head.item].schedule.is_final(left[0].sync_step):
             raise HypertrainError(
                 f"island {self.core.island_id}: the run ends with merges of steps "
                 f"{[p.sync_step for p in left]} pending"
             )
-        self.core.finish(theta)
+        if len(self.pendings) == 1:
+            self.core.finish(theta)
+            return True
+        if self._final is None:
+            self._final = torch.empty(self.core.numel)
+        fr = self.core.fragments[head.item]
+        self._final[fr.lo : fr.hi].copy_(theta.view(-1))
+        if self.final_due() is not None:
+            return False
+        self.core.finish(self._final)
+        self._final = None
+        return True
 
     def join_from(self, start: int | None) -> tuple[int, SyncKind] | None:
         """After a join was taken with ``start`` (``Decision.start``): the merge (sync step
@@ -183,10 +232,10 @@ class IslandRounds:
                 f"island {self.core.island_id}: cannot rejoin at step {sync_step} from step "
                 f"{self.core.step}"
             )
-        self.pending.flush()
+        self._flush()
         self.core.heal(payload, sync_step)
         self.last_sync = None
 
     def resume(self) -> None:
         """After loading a rejoin state (saved right after a global merge): nothing pending."""
-        self.pending.flush()
+        self._flush()

@@ -36,6 +36,7 @@ import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.fragments import Fragment
 from hypertrain.common.roles import IslandState
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import (
@@ -257,9 +258,9 @@ class _Client(Actor):
             if call.attempt != attempt or not call.busy:
                 return  # an answer to an earlier try, or the call is over
             call.attempt += 1  # cancels the pending timeout
-            if on_reply(reply):
-                call.busy = False
-            else:
+            call.busy = False  # over, unless on_reply asks again on this slot (the next merge)
+            if not on_reply(reply):
+                call.busy = True
                 self.later(RETRY, lambda: self.ask(slot, dst, request, on_reply, what))
 
         def timed_out() -> None:
@@ -299,6 +300,12 @@ class IslandActor(_Client):
         region = cluster.cfg.topology.region_of(island_id)
         self.relay_names = [relay_key(m) for m in cluster.shards.members((region,))]
         """The region's relay, or its shards in shard order."""
+        split = cluster.cfg.fragments > 1
+        self.fragment_relays = [
+            [cluster.fragment_name(n, f if split else None) for n in self.relay_names]
+            for f in range(cluster.cfg.fragments)
+        ]
+        """Per streaming fragment, the names of its relay (or shards)."""
         self.sent_bytes = 0
         self.sends = 0
         self.member = island_id in cluster.cfg.membership.initial((island_id,))
@@ -315,7 +322,8 @@ class IslandActor(_Client):
         self.push_step: int | None = None  # the sync step whose push is not acknowledged
         self.unacked: set[int] = set()  # ... by these relay shards
         self.parts: dict[int, Committed] = {}  # the merge being fetched, by shard
-        self.waiting: list[PendingMerge[None]] = []
+        self.waiting: list[PendingMerge[int]] = []
+        self.sync_next = False  # the last step's sync waits for the merges in ``waiting``
         self.final_wait = False
         self.done = False
         self.healing: tuple[int, str] | None = None  # the merge a join named, being fetched
@@ -330,6 +338,7 @@ class IslandActor(_Client):
             and not self.done
             and not self.rounds.finished
             and not self.waiting
+            and not self.sync_next
             and not self.final_wait
             and not self.joining
             and self.healing is None
@@ -340,6 +349,8 @@ class IslandActor(_Client):
         """Ask the region's relay to take this island in (``JOIN``: then fetch the merge
         it names and heal to it) or to let it go (``LEAVE``: then stop, like a daemon that
         got SIGTERM)."""
+        if self.cluster.cfg.fragments > 1:
+            raise HypertrainError(f"island {self.name}: no joins or leaves with fragments yet")
         relay = self.cluster.relays[self.relay_names[0]]
         request = MemberRequest(
             self.cluster.cfg.run_id, change, self.name, self.core.step, int(self.net.now * 1e9)
@@ -383,6 +394,8 @@ class IslandActor(_Client):
         take it in (a member is told so; any other island joins and heals to the merge
         the relay names).  Lockstep runs (``step_together``) skip this: their islands are
         all members throughout."""
+        if self.cluster.cfg.fragments > 1:  # every island is a member throughout
+            return
         if not self.joining:
             self.joining = True
             self.cluster.gone.discard(self.name)  # started again after a leave
@@ -402,22 +415,33 @@ class IslandActor(_Client):
         return self.core.train_step()
 
     def after_train(self) -> None:
-        """After an inner step: push at a sync step, then ask for the merges now due."""
+        """After an inner step: push at a sync step, then ask for the merges now due (at
+        the last step, first the merges still pending: ``IslandRounds.before_sync``)."""
+        first = self.rounds.before_sync()
+        if first:
+            self.waiting, self.sync_next = first, True
+            self._next()
+            return
+        self._sync()
+
+    def _sync(self) -> None:
         deltas = self.rounds.after_step()
         if deltas:
             self.sends += 1
             self.push_step, self.unacked = deltas[0].sync_step, set(range(len(deltas)))
-        for shard, delta in enumerate(deltas):
+        for i, delta in enumerate(deltas):
             if self.key is not None:
                 delta = delta.signed(self.key.sign(delta.transfer_message()))
             self.sent_bytes += len(delta.data)
-            self._push(shard, delta)
+            names = self.fragment_relays[delta.fragment or 0]
+            self._push(i, names[i % len(names)], delta)
         self.waiting = self.rounds.due()
         self.final_wait = self.rounds.final_due() is not None
         self._next()
 
-    def _push(self, shard: int, delta: Delta) -> None:
-        relay = self.cluster.relays[self.relay_names[shard]]
+    def _push(self, shard: int, name: str, delta: Delta) -> None:
+        """Push ``delta`` to relay ``name`` (``shard``: its index among this step's pushes)."""
+        relay = self.cluster.relays[name]
 
         def on_reply(d: Decision) -> bool:
             # Stale: the step closed without this island at its cutoff; like the daemon,
@@ -454,19 +478,27 @@ class IslandActor(_Client):
             self.cluster.observer.finished(self.name, self.core.params())
             return
         if self.waiting:
-            self._fetch(self.waiting[0].sync_step, self.waiting[0].kind)
+            head = self.waiting[0]
+            self._fetch(head.sync_step, head.kind, head.item)
+        elif self.sync_next:
+            self.sync_next = False
+            self._sync()
         elif self.final_wait:
-            step = self.rounds.final_due()
-            assert step is not None
-            self._fetch(step, "global")
+            final = self.rounds.final_due()
+            assert final is not None
+            self._fetch(final.sync_step, "global", final.item)
 
-    def _fetch(self, step: int, kind: str) -> None:
-        """Fetch the merge of ``step`` from every relay shard; apply it once all are in."""
+    def _fetch(self, step: int, kind: str, fragment: int = 0) -> None:
+        """Fetch the merge of ``step`` (of ``fragment``) from every relay shard; apply it
+        once all are in."""
         self.parts = {}
-        for shard, name in enumerate(self.relay_names):
-            self._fetch_part(shard, name, step, kind)
+        names = self.fragment_relays[fragment]
+        for shard, name in enumerate(names):
+            self._fetch_part(shard, name, step, kind, fragment, len(names))
 
-    def _fetch_part(self, shard: int, name: str, step: int, kind: str) -> None:
+    def _fetch_part(
+        self, shard: int, name: str, step: int, kind: str, fragment: int, count: int
+    ) -> None:
         relay = self.cluster.relays[name]
 
         def on_reply(got: Committed | Decision | None) -> bool:
@@ -476,12 +508,12 @@ class IslandActor(_Client):
                 raise _refused(self.name, f"fetch of step {step}", got)
             if got.sync_step >= step:  # the merge asked for, or a newer global one
                 self.parts[shard] = got
-            if len(self.parts) == len(self.relay_names):
-                parts, self.parts = [self.parts[i] for i in range(len(self.relay_names))], {}
+            if len(self.parts) == count:
+                parts, self.parts = [self.parts[i] for i in range(count)], {}
                 if len({(p.sync_step, p.kind) for p in parts}) > 1:
                     # Shards answered different merges (one already holds a newer round
                     # only): ask them all again a little later.
-                    self.later(RETRY, lambda: self._fetch(step, kind))
+                    self.later(RETRY, lambda: self._fetch(step, kind, fragment))
                 elif parts[0].sync_step != step or self.healing is not None:
                     self.healing = None
                     self._healed(parts[0], self.rounds.join(parts))
@@ -500,7 +532,9 @@ class IslandActor(_Client):
     def _merged(self, merge: Committed, payload: torch.Tensor) -> None:
         obs = self.cluster.observer
         if self.final_wait and not self.waiting:
-            self.rounds.finish(payload)
+            if not self.rounds.finish(payload):  # more fragments' final states to fetch
+                self._next()
+                return
             self.final_wait = False
             self.done = True
             obs.finished(self.name, self.core.params())
@@ -544,12 +578,17 @@ class RelayActor(_Client):
         folder: Path | None,
         key: SigningKey | None,
         shard: int = 0,
+        fragment: Fragment | None = None,
     ) -> None:
+        """``fragment``: the streaming fragment it serves (None: the run is not split)."""
         member = cluster.shards.member(region, shard)
-        super().__init__(cluster, relay_key(member))
+        super().__init__(cluster, cluster.fragment_name(relay_key(member), fragment))
         self.region, self.shard, self.member = region, shard, member
+        self.fragment = fragment
         start, end = cluster.shards.bounds(shard)
         self.theta0 = theta0[start:end] if cluster.shards.sharded else theta0
+        if fragment is not None:
+            self.theta0 = theta0[fragment.lo : fragment.hi]
         self.folder = folder
         self.key = key
         self.final_reported = False
@@ -559,7 +598,14 @@ class RelayActor(_Client):
         c = self.cluster
         store = c.store(self.folder, self.key, self.name) if self.folder is not None else None
         self.node = RelayNode(
-            c.cfg, self.region, self.theta0, store, c.trusted, self.shard, c.theta0.numel()
+            c.cfg,
+            self.region,
+            self.theta0,
+            store,
+            c.trusted,
+            self.shard,
+            c.theta0.numel() if self.fragment is None else None,
+            fragment=None if self.fragment is None else self.fragment.index,
         )
         self.endpoint = _Served(self, self.node)
         self.forwarding = False
@@ -588,7 +634,7 @@ class RelayActor(_Client):
                 self._report_final()
             return
         self.forwarding = True
-        agg = self.cluster.aggregator
+        agg = self.aggregator
         delta = self.node.forward_delta(fwd, self.key)
 
         def pushed(d: Decision) -> bool:
@@ -607,11 +653,16 @@ class RelayActor(_Client):
         fetches only then (``Cluster.step_together``): a fetch that waits keeps polling, and
         the network never goes quiet between two steps."""
         machine = self.node.machine
-        merge = self.cluster.aggregator.node.machine.merge_for(machine.follow_step)
+        merge = self.aggregator.node.machine.merge_for(machine.follow_step)
         return machine.idle and merge is not None
 
+    @property
+    def aggregator(self) -> AggregatorActor:
+        """The aggregator (of this relay's fragment)."""
+        return self.cluster.aggregators[0 if self.fragment is None else self.fragment.index]
+
     def _fetch_global(self, step: int, follow: bool = False) -> None:
-        agg = self.cluster.aggregator
+        agg = self.aggregator
 
         def fetched(got: Committed | Decision | None) -> bool:
             if follow and not self.node.machine.idle:  # an island joined meanwhile
@@ -639,7 +690,7 @@ class RelayActor(_Client):
         )
 
     def _report_final(self) -> None:
-        agg = self.cluster.aggregator
+        agg = self.aggregator
         steps = self.cluster.cfg.steps
 
         def reported(d: Decision | None) -> bool:
@@ -663,10 +714,17 @@ class AggregatorActor(Actor):
     """The aggregator: serves the relays."""
 
     def __init__(
-        self, cluster: Cluster, theta0: torch.Tensor, folder: Path | None, key: SigningKey | None
+        self,
+        cluster: Cluster,
+        theta0: torch.Tensor,
+        folder: Path | None,
+        key: SigningKey | None,
+        fragment: Fragment | None = None,
     ) -> None:
-        super().__init__(cluster, "aggregator")
-        self.theta0 = theta0
+        """``fragment``: the streaming fragment it serves (None: the run is not split)."""
+        super().__init__(cluster, cluster.fragment_name("aggregator", fragment))
+        self.fragment = fragment
+        self.theta0 = theta0 if fragment is None else theta0[fragment.lo : fragment.hi]
         self.folder = folder
         self.key = key
         self._start()
@@ -674,7 +732,8 @@ class AggregatorActor(Actor):
     def _start(self) -> None:
         c = self.cluster
         store = c.store(self.folder, self.key, self.name) if self.folder is not None else None
-        self.node = AggregatorNode(c.cfg, self.theta0, store, c.trusted)
+        fragment = None if self.fragment is None else self.fragment.index
+        self.node = AggregatorNode(c.cfg, self.theta0, store, c.trusted, fragment=fragment)
         self.endpoint = _Served(self, self.node)
         self.node.recover()
         self.endpoint.rearm()
@@ -766,24 +825,48 @@ class Cluster:
     """Islands that left for good: the run is complete without them."""
     lockstep: bool = False
     """Driven by ``step_together``: idle relays fetch only merges already committed."""
+    fragments: list[Fragment] | None = None
+    """The run's streaming fragments (``fragments.run_fragments``); needed when
+    ``cfg.fragments`` > 1: then every relay and the aggregator run once per fragment
+    (``fragment_name``), each on its range and schedule, in a folder of its own."""
 
     def __post_init__(self) -> None:
         topo = self.cfg.topology
         self.net = Network(self.policy)
         self.shards = self.cfg.shards(self.theta0.numel())
         d = self.run_dir
-        self.aggregator = AggregatorActor(
-            self, self.theta0, d / "aggregator" if d else None, self.keys.get(AGGREGATOR_KEY)
-        )
+        split: list[Fragment | None] = [None]
+        if self.cfg.fragments > 1:
+            if self.fragments is None or len(self.fragments) != self.cfg.fragments:
+                raise HypertrainError(
+                    f"cluster: a run with {self.cfg.fragments} fragments needs their ranges"
+                )
+            split = list(self.fragments)
+
+        def folder(name: str, f: Fragment | None) -> Path | None:
+            if d is None:
+                return None
+            return d / name if f is None else d / name / f"fragment-{f.index}"
+
+        self.aggregators = [
+            AggregatorActor(
+                self, self.theta0, folder("aggregator", f), self.keys.get(AGGREGATOR_KEY), f
+            )
+            for f in split
+        ]
+        self.aggregator = self.aggregators[0]
+        """The aggregator (of fragment 0 when the run is split)."""
         self.relays = {
-            relay_key(m): RelayActor(
+            self.fragment_name(relay_key(m), f): RelayActor(
                 self,
                 r,
                 self.theta0,
-                d / relay_key(m) if d else None,
+                folder(relay_key(m), f),
                 self.keys.get(relay_key(m)),
                 i,
+                f,
             )
+            for f in split
             for r in sorted(topo.regions)
             for i in range(self.shards.count)
             for m in [self.shards.member(r, i)]
@@ -799,12 +882,20 @@ class Cluster:
             for i in topo.island_ids()
         }
 
+    @staticmethod
+    def fragment_name(name: str, fragment: Fragment | int | None) -> str:
+        """The name of node ``name``'s part that serves ``fragment`` (itself for None)."""
+        if fragment is None:
+            return name
+        index = fragment if isinstance(fragment, int) else fragment.index
+        return f"{name}.f{index}"
+
     def store(self, folder: Path, key: SigningKey | None, name: str) -> NodeStore:
         return NodeStore(folder, self.cfg.run_id, key, sync=False, crash=self.crash_hook(name))
 
     @property
     def actors(self) -> dict[str, Actor]:
-        out: dict[str, Actor] = {"aggregator": self.aggregator}
+        out: dict[str, Actor] = {a.name: a for a in self.aggregators}
         out.update(self.relays)
         out.update(self.islands)
         return out
@@ -813,10 +904,8 @@ class Cluster:
     def complete(self) -> bool:
         """Every island (but those gone) holds the final state and every relay reported it
         to the aggregator."""
-        return (
-            all(i.done for n, i in self.islands.items() if n not in self.gone)
-            and self.aggregator.alive
-            and (self.aggregator.node.all_final())
+        return all(i.done for n, i in self.islands.items() if n not in self.gone) and all(
+            a.alive and a.node.all_final() for a in self.aggregators
         )
 
     def start_training(self, island: IslandActor, step_time: float) -> None:
@@ -902,10 +991,20 @@ class Cluster:
         raise ProtocolFailure(f"the network did not go quiet after {limit} events")
 
     def final_theta(self) -> torch.Tensor:
-        merge = self.aggregator.node.machine.merge_for(self.cfg.steps)
-        if merge is None:
-            raise ProtocolFailure("the run ended without the final global merge")
-        return merge.payload
+        """The final global parameters (joined from every fragment's aggregator)."""
+        parts = []
+        for a in self.aggregators:
+            merge = a.node.machine.merge_for(self.cfg.steps)
+            if merge is None:
+                raise ProtocolFailure(f"the run ended without {a.name}'s final global merge")
+            parts.append(merge.payload)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def global_theta(self) -> torch.Tensor:
+        """The newest global parameters, joined from every fragment's aggregator (each
+        fragment's state after its last global merge)."""
+        parts = [a.node.machine.core.theta for a in self.aggregators]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def describe(cluster: Cluster) -> dict[str, Any]:

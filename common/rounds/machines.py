@@ -106,6 +106,8 @@ class Delta:
     shard: str = ""
     """"i/S": an island's part for relay shard i of S ("" when relays are not sharded;
     a relay shard's forward is told apart by its sender, ``eu/1``)."""
+    fragment: int | None = None
+    """The streaming fragment it is a delta of (None when the run is not split)."""
 
     @classmethod
     def of(
@@ -118,7 +120,8 @@ class Delta:
         schedule: Schedule,
         shard: str = "",
     ) -> Delta:
-        """A new delta of ``sender`` for ``sync_step`` (digest computed, not signed)."""
+        """A new delta of ``sender`` for ``sync_step`` of ``schedule``'s fragment (digest
+        computed, not signed)."""
         return cls(
             run_id,
             schedule.round_of(sync_step),
@@ -128,6 +131,7 @@ class Delta:
             codec,
             data,
             shard=shard,
+            fragment=schedule.fragment,
         )
 
     @classmethod
@@ -144,6 +148,7 @@ class Delta:
             bytes.fromhex(rec.signature),
             digest_checked=False,  # recomputed where it matters (the merge's commitment)
             shard=rec.shard or "",
+            fragment=rec.fragment,
         )
 
     def signed(self, signature: bytes) -> Delta:
@@ -160,6 +165,7 @@ class Delta:
             len(self.data),
             self.codec,
             self.shard,
+            self.fragment,
         )
 
     def record(self) -> InputEntry:
@@ -173,6 +179,7 @@ class Delta:
             codec=self.codec,
             signature=self.signature.hex(),
             shard=self.shard or None,
+            fragment=self.fragment,
         )
 
 
@@ -536,6 +543,7 @@ class _Level:
         self.cut = True
         present = tuple(m for m in self.members if m in self.inputs)
         record = CutoffEntry(
+            fragment=self.schedule.fragment,
             round=self.schedule.round_of(step),
             sync_step=step,
             present=present,
@@ -566,6 +574,16 @@ class _Level:
                 INVALID,
                 f"delta for relay shard {d.shard or '(none)'} sent to "
                 f"{'shard ' + self.shard if self.shard else 'an unsharded relay'}",
+            )
+        if d.fragment != sched.fragment:
+            mine = (
+                "a run without fragments"
+                if sched.fragment is None
+                else f"fragment {sched.fragment}"
+            )
+            theirs = "no fragment" if d.fragment is None else f"fragment {d.fragment}"
+            return Decision(
+                INVALID, f"delta of {theirs} sent to the {self.role}, which serves {mine}"
             )
         s = d.sync_step
         if not sched.is_sync_step(s, self.level):
@@ -830,13 +848,15 @@ class RelayMachine:
         trusted: TrustedKeys | None = None,
         shard: int = 0,
         model_numel: int | None = None,
+        fragment: int | None = None,
     ) -> None:
         """``shard``: which of the region's ``relay_shards`` this relay is; ``theta0`` is
         then that shard's range of the parameters, of a model of ``model_numel`` values
-        (common/shards.py)."""
+        (common/shards.py).  ``fragment``: the streaming fragment it serves (None: the
+        run is not split); ``theta0`` is then that fragment's range, on its own schedule."""
         self.cfg = cfg
         self.region = region
-        self.schedule = Schedule.of(cfg)
+        self.schedule = Schedule.of(cfg, fragment)
         shards = cfg.shards(theta0.numel() if model_numel is None else model_numel)
         start, end = shards.bounds(shard)
         if theta0.numel() != end - start:
@@ -948,6 +968,7 @@ class RelayMachine:
             delivered = req.member in lv.inputs
             first = sched.next_sync_step("regional", lv.open_step) if delivered else lv.open_step
         record = MemberEntry(
+            fragment=sched.fragment,
             change=req.change,
             member=req.member,
             round=sched.round_of(first),
@@ -1040,6 +1061,7 @@ class RelayMachine:
         self.bases[step] = post
         g = sched.round_of(step)
         record = RegionalMergeEntry(
+            fragment=sched.fragment,
             round=g,
             sync_step=step,
             tau=sched.tau,
@@ -1086,6 +1108,7 @@ class RelayMachine:
             codec,
             blob,
             ForwardEntry(
+                fragment=sched.fragment,
                 round=g,
                 sync_step=step,
                 codec=codec,
@@ -1149,6 +1172,7 @@ class RelayMachine:
         merge = self._global_merge(s, event.commitment)
         self.done = self.schedule.is_final(s)
         record = GlobalAppliedEntry(
+            fragment=self.schedule.fragment,
             round=merge.round,
             sync_step=s,
             merge_step=merge.merge_step,
@@ -1230,10 +1254,16 @@ class AggregatorMachine:
     """The global round logic: one delta per region per round, then the outer step."""
 
     def __init__(
-        self, cfg: RunConfig, theta0: torch.Tensor, trusted: TrustedKeys | None = None
+        self,
+        cfg: RunConfig,
+        theta0: torch.Tensor,
+        trusted: TrustedKeys | None = None,
+        fragment: int | None = None,
     ) -> None:
+        """``fragment``: the streaming fragment it serves (None: the run is not split);
+        ``theta0`` is then that fragment's range, with its own rounds and outer state."""
         self.cfg = cfg
-        self.schedule = Schedule.of(cfg)
+        self.schedule = Schedule.of(cfg, fragment)
         self.core = GlobalCore(cfg, theta0, adopt=True)  # never written in place
         self.shards = self.core.shards
         self.level = _Level(
@@ -1327,6 +1357,7 @@ class AggregatorMachine:
         post = self._theta_digest = flat_digest(core.theta)
         post_outer = self._outer_digest = outer_state_digest(core.outer.state_view())
         record = GlobalMergeEntry(
+            fragment=sched.fragment,
             round=sched.round_of(step),
             sync_step=step,
             tau=sched.tau,

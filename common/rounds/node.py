@@ -129,13 +129,18 @@ class _Node:
         """No encoding of a ``numel``-parameter delta is larger (fp32 plus a header): what
         a transport refuses before receiving it all."""
 
+    @property
+    def fragment(self) -> int | None:
+        """The streaming fragment this node serves (None: the run is not split)."""
+        return self.machine.schedule.fragment
+
     def _open_tape(self, member: str | None, trusted: TrustedKeys | None, ca: str | None) -> None:
         """A new tape starts with the node's ``genesis`` entry; a tape being resumed must
         start with this node's (the same run, configuration, member, pinned keys and CA)."""
         store = self.store
         if store is None or store.tape is None:
             return
-        want = GenesisEntry.of(self.cfg, self.role, member, trusted, ca)
+        want = GenesisEntry.of(self.cfg, self.role, member, trusted, ca, self.fragment)
         entries = store.tape.entries
         if not entries:
             store.record(want)
@@ -251,6 +256,7 @@ class _Node:
         if self.store is None or self.store.closed or not self.tapes_refusal(delta):
             return False
         rec = RejectionEntry(
+            fragment=self.fragment,
             code=code,
             reason=reason,
             sender=delta.sender,
@@ -367,13 +373,15 @@ class RelayNode(_Node):
         shard: int = 0,
         model_numel: int | None = None,
         ca: str | None = None,
+        fragment: int | None = None,
     ) -> None:
         """``shard``/``model_numel``: a relay shard, ``theta0`` its range (``RelayMachine``);
-        ``ca``: the fingerprint of the run CA its TLS pins (``certs.fingerprint``)."""
+        ``ca``: the fingerprint of the run CA its TLS pins (``certs.fingerprint``);
+        ``fragment``: the streaming fragment it serves, ``theta0`` that fragment's range."""
         super().__init__(cfg, store, theta0.numel())
         self.region = region
         self.machine: RelayMachine = RelayMachine(
-            cfg, region, theta0, trusted, shard=shard, model_numel=model_numel
+            cfg, region, theta0, trusted, shard=shard, model_numel=model_numel, fragment=fragment
         )
         self._open_tape(self.machine.member, trusted, ca)
         self.member = self.machine.member
@@ -443,6 +451,7 @@ class RelayNode(_Node):
             fwd.record.digest,
             fwd.codec,
             fwd.data,
+            fragment=self.fragment,
         )
         return delta if key is None else delta.signed(key.sign(delta.transfer_message()))
 
@@ -715,6 +724,7 @@ def _applied_record(machine: RelayMachine, snap: RelaySnapshot) -> GlobalApplied
     """The ``global_applied`` record of the update a snapshot was taken after."""
     s = machine.schedule
     return GlobalAppliedEntry(
+        fragment=s.fragment,
         round=s.round_of(snap.sync_step),
         sync_step=snap.sync_step,
         merge_step=s.merge_step(snap.sync_step),
@@ -735,10 +745,12 @@ class AggregatorNode(_Node):
         store: NodeStore | None,
         trusted: TrustedKeys | None = None,
         ca: str | None = None,
+        fragment: int | None = None,
     ) -> None:
-        """``ca``: the fingerprint of the run CA its TLS pins (``certs.fingerprint``)."""
+        """``ca``: the fingerprint of the run CA its TLS pins (``certs.fingerprint``);
+        ``fragment``: the streaming fragment it serves, ``theta0`` that fragment's range."""
         super().__init__(cfg, store, theta0.numel())
-        self.machine: AggregatorMachine = AggregatorMachine(cfg, theta0, trusted)
+        self.machine: AggregatorMachine = AggregatorMachine(cfg, theta0, trusted, fragment)
         self._open_tape(None, trusted, ca)
         self.committed: list[Committed] = []
         """Global merges made durable since the driver last looked (it evaluates them)."""

@@ -33,15 +33,18 @@ def transfer_message(
     size: int,
     codec: str,
     shard: str = "",
+    fragment: int | None = None,
 ) -> bytes:
     """The canonical bytes a sender signs for one delta transfer; ``shard`` ("i/S", an
-    island's part for one relay shard) is bound in when set, so a part cannot be
-    replayed to another shard."""
+    island's part for one relay shard) and ``fragment`` (a streaming fragment's index)
+    are bound in when set, so a part cannot be replayed to another shard or fragment."""
     fields: dict[str, Any] = dict(
         zip(TRANSFER_FIELDS, (run_id, round, sync_step, sender, digest, size, codec), strict=True)
     )
     if shard:
         fields["shard"] = shard
+    if fragment is not None:
+        fields["fragment"] = fragment
     return json.dumps(
         {"hypertrain-transfer": 1, **fields}, sort_keys=True, separators=(",", ":")
     ).encode()

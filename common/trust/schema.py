@@ -37,6 +37,10 @@ differing field):
   ``ledger.member_message``; "" when keys are not pinned).
 - ``checkpoint``: written by ``TapeWriter.checkpoint`` itself (size, root).
 
+With ``RunConfig.fragments`` > 1 every entry names its streaming ``fragment`` (each
+fragment's nodes keep a tape of their own, whose genesis names it too); the field is
+absent otherwise.
+
 A ``regional_merge`` or ``global_merge`` that went ahead without some members names them
 in ``absent`` (omitted when every member delivered, so such entries are byte for byte
 those of a run without cutoffs); a ``rejection`` may carry the refused delta's ``digest``
@@ -92,6 +96,9 @@ class _Record:
 
     KIND: ClassVar[str]
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+    fragment: int | None = dataclasses.field(default=None, kw_only=True)
+    """The streaming fragment the entry is of (RunConfig.fragments > 1; absent otherwise,
+    so the bodies of a run that is not split are those of before fragments)."""
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Any:
@@ -103,7 +110,7 @@ class _Record:
         values: dict[str, Any] = {}
         for f in fields:
             if f.name not in body:
-                if f.name in cls.OPTIONAL:
+                if f.name in cls.OPTIONAL or f.name == "fragment":
                     continue
                 raise SchemaError(f"{cls.KIND} entry: missing field {f.name!r}", reason="schema")
             values[f.name] = _check(cls.KIND, f.name, body[f.name], _TYPES[f.type])  # type: ignore[index]
@@ -113,7 +120,7 @@ class _Record:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is None and f.name in self.OPTIONAL:
+            if v is None and (f.name in self.OPTIONAL or f.name == "fragment"):
                 continue
             if f.type == "Members":
                 v = [list(p) for p in v]
@@ -174,9 +181,11 @@ class GenesisEntry(_Record):
         member: str | None,
         trusted: TrustedKeys | None,
         ca: str | None = None,
+        fragment: int | None = None,
     ) -> GenesisEntry:
         """The genesis of a node of ``role`` ("aggregator", or "relay" with its ``member``
-        id) in the run of ``cfg`` that pinned ``trusted`` and the run CA ``ca``."""
+        id) in the run of ``cfg`` that pinned ``trusted`` and the run CA ``ca``; of
+        streaming ``fragment`` f when the run is split (one tape per fragment)."""
         keys = {} if trusted is None else {n: trusted.lookup(n).key_id for n in trusted.names}
         aggregator = role == "aggregator"
         return cls(
@@ -186,6 +195,7 @@ class GenesisEntry(_Record):
             config=cfg.canonical_json() if aggregator else None,
             member=None if aggregator else member,
             ca=ca,
+            fragment=fragment,
         )
 
 

@@ -291,7 +291,7 @@ class Island:
         t0 = time.perf_counter()
         push.result()
         if final is not None:  # else it rejoined at the last step: the final state is in
-            theta, got = self._fetch(final, "global")
+            theta, got = self._fetch(final.sync_step, "global")
             self.blocked_s += time.perf_counter() - t0
             self._saved()
             rounds.finish(theta)

@@ -40,3 +40,10 @@ def test_the_audit_bench_runs_with_its_breakdown(tmp_path: Path) -> None:
     )  # fmt: skip
     assert "baseline replay's final digest equals the audit's" in text, text
     assert "checkpoint files (positions)" in text, text
+
+
+@pytest.mark.slow
+def test_the_streaming_bench_runs_and_the_peak_falls_with_fragments() -> None:
+    text = _run(str(BENCH / "bench_streaming.py"), "--preset", "tiny", "--rounds", "2",
+                timeout=600)  # fmt: skip
+    assert "F = 4: island peak" in text and "(0.277 of F = 1)" in text, text

@@ -141,7 +141,7 @@ def test_fp32_sync_frames_the_delta_where_it_was_computed_with_the_same_bytes(
         assert bytes(blob) == bytes(expected)
         assert core.feedback.is_zero
         if tau:
-            assert torch.equal(core.snapshots[2], core.params())
+            assert torch.equal(core.snapshots[0][2], core.params())
     int8 = RunConfig().with_overrides(**{"steps": 2, "topology.h_r": 2, "topology.h_g": 2})
     _, theta0 = initial_parameters(int8)
     stream = SampleStream(open_dataset(int8), int8.model_config().seq_len, int8.global_batch, 0)

@@ -338,7 +338,7 @@ def test_an_island_heals_to_the_later_global_merge() -> None:
     rounds.after_step()  # pushes step 2; its merge is pending
     later = theta0 + 0.5
     rounds.heal(8, later)
-    assert island.step == 8 and len(rounds.pending) == 0
+    assert island.step == 8 and not any(rounds.pendings)
     assert torch.equal(island.base, later) and torch.equal(island.params(), later)
     assert island.feedback.is_zero
     with pytest.raises(HypertrainError, match="cannot rejoin"):

@@ -99,12 +99,13 @@ _RUN_MAPPED = frozenset({
     "model", "model_shape", "seed", "steps", "batch_per_island", "topology", "inner", "outer",
     "regional_codec", "global_codec", "ef_beta", "data", "holdout_windows",
 })  # fmt: skip
-_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust", "lawa", "anneal"})
+_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust", "lawa", "anneal", "fragments"})
 """RunConfig fields that are not the simulator's: a job's run keeps their defaults (the
 simulator has no clock and takes no cutoffs, its islands are all honest: robust rules
 are the daemons' defence against hostile ones, and its LAWA is its own ``lawa_k`` and
 ``lawa_every``, with the same arithmetic; its anneal is its own ``anneal``, whose ``h_r1``
-is the system's)."""
+is the system's, and its streaming fragments its own ``fragments``, cut by the system's
+rule)."""
 _TOPO_MAPPED = frozenset({"regions", "islands_per_region", "h_r", "h_g", "tau"})
 _TOPO_FIXED = frozenset({"relay_shards"})
 """TopologyConfig fields that are not the simulator's: how many processes a region's relay
@@ -182,6 +183,8 @@ class SimJob:
             raise bad("run.lawa stays 0: the simulator's LAWA is lawa_k (and lawa_every)")
         if run.anneal != "full_m":
             raise bad("run.anneal stays full_m: the simulator's anneal is its own anneal field")
+        if run.fragments != 1:
+            raise bad("run.fragments stays 1: the simulator's fragments are its own field")
         if topo.regions != region_names(len(topo.regions)):
             raise bad(
                 f"run.topology.regions must be {region_names(len(topo.regions))} (sorted order "

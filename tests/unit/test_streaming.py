@@ -1,0 +1,296 @@
+"""Streaming fragments in the round engine (RunConfig.fragments, issue 16): the staggered
+schedule's rounds, the config's limits, the fragment bound into every delta and tape entry,
+the island's per-fragment state, and the in-process run against the simulator's streaming
+paths, bit for bit (the tiny preset; real tapes and signatures where the test says so)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hypertrain.common.codec import make_codec
+from hypertrain.common.config import RunConfig
+from hypertrain.common.data import SampleStream
+from hypertrain.common.errors import ConfigError, HypertrainError
+from hypertrain.common.fragments import fragment_offset, run_fragments
+from hypertrain.common.reference import model_cluster, open_dataset, run_reference
+from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.rounds.machines import INVALID, Delta, RelayMachine
+from hypertrain.common.schedule import Schedule
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
+from hypertrain.common.trust.ledger import island_key
+from hypertrain.common.trust.schema import GenesisEntry, InputEntry, parse
+from hypertrain.common.trust.tape import verify_tape
+from hypertrain.sim.engine.job import SimJob
+from hypertrain.sim.engine.run import run_job
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _cfg(fragments: int, tau: int = 0, h_r: int = 2, h_g: int = 4, steps: int = 16) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "steps": steps,
+            "batch_per_island": 4,
+            "holdout_windows": 16,
+            "fragments": fragments,
+            "topology": {
+                "regions": ["r0", "r1"],
+                "islands_per_region": 2,
+                "h_r": h_r,
+                "h_g": h_g,
+                "tau": tau,
+            },
+        }
+    )
+
+
+# -- the staggered schedule ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("h_r", "k", "n_frag", "rounds"),
+    list(itertools.product((1, 2, 3), (1, 2, 4), (1, 2, 3, 4), (1, 3))),
+)
+def test_every_schedule_query_agrees_with_sync_kind_for_every_fragment(
+    h_r: int, k: int, n_frag: int, rounds: int
+) -> None:
+    h_g = h_r * k
+    if n_frag > h_g:
+        return
+    steps = rounds * h_g
+    for f in range(n_frag):
+        s = Schedule(h_r=h_r, h_g=h_g, tau=0, steps=steps, offset=fragment_offset(f, n_frag, h_g))
+        kinds = {t: s.sync_kind(t) for t in range(1, steps + 1)}
+        globals_ = [t for t, kind in kinds.items() if kind == "global"]
+        regionals = [t for t, kind in kinds.items() if kind is not None]
+        assert s.sync_steps("global") == globals_ and s.sync_steps("regional") == regionals
+        assert globals_[-1] == steps  # every fragment's last sync is the run's last step
+        assert s.rounds == len(globals_)
+        for r, g in enumerate(globals_):
+            assert s.round_of(g) == r and s.global_step_of(r) == g
+        for t in regionals:  # a regional sync belongs to the round its next global closes
+            assert s.round_of(t) == s.round_of(next(g for g in globals_ if g >= t))
+        for level, listed in (("global", globals_), ("regional", regionals)):
+            assert s.first_sync_step(level) == listed[0]  # type: ignore[arg-type]
+            for a, b in itertools.pairwise([0, *listed]):
+                assert s.next_sync_step(level, a) == b  # type: ignore[arg-type]
+                assert s.prev_sync_step(level, b) == a  # type: ignore[arg-type]
+            assert s.next_sync_step(level, steps) > steps  # type: ignore[arg-type]
+            for t in range(1, steps + 1):
+                assert s.is_sync_step(t, level) == (t in listed)  # type: ignore[arg-type]
+        if f == 0:  # offset 0: the formulas of the whole-model schedule
+            assert all(s.round_of(t) == (t - 1) // h_g for t in regionals)
+            assert s.rounds == steps // h_g
+
+
+def test_a_fragment_with_an_offset_has_a_short_first_and_last_round() -> None:
+    s = Schedule.of(_cfg(2), fragment=1)  # offset 2 of h_g 4, 16 steps
+    assert (s.offset, s.fragment) == (2, 1)
+    assert s.sync_steps("global") == [2, 6, 10, 14, 16] and s.rounds == 5
+    assert s.sync_steps("regional") == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [s.round_of(t) for t in (1, 2, 3, 6, 15, 16)] == [0, 0, 1, 1, 4, 4]
+    with pytest.raises(HypertrainError, match="fragment None of a run with 2 fragments"):
+        Schedule.of(_cfg(2))
+    with pytest.raises(HypertrainError, match="fragment 2 of a run with 2"):
+        Schedule.of(_cfg(2), fragment=2)
+    with pytest.raises(HypertrainError, match="fragment 0 of a run with 1"):
+        Schedule.of(_cfg(1), fragment=0)
+
+
+# -- the configuration -------------------------------------------------------------------------
+
+
+def test_the_config_names_what_fragments_do_not_work_with_yet() -> None:
+    assert "fragments" not in RunConfig().to_dict()  # configs from before keep their digest
+    assert _cfg(2).to_dict()["fragments"] == 2
+    with pytest.raises(ConfigError, match=r"fragments must be in \[1, h_g = 4\] .*, got 5"):
+        _cfg(5)
+    with pytest.raises(ConfigError, match="fragments must be in"):
+        _cfg(0)
+    base = _cfg(2).to_dict()
+    for change, named in (
+        ({"lawa": 1}, "lawa"),
+        ({"anneal": "h_r1"}, "anneal h_r1"),
+        ({"membership": {"standby": ["r0-1"]}}, "standby islands"),
+        ({"membership": {"regional_cutoff_s": 5.0}}, "membership cutoffs"),
+        ({"topology": {**base["topology"], "relay_shards": 2}}, "relay shards"),
+        ({"robust": {"rule": "trimmed_mean"}}, "a robust rule"),
+    ):
+        with pytest.raises(ConfigError, match=f"fragments > 1 does not work with {named}"):
+            RunConfig.from_dict({**base, **change})
+
+
+# -- the fragment on the wire and on the tape --------------------------------------------------
+
+
+def test_a_node_of_one_fragment_refuses_another_fragment_s_delta_and_its_signature_binds_it(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(2)
+    layout, theta0 = initial_parameters(cfg)
+    frags = run_fragments(cfg, layout)
+    key = SigningKey.generate(island_key("r0-0"))
+    trusted = TrustedKeys.of([key])
+    relay = RelayMachine(cfg, "r0", theta0[frags[1].lo : frags[1].hi], trusted, fragment=1)
+    codec = make_codec(cfg.regional_codec)
+    for f in (0, 1):
+        numel = frags[f].numel
+        blob = codec.encode(torch.zeros(numel))
+        d = Delta.of(cfg.run_id, 2, "r0-0", str(codec.spec), blob, Schedule.of(cfg, fragment=f))
+        d = d.signed(key.sign(d.transfer_message()))
+        decision, _ = relay.on_delta(d)
+        if f == 0:
+            assert decision.code == INVALID
+            assert (
+                decision.reason
+                == "delta of fragment 0 sent to the relay of r0, which serves fragment 1"
+            )
+            continue
+        assert decision.accepted, decision.reason
+        # the same bytes and signature, relabelled as another fragment's: not what was signed
+        moved = dataclasses.replace(d, fragment=0, sync_step=4, round=0)
+        assert moved.transfer_message() != d.transfer_message()
+        assert b'"fragment":1' in d.transfer_message()
+    plain = _cfg(1)
+    whole = RelayMachine(plain, "r0", theta0)
+    blob = codec.encode(torch.zeros(frags[1].numel))
+    d = Delta.of(cfg.run_id, 2, "r0-0", str(codec.spec), blob, Schedule.of(cfg, fragment=1))
+    decision, _ = whole.on_delta(d)
+    assert decision.code == INVALID
+    assert decision.reason == (
+        "delta of fragment 1 sent to the relay of r0, which serves a run without fragments"
+    )
+
+
+def test_each_fragment_s_nodes_keep_their_own_tape_and_every_entry_names_the_fragment(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(2, tau=1, steps=8)
+    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
+    trusted = TrustedKeys.of(keys.values())
+    layout, theta0 = initial_parameters(cfg)
+    stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+    cluster = model_cluster(cfg, layout, theta0, stream, run_dir=tmp_path, keys=keys,
+                            trusted=trusted)  # fmt: skip
+    theta = cluster.run_lockstep()
+    assert torch.equal(theta, run_reference(cfg).final_params)  # type: ignore[arg-type]
+    tapes = sorted(tmp_path.glob("*/fragment-*/tape"))
+    assert [str(t.relative_to(tmp_path)) for t in tapes] == [
+        f"{node}/fragment-{f}/tape"
+        for node in ("aggregator", "relay-r0", "relay-r1")
+        for f in (0, 1)
+    ]
+    for tape in tapes:
+        f = int(tape.parent.name.split("-")[1])
+        entries = verify_tape(tape, trusted).entries
+        records = [parse(e) for e in entries]
+        assert isinstance(records[0], GenesisEntry) and records[0].fragment == f
+        assert all(r.fragment == f for r in records if r is not None), tape
+        inputs = [r for r in records if isinstance(r, InputEntry)]
+        schedule = Schedule.of(cfg, fragment=f)
+        level = "global" if tape.parts[-3] == "aggregator" else "regional"
+        assert sorted({r.sync_step for r in inputs}) == schedule.sync_steps(level)  # type: ignore[arg-type]
+
+
+# -- the island's state by fragment ------------------------------------------------------------
+
+
+def test_an_island_saves_and_restores_its_error_feedback_and_snapshots_per_fragment() -> None:
+    cfg = _cfg(3, tau=1)
+    layout, theta0 = initial_parameters(cfg)
+    frags = run_fragments(cfg, layout)
+    stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+    core = IslandCore(cfg, "r0-0", stream, theta0, fragments=frags)
+    for _ in range(2):
+        core.train_step()
+    for f in range(3):
+        if core.schedules[f].sync_kind(2) is not None:
+            core.sync(fragment=f)
+    state = core.state_dict()
+    assert isinstance(state["feedback"], list) and len(state["feedback"]) == 3
+    assert [sorted(s) for s in state["snapshots"]] == [
+        [2] if core.schedules[f].sync_kind(2) else [] for f in range(3)
+    ]
+    again = IslandCore(cfg, "r0-0", stream, theta0, fragments=frags)
+    again.load_state_dict(state)
+    assert torch.equal(again.params(), core.params())
+    for a, b in zip(again.feedbacks, core.feedbacks, strict=True):
+        ra, rb = a.state_dict()["residual"], b.state_dict()["residual"]
+        assert (ra is None and rb is None) or torch.equal(ra, rb)
+    whole = IslandCore(_cfg(1, tau=1), "r0-0", stream, theta0)
+    with pytest.raises(HypertrainError, match="not of a run with 1 fragments"):
+        whole.load_state_dict(state)
+    with pytest.raises(HypertrainError, match="needs their ranges"):
+        IslandCore(cfg, "r0-0", stream, theta0)
+
+
+# -- the in-process run is the simulator's streaming path ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fragments", "tau", "h_r", "h_g"),
+    [(2, 0, 2, 4), (3, 1, 2, 4), (4, 3, 4, 8)],
+    ids=["f2-tau0", "f3-tau1", "f4-tau3-flush"],
+)
+def test_in_process_run_with_fragments_is_the_simulators_streaming_run_bit_for_bit(
+    fragments: int, tau: int, h_r: int, h_g: int
+) -> None:
+    """f4-tau3-flush: fragment 1 syncs at step 14 with its merge pinned past the last step
+    16; it is applied before the final sync there (``IslandRounds.before_sync``)."""
+    cfg = _cfg(fragments, tau, h_r, h_g)
+    ref = run_reference(cfg)
+    assert len(ref.rounds) == cfg.steps // h_g  # evaluated at fragment 0's global merges
+    for path in ("per_replica", "batched"):
+        job = SimJob(run=cfg.with_overrides(fragments=1), path=path, eval_points=1,  # type: ignore[arg-type]
+                     fragments=fragments)  # fmt: skip
+        sim = run_job(job)
+        assert torch.equal(ref.final_params, sim.final_params), path  # type: ignore[arg-type]
+        assert ref.final_loss == sim.final_loss
+    whole = run_reference(cfg.with_overrides(fragments=1))
+    assert not torch.equal(whole.final_params, ref.final_params)  # type: ignore[arg-type]
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_run_local_takes_fragments_and_the_daemons_refuse_them_in_one_line(tmp_path: Path) -> None:
+    flags = ["--fragments", "2", "--steps", "8", "--h-r", "2", "--h-g", "4", "--batch", "2"]
+    flags += ["--regions", "eu", "--islands-per-region", "2", "--holdout-windows", "4"]
+    run = subprocess.run(
+        [sys.executable, "-m", "hypertrain", "run", "--local", *flags],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "2 streaming fragments" in run.stdout
+    cfg = RunConfig.from_dict(
+        {
+            "steps": 8,
+            "batch_per_island": 2,
+            "holdout_windows": 4,
+            "fragments": 2,
+            "topology": {"regions": ["eu"], "islands_per_region": 2, "h_r": 2, "h_g": 4},
+        }
+    )
+    assert f"final state digest {run_reference(cfg).final_digest}" in run.stdout
+    for argv in (
+        ["hypertrain.relay", "--region", "eu"],
+        ["hypertrain.aggregator"],
+        ["hypertrain.island", "--region", "eu", "--index", "0"],
+        ["hypertrain", "up", "--run-dir", str(tmp_path / "up")],
+    ):
+        got = subprocess.run(
+            [sys.executable, "-m", *argv, *flags], capture_output=True, text=True, check=False
+        )
+        assert got.returncode == 2, (argv, got.stderr)
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and "do not sync by fragment yet" in lines[0], (argv, got.stderr)
+    assert not (tmp_path / "up").exists()  # refused before anything is written
