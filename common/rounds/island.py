@@ -122,7 +122,9 @@ class IslandRounds:
             )
         return out
 
-    def join(self, parts: list[Committed], out: torch.Tensor | None = None) -> torch.Tensor:
+    def join(
+        self, parts: list[Committed], out: torch.Tensor | None = None, fragment: int = 0
+    ) -> torch.Tensor:
         """The payload of a merge fetched from each relay shard, in shard order, as one
         vector (the part itself when the relay is not sharded).  HypertrainError unless
         the parts are one merge: same step and kind, each the size of its shard (a
@@ -139,7 +141,9 @@ class IslandRounds:
         if self.witness is not None:
             for i, p in enumerate(parts):
                 source = relay_key(shards.member(self.core.region, i))
-                self.witness.take(p.sync_step, p.kind, p.receipts, source)
+                self.witness.take(
+                    p.sync_step, p.kind, p.receipts, source, self.core.schedules[fragment].fragment
+                )
         if shards.count == 1:
             return parts[0].payload
         empty = all(p.payload.numel() == 0 for p in parts)

@@ -51,8 +51,15 @@ from hypertrain.common.rounds.machines import (
     MemberRequest,
 )
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
+from hypertrain.common.rounds.store import (
+    FRAGMENT_DIR,
+    NodeStore,
+    atomic_write,
+    load_state,
+    no_crash,
+    save_state,
+)
 from hypertrain.common.rounds.store import Crash as CrashHook
-from hypertrain.common.rounds.store import NodeStore, atomic_write, load_state, no_crash, save_state
 from hypertrain.common.rounds.transport import LocalUpstream
 from hypertrain.common.schedule import PendingMerge
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
@@ -516,9 +523,9 @@ class IslandActor(_Client):
                     self.later(RETRY, lambda: self._fetch(step, kind, fragment))
                 elif parts[0].sync_step != step or self.healing is not None:
                     self.healing = None
-                    self._healed(parts[0], self.rounds.join(parts))
+                    self._healed(parts[0], self.rounds.join(parts, fragment=fragment))
                 else:
-                    self._merged(parts[0], self.rounds.join(parts))
+                    self._merged(parts[0], self.rounds.join(parts, fragment=fragment))
             return True
 
         self.ask(
@@ -846,7 +853,7 @@ class Cluster:
         def folder(name: str, f: Fragment | None) -> Path | None:
             if d is None:
                 return None
-            return d / name if f is None else d / name / f"fragment-{f.index}"
+            return d / name if f is None else d / name / f"{FRAGMENT_DIR}-{f.index}"
 
         self.aggregators = [
             AggregatorActor(

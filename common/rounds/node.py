@@ -392,6 +392,7 @@ class RelayNode(_Node):
             relay_key(self.member),
             cfg.run_id,
             trusted if taped else None,
+            fragment,
         )
         """The aggregator's receipts, kept with each global merge and passed on to islands
         (a relay that keeps no tape cannot be audited: it keeps none)."""

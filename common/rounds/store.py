@@ -45,6 +45,8 @@ from hypertrain.common.trust.schema import Record
 from hypertrain.common.trust.tape import Entry, TapeWriter
 
 LAWA_FILE = "lawa.pt"
+FRAGMENT_DIR = "fragment"
+"""With streaming fragments, fragment f's node keeps its folder in ``<state-dir>/fragment-f``."""
 """The aggregator's LAWA average, the run's final model when RunConfig.lawa is set."""
 
 Crash = Callable[[str], None]

@@ -34,6 +34,7 @@ On CPU the replay is bit-exact: the daemons computed the same functions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import HypertrainError, TapeError
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import run_fragments
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.machines import (
     AggregatorMachine,
@@ -65,7 +67,7 @@ from hypertrain.common.rounds.replay import (
     RelayReplay,
     ReplayError,
 )
-from hypertrain.common.rounds.store import LAWA_FILE
+from hypertrain.common.rounds.store import FRAGMENT_DIR, LAWA_FILE
 from hypertrain.common.shards import relay_members
 from hypertrain.common.trust import merkle
 from hypertrain.common.trust.certs import fingerprint
@@ -117,9 +119,24 @@ class RunLayout:
         cfg = RunConfig.from_toml(run_dir / "run.toml")
         members = relay_members(cfg.topology.regions, cfg.topology.relay_shards)
         relays = {m: run_dir / relay_key(m) for m in sorted(members)}
-        own = sorted(p for p in run_dir.glob("*/receipts") if p.is_file())
+        own = sorted(
+            p
+            for pattern in ("*/receipts", f"*/{FRAGMENT_DIR}-*/receipts")
+            for p in run_dir.glob(pattern)
+            if p.is_file()
+        )
         extra = [p for p in find_receipts(receipts) if p not in own]
         return cls(cfg, run_dir / "aggregator", relays, str(run_dir / "run.toml"), (*own, *extra))
+
+    def fragment(self, index: int) -> RunLayout:
+        """Where streaming fragment ``index``'s nodes keep their tapes, inputs and
+        checkpoints: ``fragment-<index>`` in each node's folder (docs/design.md §3.5)."""
+        sub = f"{FRAGMENT_DIR}-{index}"
+        return dataclasses.replace(
+            self,
+            aggregator=self.aggregator / sub,
+            relays={m: p / sub for m, p in self.relays.items()},
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +162,9 @@ class AuditReport:
     """Receipts found and checked against the tapes."""
     lawa_digest: str = ""
     """The LAWA average's state digest, recomputed (RunConfig.lawa; "" without LAWA)."""
+    fragments: int = 1
+    """Streaming fragments replayed (each its own tapes); rounds and steps are fragment
+    0's, and the audit is complete when every fragment's replay reached the last step."""
 
     @property
     def complete(self) -> bool:
@@ -161,7 +181,9 @@ class AuditReport:
         what = "segment rounds" if self.segment else "rounds"
         covered = (
             f"{what} {self.first_round}..{self.last_round} of {self.rounds} (steps "
-            f"{self.first_step}..{self.last_step} of {self.steps}), {self.entries} entries and "
+            f"{self.first_step}..{self.last_step} of {self.steps})"
+            + (f" in {self.fragments} fragments" if self.fragments > 1 else "")
+            + f", {self.entries} entries and "
             f"{self.bytes} bytes checked, {self.receipts} receipts agree, final state digest "
             f"{self.final_digest}"
             + (f", LAWA average digest {self.lawa_digest}" if self.lawa_digest else "")
@@ -267,6 +289,8 @@ class Auditor:
         self.entries = 0
         self._files: dict[tuple[str, int], Path] = {}  # (signer, round) -> checkpoint file
         self._same_as_replay: set[tuple[str, int]] = set()
+        self.fragment: int | None = None
+        """The streaming fragment being replayed (None: the run is not split)."""
 
     def _fail(self, tape: Path, err: ReplayError) -> AuditError:
         return AuditError(
@@ -388,6 +412,51 @@ class Auditor:
                 )
 
     def run(self, from_round: int | None = None) -> AuditReport:
+        """Audit the run (from global round ``from_round``'s checkpoints: a segment).  A
+        run split into streaming fragments is replayed fragment by fragment, each from its
+        nodes' own tapes and folders (``RunLayout.fragment``), as the run it is: its own
+        rounds, inputs, merges and checkpoints; the final state joins their last merges."""
+        if self.cfg.fragments == 1:
+            return self._run(from_round)[0]
+        if from_round is not None:
+            raise AuditError(
+                "a segment audit of a run with streaming fragments is not supported yet "
+                "(their rounds end at different steps): audit the whole run"
+            )
+        whole = self.layout
+        layout, theta0 = initial_parameters(self.cfg)
+        reports, finals = [], []
+        try:
+            for fr in run_fragments(self.cfg, layout):
+                self.layout, self.fragment = whole.fragment(fr.index), fr.index
+                self._files, self._same_as_replay = {}, set()
+                report, final = self._run(None, theta0[fr.lo : fr.hi], layout)
+                reports.append(report)
+                finals.append(final)
+        finally:
+            self.layout, self.fragment = whole, None
+        first = reports[0]
+        done = min(reports, key=lambda r: (r.last_step, r.fragments))
+        return dataclasses.replace(
+            first,
+            last_step=done.last_step,
+            last_round=first.last_round if done is first else done.last_round,
+            entries=self.entries,
+            bytes=self.bytes,
+            final_digest=state_digest(layout.unflatten(torch.cat(finals))),
+            receipts=sum(r.receipts for r in reports),
+            fragments=len(reports),
+        )
+
+    def _run(
+        self,
+        from_round: int | None,
+        part: torch.Tensor | None = None,
+        whole: ParamLayout | None = None,
+    ) -> tuple[AuditReport, torch.Tensor]:
+        """The audit of the run, or of ``self.fragment``'s nodes (``part``: its initial
+        values, of the model laid out as ``whole``); the report and the last global state
+        replayed."""
         cfg, lay = self.cfg, self.layout
         tapes = {AGGREGATOR_KEY: (lay.aggregator, lay.aggregator / "tape")}
         tapes.update({relay_key(r): (d, d / "tape") for r, d in lay.relays.items()})
@@ -417,15 +486,24 @@ class Auditor:
             for f in files
             if f.path is not None
         }
-        layout, theta0 = initial_parameters(cfg)
-        agg = AggregatorMachine(cfg, theta0, self.trusted)
+        if part is None or whole is None:
+            layout, theta0 = initial_parameters(cfg)
+        else:
+            layout, theta0 = whole, part
+        agg = AggregatorMachine(cfg, theta0, self.trusted, self.fragment)
         shards = cfg.shards(theta0.numel())
         relays = {}
         for m in lay.relays:
             region, i = shards.split(m)
             a, b = shards.bounds(i)
             relays[m] = RelayMachine(
-                cfg, region, theta0[a:b], self.trusted, shard=i, model_numel=theta0.numel()
+                cfg,
+                region,
+                theta0[a:b],
+                self.trusted,
+                shard=i,
+                model_numel=theta0.numel(),
+                fragment=self.fragment,
             )
         starts = {k: 0 for k in tapes}
         if from_round is not None:
@@ -460,20 +538,22 @@ class Auditor:
         sched = agg.schedule
         first, last = merges[0].round, merges[-1].round
         lawa = self._check_lawa(agg_tape, agg_replay, layout)
-        return AuditReport(
+        final = merges[-1].payload
+        audited = AuditReport(
             first,
             last,
             sched.global_step_of(first),
             sched.global_step_of(last),
             self.entries,
             self.bytes,
-            state_digest(layout.unflatten(merges[-1].payload)),
+            state_digest(layout.unflatten(final)) if part is None else "",
             rounds=sched.rounds,
             steps=sched.steps,
             segment=from_round is not None,
             receipts=receipts,
             lawa_digest=lawa,
         )
+        return audited, final
 
     def _check_lawa(self, agg_tape: Path, replay: AggregatorReplay, layout: ParamLayout) -> str:
         """A run with LAWA that reached its end taped the average (the replay recomputed
@@ -511,6 +591,8 @@ class Auditor:
             except HypertrainError as e:
                 raise AuditError(str(e)) from None
             for r in kept:
+                if r.fragment != self.fragment:
+                    continue  # another fragment's tape: checked with that fragment
                 if r.signer not in tapes:
                     raise AuditError(
                         f"{r.where}: a receipt of {r.signer!r}, which keeps no tape in this run"
@@ -565,7 +647,7 @@ class Auditor:
         relay = signer != AGGREGATOR_KEY
         member = next((m for m in self.layout.relays if relay_key(m) == signer), None)
         role = "relay" if relay else "aggregator"
-        want = GenesisEntry.of(self.cfg, role, member, self.trusted, ca)
+        want = GenesisEntry.of(self.cfg, role, member, self.trusted, ca, self.fragment)
         if not relay and first.config is not None and first.config != want.config:
             try:
                 taped = json.loads(first.config)

@@ -14,6 +14,10 @@ it must come from) and appended to ``<state-dir>/receipts``, one JSON line each:
 
     {"holder":"island-eu-0","kind":"global","receipt":"<base64 record>","signer":"relay-eu","step":40}
 
+In a run split into streaming fragments each fragment's nodes keep a tape of their own
+under the same key, and a line also names the fragment whose tape the receipt is a head
+of (``"fragment":1``).
+
 The audit (``common/trust/audit.py``) requires each kept receipt to be a head of its
 tape as it is now: the tape's first ``size`` entries have the signed root (what an
 RFC 6962 consistency proof from the receipt to the tape shows).  So a node that rewrites
@@ -119,18 +123,27 @@ class KeptReceipt:
     kind: str
     raw: bytes
     where: str
+    fragment: int | None = None
+    """The streaming fragment whose tape it is a head of (None: the run is not split)."""
 
 
 class Witness:
     """Checks and keeps the receipts that come with the merges one holder applies."""
 
     def __init__(
-        self, folder: Path | None, holder: str, run_id: str, trusted: TrustedKeys | None
+        self,
+        folder: Path | None,
+        holder: str,
+        run_id: str,
+        trusted: TrustedKeys | None,
+        fragment: int | None = None,
     ) -> None:
         """``holder``: the key name of whoever keeps them (``island-eu-0``, ``relay-eu``);
         ``trusted``: its pinned keys (None: it checks and keeps nothing); ``folder``: its
-        state folder (None: it checks, keeps nothing)."""
+        state folder (None: it checks, keeps nothing); ``fragment``: the streaming fragment
+        of the merges it takes (a node of one fragment; an island says it per merge)."""
         self.holder = holder
+        self.fragment = fragment
         self.run_id = run_id
         self.trusted = trusted
         self.path = folder / RECEIPTS_FILE if folder is not None and trusted else None
@@ -140,12 +153,22 @@ class Witness:
         relay passes on to its islands.  Read from the file on first use (an island, which
         passes nothing on, never reads it)."""
 
-    def take(self, step: int, kind: str, receipts: Sequence[bytes], source: str) -> None:
-        """Check the receipts of the merge of ``step`` (``kind``) fetched from ``source``
-        and keep them; ReceiptError unless they are exactly one valid receipt of each
-        node that must give one (``producers``)."""
+    def take(
+        self,
+        step: int,
+        kind: str,
+        receipts: Sequence[bytes],
+        source: str,
+        fragment: int | None = None,
+    ) -> None:
+        """Check the receipts of the merge of ``step`` (``kind``; of ``fragment``, else
+        the witness's own) fetched from ``source`` and keep them; ReceiptError unless
+        they are exactly one valid receipt of each node that must give one
+        (``producers``)."""
         if self.trusted is None:
             return
+        if fragment is None:
+            fragment = self.fragment
         want = producers(kind, source)
         if len(receipts) != len(want):
             raise ReceiptError(
@@ -170,6 +193,7 @@ class Witness:
                     "receipt": base64.b64encode(raw).decode("ascii"),
                     "signer": signer,
                     "step": step,
+                    **({} if fragment is None else {"fragment": fragment}),
                 }
             )
             + b"\n"
@@ -238,6 +262,7 @@ def read_receipts(path: Path) -> list[KeptReceipt]:
                 str(d["kind"]),
                 base64.b64decode(d["receipt"], validate=True),
                 where,
+                None if d.get("fragment") is None else int(d["fragment"]),
             )
         except (ValueError, KeyError, TypeError, binascii.Error) as e:
             raise HypertrainError(f"{where}: not a receipt line ({e})") from None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +19,21 @@ import torch
 from hypertrain.common.codec import make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
+from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.fragments import fragment_offset, run_fragments
 from hypertrain.common.reference import model_cluster, open_dataset, run_reference
 from hypertrain.common.roles import IslandCore, initial_parameters
 from hypertrain.common.rounds.machines import INVALID, Delta, RelayMachine
 from hypertrain.common.schedule import Schedule
+from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import island_key
 from hypertrain.common.trust.schema import GenesisEntry, InputEntry, parse
 from hypertrain.common.trust.tape import verify_tape
 from hypertrain.sim.engine.job import SimJob
 from hypertrain.sim.engine.run import run_job
+from hypertrain.up import config_toml
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -169,27 +174,44 @@ def test_a_node_of_one_fragment_refuses_another_fragment_s_delta_and_its_signatu
     )
 
 
-def test_each_fragment_s_nodes_keep_their_own_tape_and_every_entry_names_the_fragment(
-    tmp_path: Path,
-) -> None:
-    cfg = _cfg(2, tau=1, steps=8)
-    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
-    trusted = TrustedKeys.of(keys.values())
+def _taped_run(run_dir: Path, cfg: RunConfig) -> torch.Tensor:
+    """``cfg``'s run in process with tapes, signed, in ``run_dir`` (with its run.toml)."""
+    torch.set_num_threads(cfg.threads)  # a module fixture runs before ``one_thread``
     layout, theta0 = initial_parameters(cfg)
     stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
-    cluster = model_cluster(cfg, layout, theta0, stream, run_dir=tmp_path, keys=keys,
-                            trusted=trusted)  # fmt: skip
-    theta = cluster.run_lockstep()
+    cluster = model_cluster(cfg, layout, theta0, stream, run_dir=run_dir, keys=KEYS,
+                            trusted=TRUSTED)  # fmt: skip
+    (run_dir / "run.toml").write_text(config_toml(cfg))
+    return cluster.run_lockstep()
+
+
+TAPED = _cfg(2, tau=1, steps=8)
+KEYS = {n: SigningKey.generate(n) for n in daemon_key_names(TAPED.topology)}
+TRUSTED = TrustedKeys.of(KEYS.values())
+
+
+@pytest.fixture(scope="module")
+def taped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    """One signed, taped fragment run (2 fragments, tau 1, 8 steps), never changed."""
+    run_dir = tmp_path_factory.mktemp("taped")
+    return run_dir, _taped_run(run_dir, TAPED)
+
+
+def test_each_fragment_s_nodes_keep_their_own_tape_and_every_entry_names_the_fragment(
+    taped: tuple[Path, torch.Tensor],
+) -> None:
+    run_dir, theta = taped
+    cfg = TAPED
     assert torch.equal(theta, run_reference(cfg).final_params)  # type: ignore[arg-type]
-    tapes = sorted(tmp_path.glob("*/fragment-*/tape"))
-    assert [str(t.relative_to(tmp_path)) for t in tapes] == [
+    tapes = sorted(run_dir.glob("*/fragment-*/tape"))
+    assert [str(t.relative_to(run_dir)) for t in tapes] == [
         f"{node}/fragment-{f}/tape"
         for node in ("aggregator", "relay-r0", "relay-r1")
         for f in (0, 1)
     ]
     for tape in tapes:
         f = int(tape.parent.name.split("-")[1])
-        entries = verify_tape(tape, trusted).entries
+        entries = verify_tape(tape, TRUSTED).entries
         records = [parse(e) for e in entries]
         assert isinstance(records[0], GenesisEntry) and records[0].fragment == f
         assert all(r.fragment == f for r in records if r is not None), tape
@@ -197,6 +219,49 @@ def test_each_fragment_s_nodes_keep_their_own_tape_and_every_entry_names_the_fra
         schedule = Schedule.of(cfg, fragment=f)
         level = "global" if tape.parts[-3] == "aggregator" else "regional"
         assert sorted({r.sync_step for r in inputs}) == schedule.sync_steps(level)  # type: ignore[arg-type]
+    lines = (run_dir / "island-r0-0" / "receipts").read_text().splitlines()
+    assert {json.loads(line)["fragment"] for line in lines} == {0, 1}
+
+
+def test_the_audit_replays_each_fragment_and_joins_their_final_states(
+    taped: tuple[Path, torch.Tensor],
+) -> None:
+    run_dir, theta = taped
+    layout, _ = initial_parameters(TAPED)
+    report = audit_run(run_dir, TRUSTED)
+    assert report.complete and report.fragments == 2
+    assert report.final_digest == state_digest(layout.unflatten(theta))
+    assert report.receipts > 0
+    assert " in 2 fragments, " in report.summary()
+    with pytest.raises(AuditError, match="segment audit of a run with streaming fragments"):
+        audit_run(run_dir, TRUSTED, from_round=1)
+
+
+def test_the_audit_catches_a_tampered_fragment_input_and_a_tape_of_another_fragment(
+    taped: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(taped[0], run_dir)
+    published = sorted((run_dir / "relay-r1" / "fragment-1" / "published").iterdir())
+    victim = published[len(published) // 2]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1  # one bit of one island's delta of fragment 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(
+        AuditError, match=r"relay-r1/fragment-1/tape entry \d+ \(input.*changed input"
+    ):
+        audit_run(run_dir, TRUSTED)
+    shutil.rmtree(run_dir)
+    shutil.copytree(taped[0], run_dir)
+    for name in ("tape", "checkpoints", "published"):  # fragment 0's relay folder as 1's
+        target = run_dir / "relay-r0" / "fragment-1" / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        src = run_dir / "relay-r0" / "fragment-0" / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, target)
+    with pytest.raises(
+        AuditError, match=r"fragment-1/tape entry 0 \(genesis\): recomputed fragment"
+    ):
+        audit_run(run_dir, TRUSTED)
 
 
 # -- the island's state by fragment ------------------------------------------------------------
