@@ -32,6 +32,8 @@ through this class, so none of them re-derives the schedule.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hypertrain.common.errors import HypertrainError
@@ -40,6 +42,10 @@ from hypertrain.common.rounds.machines import Committed, Delta
 from hypertrain.common.schedule import PendingMerge, PendingMerges, Schedule, SyncKind
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.common.trust.receipts import Witness
+
+
+def _order(p: PendingMerge[int]) -> tuple[int, int]:
+    return p.item, p.sync_step
 
 
 class IslandRounds:
@@ -240,6 +246,18 @@ class IslandRounds:
         self.core.heal(payload, sync_step)
         self.last_sync = None
 
-    def resume(self) -> None:
-        """After loading a rejoin state (saved right after a global merge): nothing pending."""
+    def pending_state(self, taken: list[PendingMerge[int]]) -> list[list[Any]]:
+        """What a saved state must also hold when the run is split: every merge this
+        island still waits for, ``taken`` (handed out by ``due``, not applied yet) first,
+        as ``[fragment, sync_step, kind]`` (a merge of one fragment's global round may be
+        applied while another fragment's merges are pending)."""
+        left = [p for q in self.pendings for p in q._queue]
+        return [[p.item, p.sync_step, p.kind] for p in sorted([*taken, *left], key=_order)]
+
+    def resume(self, pending: list[list[Any]] | None = None) -> None:
+        """After loading a rejoin state (saved right after a global merge): nothing pending,
+        or (a run split into fragments) the merges it saved as pending
+        (``pending_state``), which the driver fetches from ``due`` on."""
         self._flush()
+        for fragment, sync_step, kind in pending or []:
+            self.pendings[int(fragment)].add(int(sync_step), kind, int(fragment))

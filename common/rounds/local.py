@@ -322,9 +322,12 @@ class IslandActor(_Client):
     def _start(self) -> None:
         self.core = self.make_core()
         self.rounds = IslandRounds(self.core, self.cluster.cfg.run_id, self.witness)
+        pending: list[list[Any]] | None = None
         if self.state_path is not None and self.state_path.exists():
-            self.core.load_state_dict(load_state(self.state_path))
-            self.rounds.resume()
+            state = load_state(self.state_path)
+            self.core.load_state_dict(state)
+            pending = state.get("pending")
+            self.rounds.resume(pending)
         self.wake: Callable[[], None] | None = None  # the sleeping training loop, if any
         self.push_step: int | None = None  # the sync step whose push is not acknowledged
         self.unacked: set[int] = set()  # ... by these relay shards
@@ -336,6 +339,9 @@ class IslandActor(_Client):
         self.healing: tuple[int, str] | None = None  # the merge a join named, being fetched
         self.leaving = False
         self.joining = False  # asking its relay to take it in (``begin``)
+        if pending:  # restarted with merges to take (a run split into fragments)
+            self.waiting = self.rounds.due()
+            self.final_wait = self.rounds.final_due() is not None
 
     @property
     def ready(self) -> bool:
@@ -402,6 +408,7 @@ class IslandActor(_Client):
         the relay names).  Lockstep runs (``step_together``) skip this: their islands are
         all members throughout."""
         if self.cluster.cfg.fragments > 1:  # every island is a member throughout
+            self._next()  # a restarted island first takes the merges it waited for
             return
         if not self.joining:
             self.joining = True
@@ -549,7 +556,7 @@ class IslandActor(_Client):
         pm = self.waiting.pop(0)
         self.rounds.apply(pm, payload)
         obs.applied(self.name, pm.kind, pm.sync_step, self.core.base)
-        if pm.kind == "global":
+        if pm.kind == "global" and not self.sync_next:  # not before the last step's sync
             self._save()
         self._next()
 
@@ -569,9 +576,13 @@ class IslandActor(_Client):
         self._next()
 
     def _save(self) -> None:
-        """After a global merge: the state this island rejoins from after a crash."""
+        """After a global merge: the state this island rejoins from after a crash (with
+        fragments, and the merges it still waits for)."""
         if self.state_path is not None:
-            atomic_write(self.state_path, save_state(self.core.state_dict()), sync=False)
+            state = self.core.state_dict()
+            if self.cluster.cfg.fragments > 1:
+                state["pending"] = self.rounds.pending_state(self.waiting)
+            atomic_write(self.state_path, save_state(state), sync=False)
 
 
 class RelayActor(_Client):

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.fragments import fragment_offset, run_fragments
 from hypertrain.common.reference import model_cluster, open_dataset, run_reference
 from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.rounds.local import Crash
 from hypertrain.common.rounds.machines import INVALID, Delta, RelayMachine
 from hypertrain.common.schedule import Schedule
 from hypertrain.common.trust.audit import AuditError, audit_run
@@ -34,6 +36,7 @@ from hypertrain.common.trust.tape import verify_tape
 from hypertrain.sim.engine.job import SimJob
 from hypertrain.sim.engine.run import run_job
 from hypertrain.up import config_toml
+from tests.unit.toycluster import Restarter, drive
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -359,3 +362,65 @@ def test_run_local_takes_fragments_and_the_daemons_refuse_them_in_one_line(tmp_p
         lines = got.stderr.strip().splitlines()
         assert len(lines) == 1 and "do not sync by fragment yet" in lines[0], (argv, got.stderr)
     assert not (tmp_path / "up").exists()  # refused before anything is written
+
+
+# -- restarts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("victim", "point", "nth"),
+    [
+        ("relay-r0.f1", "relay_before_merge_entry", 2),
+        ("relay-r1.f0", "relay_after_forward_entry", 1),
+        ("relay-r0.f1", "relay_after_checkpoint", 2),
+        ("aggregator.f1", "before_tape", 2),
+        ("aggregator.f0", "after_tape", 1),
+        ("r0-1", "island", 2),
+    ],
+)
+def test_a_process_that_dies_in_a_fragment_round_resumes_on_the_same_state(
+    taped: tuple[Path, torch.Tensor], tmp_path: Path, victim: str, point: str, nth: int
+) -> None:
+    """``victim`` (one fragment's relay or aggregator, or an island holding merges of
+    several fragments) dies the ``nth`` time it passes ``point`` (an island: after its
+    ``nth`` global merge), is restarted from its folder while the others go on, and the
+    run ends on the fault-free final state with tapes that audit clean."""
+    torch.set_num_threads(1)
+    cfg = TAPED
+    fired: list[str] = []
+    seen = [0]
+
+    def hook(name: str) -> Callable[[str], None]:
+        def crash(p: str) -> None:
+            if name == victim and p == point:
+                seen[0] += 1
+                if seen[0] == nth:
+                    fired.append(p)
+                    raise Crash(f"{name} at {p}")
+
+        return crash
+
+    class Watch(Restarter):
+        def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
+            if island == victim and kind == "global":
+                seen[0] += 1
+                if seen[0] == nth:
+                    fired.append(point)
+                    actor = self.cluster.islands[island]
+                    self.cluster.net.at(self.cluster.net.now + 0.5, actor.crash)
+
+    layout, theta0 = initial_parameters(cfg)
+    stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+    watch = Watch()
+    cluster = model_cluster(cfg, layout, theta0, stream, run_dir=tmp_path, keys=KEYS,
+                            trusted=TRUSTED, observer=watch, crash_hook=hook)  # fmt: skip
+    watch.cluster = cluster
+    (tmp_path / "run.toml").write_text(config_toml(cfg))
+    drive(cluster)
+    assert fired == [point]
+    assert torch.equal(cluster.final_theta(), taped[1])
+    for a in cluster.aggregators:
+        a._drop()  # close the tapes as a stopped process would
+    for r in cluster.relays.values():
+        r._drop()
+    assert audit_run(tmp_path, TRUSTED).summary().startswith("audit OK: complete")
