@@ -21,9 +21,13 @@ offsets 0, 7, 15, 22, so fragments 0 and 2 sync regionally together), and the is
 peak drops less; the relays' global peak still drops to one fragment's.
 
 Fragments are cut at whole parameters (``common/fragments.py``, the simulator's rule), so
-the largest of F = 4 on the 4-layer proxy holds 30.7% of the values, not 25%.  The
-islands' blocked share needs the daemons, which do not sync by fragment yet: not
-measured here.
+the largest of F = 4 on the 4-layer proxy holds 30.7% of the values, not 25%.
+
+``--daemons``: also the islands' blocked share (the part of an island's wall time spent
+waiting for its pushes and merges: ``blocked_share`` of its ``event=done`` line) with the
+real daemons (``hypertrain up``, 2 x 2 islands, the flat schedule, tau = 1) for each F,
+one run after the other on this machine; the peak bytes of a push there too (its
+``event=sync`` lines' ``bytes``, the step's pushes of every fragment).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -106,10 +114,46 @@ def measure(preset: str, fragments: int, h_r: int, h_g: int, rounds: int) -> dic
     }
 
 
+def daemons(preset: str, fragments: int, rounds: int) -> dict[str, Any]:
+    """One ``hypertrain up`` run (flat schedule, tau = 1): the islands' blocked shares and
+    the largest push before the last step, from their logs."""
+    h = 30
+    with tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp:
+        run_dir = Path(tmp) / "run"
+        argv = [sys.executable, "-m", "hypertrain", "up", "--preset", preset]
+        argv += ["--steps", str(rounds * h), "--h-r", str(h), "--h-g", str(h), "--tau", "1"]
+        argv += ["--batch", "2", "--regions", "eu,us", "--islands-per-region", "2"]
+        argv += ["--fragments", str(fragments), "--run-dir", str(run_dir)]
+        t0 = time.perf_counter()
+        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - t0
+        if out.returncode != 0:
+            raise SystemExit(f"hypertrain up failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        shares, pushes = [], []
+        for log in sorted((run_dir / "logs").glob("island-*.log")):
+            text = log.read_text()
+            done = re.search(r"event=done .*?blocked_share=([0-9.e-]+)", text)
+            assert done is not None, log
+            shares.append(float(done.group(1)))
+            for m in re.finditer(r"event=sync .*?step=(\d+) .*?bytes=(\d+)", text):
+                if int(m.group(1)) < rounds * h:
+                    pushes.append(int(m.group(2)))
+        digest = re.search(r"final state digest ([0-9a-f]+)", out.stdout)
+    return {
+        "fragments": fragments,
+        "blocked_share_max": max(shares),
+        "blocked_share_mean": sum(shares) / len(shares),
+        "push_peak_bytes": max(pushes),
+        "seconds": seconds,
+        "final_digest": digest.group(1) if digest else "",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="proxy")
     ap.add_argument("--rounds", type=int, default=3, help="global rounds per run (>= 2)")
+    ap.add_argument("--daemons", action="store_true", help="also the blocked share (up runs)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.rounds < 2:
@@ -138,6 +182,19 @@ def main() -> None:
                 f"{r['seconds']:.1f} s"
             )
         res["schedules"][name] = {"h_r": h_r, "h_g": h_g, "runs": runs}
+    if args.daemons:
+        up = [daemons(args.preset, f, args.rounds) for f in (1, 2, 4)]
+        print(f"daemons (hypertrain up, H_r = H_g = 30, tau = 1), {args.preset}")
+        for r in up:
+            r["blocked_share_ratio"] = r["blocked_share_max"] / up[0]["blocked_share_max"]
+            r["push_peak_ratio"] = r["push_peak_bytes"] / up[0]["push_peak_bytes"]
+            print(
+                f"  F = {r['fragments']}: islands blocked at most {100 * r['blocked_share_max']:.1f}% "
+                f"(mean {100 * r['blocked_share_mean']:.1f}%; {r['blocked_share_ratio']:.2f} of "
+                f"F = 1's), largest push {r['push_peak_bytes'] / 1024:.1f} KiB "
+                f"({r['push_peak_ratio']:.3f}); {r['seconds']:.0f} s"
+            )
+        res["daemons"] = up
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from hypertrain.common.config import RunConfig, load_tables, preset_holdout_windows
-from hypertrain.common.errors import ConfigError
 
 
 def _count_or_fraction(text: str) -> int | float:
@@ -86,13 +85,3 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     ):  # the preset's own evaluation size, unless one was asked for
         changes["holdout_windows"] = preset_holdout_windows(name)
     return cfg.with_overrides(**changes) if changes else cfg
-
-
-def refuse_fragments(cfg: RunConfig, who: str) -> None:
-    """ConfigError for a run split into streaming fragments: the daemons sync the whole
-    model only, for now (the in-process run has fragments: docs/design.md §3.5)."""
-    if cfg.fragments > 1:
-        raise ConfigError(
-            f"fragments = {cfg.fragments}: {who} do not sync by fragment yet; run it in "
-            f"process (hypertrain run --local --fragments {cfg.fragments})"
-        )

@@ -41,7 +41,7 @@ from hypertrain.chaos_up import (
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.runflags import refuse_fragments, run_config_from_args
+from hypertrain.common.runflags import run_config_from_args
 from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.certs import cert_path, ensure_certs
 from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names, init_keys
@@ -383,7 +383,6 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
 
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = run_config_from_args(args)
-    refuse_fragments(cfg, "hypertrain up's daemons")
     plan: ChaosPlan | None = None
     if getattr(args, "chaos", None) is not None:  # refused before anything is written
         plan = plan_chaos(cfg, args.chaos, args.island_ranks)
@@ -397,7 +396,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"hypertrain up: {topo.n_islands} islands in {len(topo.regions)} regions "
         f"({','.join(sorted(topo.regions))}), preset {cfg.model}, {cfg.steps} steps, H_r={topo.h_r} "
         f"H_g={topo.h_g} tau={topo.tau}, {cfg.regional_codec}/{cfg.global_codec}, outer "
-        f"{cfg.outer.name}; run folder {run_dir}",
+        f"{cfg.outer.name}"
+        + (f", {cfg.fragments} streaming fragments" if cfg.fragments > 1 else "")
+        + f"; run folder {run_dir}",
         flush=True,
     )
     if plan is not None:

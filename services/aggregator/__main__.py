@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from hypertrain.aggregator.server import AggregatorService
+from hypertrain.aggregator.server import AggregatorFragments, AggregatorService
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import AggregatorSettings
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY
@@ -44,9 +44,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         security = load_security(settings, AGGREGATOR_KEY, metrics)
         key, trusted = load_identity(settings)
         start_metrics(settings, metrics)
-        service = AggregatorService(
-            cfg, settings.state_path, shutdown, metrics, key, trusted, security
-        )
+        service: AggregatorService | AggregatorFragments
+        if cfg.fragments == 1:
+            service = AggregatorService(
+                cfg, settings.state_path, shutdown, metrics, key, trusted, security
+            )
+        else:  # one node per streaming fragment, each in its own folder
+            service = AggregatorFragments(
+                cfg, settings.state_path, shutdown, metrics, key, trusted, security
+            )
         guard = call_guard(settings, metrics)
         server = make_server(guard.limits.pool_size(len(service.callers.names)))
         add_servicer(service, server, "Aggregator", guard)

@@ -36,24 +36,32 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import HOLDOUT_WINDOWS, holdout_windows
 from hypertrain.common.digest import state_digest
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import run_fragments
 from hypertrain.common.model import build_model, evaluate
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.rounds.machines import Committed
 from hypertrain.common.rounds.node import AggregatorNode
-from hypertrain.common.rounds.store import NodeStore
+from hypertrain.common.rounds.store import FRAGMENT_DIR, NodeStore
+from hypertrain.common.schedule import Schedule
 from hypertrain.common.shards import relay_members
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
-from hypertrain.common.trust.ledger import relay_key
+from hypertrain.common.trust.ledger import flat_digest, relay_key
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.rounds import Intake, MergeBoard, refusal
-from hypertrain.wire.server import Shutdown, maps_errors
+from hypertrain.wire.server import (
+    PartShutdown,
+    Shutdown,
+    fragment_of,
+    maps_errors,
+    push_fragment,
+)
 from hypertrain.wire.tls import PLAINTEXT, Callers, Security
 
-_DONE_REASON = "run complete: every relay has applied the final state"
+AGGREGATOR_DONE = "run complete: every relay has applied the final state"
 #: How long the aggregator keeps serving the final state, once every relay of the last
 #: round holds it, to relays absent from that round (``AggregatorService._check_final``).
 FINAL_GRACE_S = 10.0
@@ -237,16 +245,27 @@ class AggregatorService:
         key: SigningKey | None = None,
         trusted: TrustedKeys | None = None,
         security: Security = PLAINTEXT,
+        fragment: tuple[int, torch.Tensor] | None = None,
+        joint: AggregatorFragments | None = None,
     ) -> None:
         """``security``: with TLS, only relays may push, fetch or report, each as
-        itself (``tls.Callers``)."""
+        itself (``tls.Callers``).  ``fragment``: the streaming fragment it serves (its
+        index and initial values), in ``<state-dir>/fragment-<index>``, as a part of
+        ``joint``, which evaluates and reports the joined model."""
         self.cfg = cfg
         topo = cfg.topology
         self.callers = Callers(
             security,
             {m: relay_key(m) for m in relay_members(topo.regions, topo.relay_shards)},
         )
-        self.layout, theta0 = starting_parameters(cfg)
+        self.joint = joint
+        self.fragment: int | None = None
+        if fragment is None or joint is None:
+            self.layout, theta0 = starting_parameters(cfg)
+        else:
+            self.fragment, theta0 = fragment
+            self.layout = joint.layout
+            state_dir = state_dir / f"{FRAGMENT_DIR}-{self.fragment}"
         self.numel = theta0.numel()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
@@ -257,21 +276,26 @@ class AggregatorService:
             NodeStore(state_dir, cfg.run_id, key, crash=fault_point, defer=True),
             trusted,
             security.ca_fingerprint,
+            fragment=self.fragment,
         )
         self.shutdown = shutdown
-        self.board = MergeBoard(cfg, shutdown)
+        self.board = MergeBoard(cfg, shutdown, self.fragment)
         self.metrics = metrics or Metrics("aggregator")
         self.intake = Intake(self.node, self.board, self.metrics, after_cutoff=self._after)
         self.t_first = 0.0  # first regional arrival of the open round (for the round log)
         # Logs each round (its state digest takes 0.2 s at P = 1e8) after the relay's push
         # is answered, not before: one thread, so rounds are logged in order.
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-log")
-        self.evaluator = Evaluator(cfg, self.metrics, self.layout)
-        core = self.node.machine.core
-        core.before_step = lambda: self.evaluator.release_except(core.theta)
+        if joint is None:
+            self.evaluator = Evaluator(cfg, self.metrics, self.layout)
+            core = self.node.machine.core
+            core.before_step = lambda: self.evaluator.release_except(core.theta)
+        else:
+            self.evaluator = joint.evaluator
         self._grace: threading.Timer | None = None  # the end, for relays absent at it
         if not self.node.recover():
-            self.evaluator.submit(-1, 0, theta0)  # read only: nobody writes theta0 in place
+            if joint is None:
+                self.evaluator.submit(-1, 0, theta0)  # read only: nobody writes theta0 in place
         else:
             self._rounds_done(self._take_done())
             log_event(
@@ -295,14 +319,14 @@ class AggregatorService:
                 return
             everyone = node.finals >= set(node.machine.level.roster)
         if everyone:
-            self.board.shutdown.request(_DONE_REASON)
+            self.board.shutdown.request(AGGREGATOR_DONE)
         elif self._grace is None:
             log_event("final_grace", role="aggregator", waiting_s=FINAL_GRACE_S,
                       message="relays absent from the last round may still fetch it")  # fmt: skip
             self._grace = threading.Timer(
                 FINAL_GRACE_S,
                 lambda: self.board.shutdown.request(
-                    f"{_DONE_REASON}; relays absent from the last round had {FINAL_GRACE_S:.0f} s"
+                    f"{AGGREGATOR_DONE}; relays absent from the last round had {FINAL_GRACE_S:.0f} s"
                 ),
             )
             self._grace.daemon = True
@@ -358,7 +382,9 @@ class AggregatorService:
                 role="aggregator",
                 round=m.round,
                 last_step=m.level.open_step - m.schedule.h_g,
-                state_digest=state_digest(self.layout.unflatten(m.core.theta)),
+                state_digest=state_digest(self.layout.unflatten(m.core.theta))
+                if self.joint is None
+                else flat_digest(m.core.theta),
                 done=m.done,
                 config_digest=self.cfg.digest,
             )
@@ -375,6 +401,14 @@ class AggregatorService:
         (``t_first``: when the round's first regional push arrived)."""
         if done:
             trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
+        if self.joint is not None:  # one fragment's rounds: the joint reports the model
+            for c in done:
+                log_event("round", role="aggregator", fragment=self.fragment, round=c.round,
+                          step=c.sync_step, members=",".join(c.commitment.members),
+                          bytes=c.input_bytes, state=flat_digest(c.payload)[:16],
+                          **memory_fields())  # fmt: skip
+            self.joint.rounds_done(self, done)
+            return
         for c in done:
             digest = state_digest(self.layout.unflatten(c.payload))
             log_event(
@@ -408,6 +442,96 @@ class AggregatorService:
             self._grace.cancel()
         self.reporter.shutdown(wait=True)  # every round logged and queued for evaluation
         self.intake.close()
-        self.evaluator.close(finish=self.node.done)
+        if self.joint is None:
+            self.evaluator.close(finish=self.node.done)
         with self.board.cond:
             self.board.cond.notify_all()
+
+
+class AggregatorFragments:
+    """The Aggregator servicer of a run split into streaming fragments: one
+    ``AggregatorService`` per fragment (its own node, folder, tape, rounds and outer
+    state), each call handed to the fragment it names.  It evaluates the joined model
+    (every fragment's newest global state) after each of fragment 0's rounds, and logs
+    the run's final state (``event=final``) once every fragment committed its last
+    round.  The aggregator stops when every fragment's run is complete."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        state_dir: Path,
+        shutdown: Shutdown,
+        metrics: Metrics | None = None,
+        key: SigningKey | None = None,
+        trusted: TrustedKeys | None = None,
+        security: Security = PLAINTEXT,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics("aggregator")
+        self.layout, theta0 = starting_parameters(cfg)
+        self.evaluator = Evaluator(cfg, self.metrics, self.layout)
+        self._lock = threading.Lock()
+        self._finals: dict[int, torch.Tensor] = {}
+        self._final_logged = False
+        parts: list[PartShutdown] = []
+        self.parts: list[AggregatorService] = []
+        for f in run_fragments(cfg, self.layout):
+            self.parts.append(
+                AggregatorService(
+                    cfg,
+                    state_dir,
+                    PartShutdown(shutdown, parts, AGGREGATOR_DONE),
+                    self.metrics,
+                    key,
+                    trusted,
+                    security,
+                    (f.index, theta0[f.lo : f.hi].clone()),
+                    self,
+                )
+            )
+        if not any(p.node.recovered for p in self.parts):
+            self.evaluator.submit(-1, 0, theta0)
+        del theta0
+        self.callers = self.parts[0].callers
+
+    def rounds_done(self, part: AggregatorService, done: list[Committed]) -> None:
+        """Fragment ``part`` made ``done`` durable: evaluate the joined model after
+        fragment 0's rounds, and log the final state once every fragment has its last."""
+        final = None
+        with self._lock:
+            for c in done:
+                if c.sync_step == self.cfg.steps:
+                    self._finals[part.fragment or 0] = c.payload
+            n = self.cfg.fragments
+            if len(self._finals) == n and not self._final_logged:
+                self._final_logged = True
+                final = torch.cat([self._finals[i] for i in range(n)])
+        if part.fragment == 0 and len(self.parts) == self.cfg.fragments:  # (not while starting)
+            for c in done:
+                if c.sync_step < self.cfg.steps:
+                    joined = torch.cat([p.node.machine.core.theta for p in self.parts])
+                    self.evaluator.submit(c.round, c.sync_step, joined)
+        if final is not None:
+            digest = state_digest(self.layout.unflatten(final))
+            log_event("final", role="aggregator", step=self.cfg.steps, digest=digest,
+                      fragments=self.cfg.fragments)  # fmt: skip
+            rounds = Schedule.of(self.cfg, fragment=0).rounds
+            self.evaluator.submit(rounds - 1, self.cfg.steps, final)
+
+    @maps_errors
+    def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
+        index, chunks = push_fragment(chunks, len(self.parts))
+        return self.parts[index].PushRegional(chunks, context)
+
+    @maps_errors
+    def FetchGlobal(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from self.parts[fragment_of(request, len(self.parts))].FetchGlobal(request, context)
+
+    @maps_errors
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        return self.parts[fragment_of(request, len(self.parts))].Status(request, context)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+        self.evaluator.close(finish=all(p.node.done for p in self.parts))

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,12 +42,14 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError
+from hypertrain.common.fragments import run_fragments
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import JOIN, LEAVE, Delta, MemberRequest
 from hypertrain.common.rounds.store import atomic_save, atomic_write
 from hypertrain.common.rounds.transport import Unavailable
+from hypertrain.common.schedule import PendingMerge
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import island_key
 from hypertrain.common.trust.receipts import Witness
@@ -92,8 +94,11 @@ class Island:
             raise ValueError("rank 0 (and only rank 0) of an island talks to the relay")
         mcfg = cfg.model_config()
         stream = SampleStream(open_dataset(cfg), mcfg.seq_len, cfg.global_batch, cfg.seed)
-        _, theta0 = starting_parameters(cfg)
-        self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device)
+        layout, theta0 = starting_parameters(cfg)
+        frags = run_fragments(cfg, layout) if cfg.fragments > 1 else None
+        if frags is not None and ranks is not None:
+            raise ConfigError("an island of several ranks does not sync by fragment yet")
+        self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device, frags)
         witness = Witness(
             state_dir, island_key(island_id), cfg.run_id, trusted if state_dir else None
         )
@@ -122,6 +127,25 @@ class Island:
             ]
         )
         self.peers = peers
+        self.fragment_relays = (
+            []
+            if peers is None or frags is None
+            else [
+                Patient(
+                    GrpcUpstream(
+                        peers[0], cfg.run_id, f.numel, reuse_buffer=False, fragment=f.index
+                    ),
+                    f"Relay {peers[0].address}",
+                    self.stop.is_set,
+                    lambda message: log_event(
+                        "waiting", role="island", island=island_id, message=message
+                    ),
+                )
+                for f in frags
+            ]
+        )
+        """With streaming fragments: the region's relay, for each fragment's deltas and
+        merges."""
         # With relay shards every push and fetch goes to all of them at once.
         self.calls = (
             ThreadPoolExecutor(max_workers=shards.count, thread_name_prefix="shard")
@@ -155,9 +179,14 @@ class Island:
         return list(self.calls.map(fn, range(len(self.relays))))
 
     def _push(self, deltas: list[Delta]) -> None:
-        """Push each relay shard its part (the region's relay: the one delta)."""
-        relays = self.relays
-        assert relays is not None
+        """Push each relay shard its part (the region's relay: the one delta; with
+        streaming fragments, each fragment's delta of the step, one after the other)."""
+        assert self.relays is not None
+        relays = (
+            [self.fragment_relays[d.fragment or 0] for d in deltas]
+            if self.fragment_relays
+            else self.relays
+        )
 
         fault_point("island_before_push")
 
@@ -176,12 +205,20 @@ class Island:
                 self._log("stale", role="island", island=self.island_id, step=delta.sync_step,
                           message=e.message)  # fmt: skip
 
+        if self.fragment_relays:
+            for i in range(len(deltas)):
+                push(i)
+            return
         self._on_shards(push)
 
-    def _fetch(self, step: int, kind: str) -> tuple[torch.Tensor, int]:
-        """The merge of ``step``: from the relay (every relay shard's part, joined) on
-        rank 0, then on every rank; and the sync step it is the merge of (a later global
-        one when this island was left behind: ``IslandRounds.heal``)."""
+    def _fetch(self, step: int, kind: str, fragment: int = 0) -> tuple[torch.Tensor, int]:
+        """The merge of ``step`` (of streaming ``fragment``): from the relay (every relay
+        shard's part, joined) on rank 0, then on every rank; and the sync step it is the
+        merge of (a later global one when this island was left behind:
+        ``IslandRounds.heal``)."""
+        if self.fragment_relays:
+            merge = self.fragment_relays[fragment].fetch(self.island_id, step, kind)
+            return self.rounds.join([merge], fragment=fragment), merge.sync_step
         relays = self.relays
         if relays is None:  # a rank other than 0: rank 0 fetches and broadcasts it
             assert self.ranks is not None
@@ -226,58 +263,42 @@ class Island:
         t_start = t_interval = time.perf_counter()
         losses: list[float] = []
         m, labels = self.metrics, self._labels
-        self._resume()
-        self._join()
-        while self.core.step < rounds.schedule.steps:  # its own end (an anneal may stop it)
-            if self._stopping():
-                raise KeyboardInterrupt
-            losses.append(self.core.train_step())
-            step = self.core.step
-            t_trained = time.perf_counter()
-            m.inner_steps.labels(**labels).inc()
-            m.tokens.labels(**labels).inc(self.tokens_per_step)
-            t0 = time.perf_counter()
-            # The step's freed pages (activations, gradients) go back to the kernel before
-            # anything else: otherwise the next step or the sync's copies of the model
-            # come on top of whatever free heap this step left resident.
-            trim_heap()
-            deltas = rounds.after_step(encode=self.lead)
-            if rounds.last_sync is not None and rounds.last_sync[0] == step:
-                if deltas:
-                    push = self.pushing = self.pusher.submit(self._push, deltas)
-                    sent = sum(len(d.data) for d in deltas)
-                    deltas = []  # the pusher holds them until they are sent, no longer
-                    self._sent(sent, time.perf_counter() - t0)
-                m.train_loss.labels(**labels).set(sum(losses) / len(losses))
-                m.tokens_per_second.labels(**labels).set(
-                    len(losses) * self.tokens_per_step / (time.perf_counter() - t_interval)
-                )
-                t_interval = time.perf_counter()
-            for merge in rounds.due():
+        train_loss = 0.0
+
+        def take(merges: list[PendingMerge[int]], t_trained: float) -> bool:
+            """Fetch and apply ``merges`` in order (each once this island's push in flight
+            is done); False when a fetch was answered with a later global merge (left
+            behind: healed there)."""
+            nonlocal train_loss
+            while merges:
+                merge = merges.pop(0)
                 t0 = time.perf_counter()
                 push.result()
                 t1 = time.perf_counter()
-                payload, got = self._fetch(merge.sync_step, merge.kind)
+                payload, got = self._fetch(merge.sync_step, merge.kind, merge.item)
                 t2 = time.perf_counter()
                 self.blocked_s += t2 - t0
                 if got != merge.sync_step:
                     self._heal(got, payload, merge.sync_step)
                     del payload
                     losses.clear()
-                    break
+                    return False
                 rounds.apply(merge, payload)
                 del payload  # applied (copied into the model and the base): free it
                 trim_heap()  # and the fetch's chunks, freed on gRPC's threads
                 self._merged(merge.sync_step, t2 - t0, time.perf_counter() - t1)
                 if merge.kind == "global":
-                    self._save()
+                    self._save(merges)
+                if losses:
+                    train_loss = round(sum(losses) / len(losses), 5)
                 self._log(
                     "sync",
                     role="island",
                     island=self.island_id,
                     step=merge.sync_step,
                     kind=merge.kind,
-                    train_loss=round(sum(losses) / len(losses), 5),
+                    **({"fragment": merge.item} if self.fragment_relays else {}),
+                    train_loss=train_loss,
                     bytes=sent,
                     blocked_s=round(self.blocked_s, 4),
                     push_wait_s=round(t1 - t0, 4),
@@ -287,15 +308,53 @@ class Island:
                     **memory_fields(),
                 )
                 losses.clear()
-        final = rounds.final_due()
+            return True
+
+        if self._resume():
+            take(rounds.due(), time.perf_counter())  # (fragments) what it waited for
+        self._join()
+        while self.core.step < rounds.schedule.steps:  # its own end (an anneal may stop it)
+            if self._stopping():
+                raise KeyboardInterrupt
+            losses.append(self.core.train_step())
+            step = self.core.step
+            t_trained = time.perf_counter()
+            m.inner_steps.labels(**labels).inc()
+            m.tokens.labels(**labels).inc(self.tokens_per_step)
+            # The step's freed pages (activations, gradients) go back to the kernel before
+            # anything else: otherwise the next step or the sync's copies of the model
+            # come on top of whatever free heap this step left resident.
+            trim_heap()
+            # At the last step, a fragment's merge still pending is taken before its sync.
+            if not take(rounds.before_sync(), t_trained):
+                continue
+            t0 = time.perf_counter()
+            deltas = rounds.after_step(encode=self.lead)
+            if rounds.last_sync is not None and rounds.last_sync[0] == step:
+                if deltas:
+                    push = self.pushing = self.pusher.submit(self._push, deltas)
+                    sent = sum(len(d.data) for d in deltas)
+                    deltas = []  # the pusher holds them until they are sent, no longer
+                    self._sent(sent, time.perf_counter() - t0)
+                if losses:  # (none left when the last step's merges came first)
+                    m.train_loss.labels(**labels).set(sum(losses) / len(losses))
+                    m.tokens_per_second.labels(**labels).set(
+                        len(losses) * self.tokens_per_step / (time.perf_counter() - t_interval)
+                    )
+                t_interval = time.perf_counter()
+            take(rounds.due(), t_trained)
         t0 = time.perf_counter()
         push.result()
-        if final is not None:  # else it rejoined at the last step: the final state is in
-            theta, got = self._fetch(final.sync_step, "global")
-            self.blocked_s += time.perf_counter() - t0
+        # The final global state (fragment by fragment with streaming fragments); none
+        # when it rejoined at the last step: the final state is in.
+        while (final := rounds.final_due()) is not None:
+            theta, _ = self._fetch(final.sync_step, "global", final.item)
             self._saved()
-            rounds.finish(theta)
+            finished = rounds.finish(theta)
             del theta  # in the base and the model now
+            if finished:
+                break
+        self.blocked_s += time.perf_counter() - t0
         if rounds.stops_early:  # an islands:K anneal: its last delta is in, it stops here
             self._saved()
             rounds.stop()
@@ -339,8 +398,9 @@ class Island:
 
     def _join(self) -> None:
         """Ask the relay to take this island in; a new member heals to the merge it names
-        first (every rank: rank 0 asks and broadcasts the answer)."""
-        if self.core.shards.sharded:
+        first (every rank: rank 0 asks and broadcasts the answer).  (Not with relay shards
+        or streaming fragments yet: every island is a member throughout.)"""
+        if self.core.shards.sharded or self.fragment_relays:
             return
         start: int | None = None
         if self.relays is not None:
@@ -359,7 +419,11 @@ class Island:
     def _leave(self, push: Future[None]) -> None:
         """Stopping on SIGTERM: once the push in flight is done (or given up), tell the
         relay this island leaves (one try: the relay may be gone too)."""
-        if self.left or not (self.leave_on_stop and self.lead and not self.core.shards.sharded):
+        if (
+            self.left
+            or not (self.leave_on_stop and self.lead and not self.core.shards.sharded)
+            or self.fragment_relays
+        ):
             return
         assert self.relays is not None
         with contextlib.suppress(WireError):  # given up at the stop: it goes on without it
@@ -389,8 +453,10 @@ class Island:
         if not self.rounds.finished:
             self._save()
 
-    def _save(self) -> None:
-        """After a global merge: the state this island rejoins from after a crash.
+    def _save(self, taken: list[PendingMerge[int]] | None = None) -> None:
+        """After a global merge: the state this island rejoins from after a crash (with
+        streaming fragments, and the merges it waits for: ``taken``, handed out and not
+        applied yet, and those pending).
 
         Written on a background thread during the next step's forward pass, from the live
         tensors (no copies); the step's backward pass waits for it (``_saved``, the
@@ -401,8 +467,10 @@ class Island:
         which the island retrains deterministically.  Rank 0 writes it; every rank of a restarted
         island loads it (their states are equal)."""
         if self.state_path is not None and self.lead:
-            state = {"run_id": self.cfg.run_id, "config": self.cfg.digest}
+            state: dict[str, Any] = {"run_id": self.cfg.run_id, "config": self.cfg.digest}
             state |= self.core.state_dict(copy=False)
+            if self.fragment_relays:
+                state["pending"] = self.rounds.pending_state(taken or [])
             self.saving = self.saver.submit(atomic_save, self.state_path, state)
 
     def _saved(self) -> None:
@@ -425,7 +493,7 @@ class Island:
         if state["run_id"] != self.cfg.run_id or state["config"] != self.cfg.digest:
             raise ConfigError(f"{self.state_path} belongs to another run or config")
         self.core.load_state_dict(state)
-        self.rounds.resume()
+        self.rounds.resume(state.get("pending"))
         self._log("resumed", role="island", island=self.island_id, step=self.core.step)
         return self.core.step
 

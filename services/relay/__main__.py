@@ -6,10 +6,11 @@ import sys
 from collections.abc import Sequence
 
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.fragments import run_fragments
 from hypertrain.common.settings import RelaySettings
 from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.ledger import relay_key
-from hypertrain.relay.server import RelayService
+from hypertrain.relay.server import RELAY_DONE, RelayFragments, RelayService
 from hypertrain.wire.daemon import (
     call_guard,
     daemon_parser,
@@ -20,12 +21,14 @@ from hypertrain.wire.daemon import (
     load_settings,
     log_event,
     start_metrics,
+    starting_parameters,
 )
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import tune_allocator
 from hypertrain.wire.peers import aggregator_peer
 from hypertrain.wire.server import (
+    PartShutdown,
     Shutdown,
     add_servicer,
     announce,
@@ -58,22 +61,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         security = load_security(settings, name, metrics)
         key, trusted = load_identity(settings)
         start_metrics(settings, metrics)
-        service = RelayService(
-            cfg,
-            region,
-            state_dir,
-            # Connected lazily: a relay resumes and serves its islands whether or not the
-            # aggregator is reachable yet (it recovers without the network, and its
-            # forwarder waits while the aggregator is down), and one restarted after
-            # the run may never need it.
-            aggregator_peer(aggregator, wait_ready=False, security=security),
-            shutdown,
-            metrics,
-            key,
-            trusted,
-            shard,
-            security,
-        )
+        # Connected lazily: a relay resumes and serves its islands whether or not the
+        # aggregator is reachable yet (it recovers without the network, and its
+        # forwarder waits while the aggregator is down), and one restarted after the run
+        # may never need it.
+        peer = aggregator_peer(aggregator, wait_ready=False, security=security)
+        service: RelayService | RelayFragments
+        if cfg.fragments == 1:
+            service = RelayService(
+                cfg, region, state_dir, peer, shutdown, metrics, key, trusted, shard, security
+            )
+        else:  # one node per streaming fragment, each in its own folder
+            layout, theta0 = starting_parameters(cfg)
+            parts: list[PartShutdown] = []
+            service = RelayFragments(
+                [
+                    RelayService(
+                        cfg,
+                        region,
+                        state_dir,
+                        peer,
+                        PartShutdown(shutdown, parts, RELAY_DONE),
+                        metrics,
+                        key,
+                        trusted,
+                        shard,
+                        security,
+                        (f.index, theta0[f.lo : f.hi].clone()),
+                    )
+                    for f in run_fragments(cfg, layout)
+                ]
+            )
+            del theta0
         guard = call_guard(settings, metrics)
         server = make_server(guard.limits.pool_size(len(cfg.topology.islands_of(region))))
         add_servicer(service, server, "Relay", guard)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
@@ -36,7 +37,7 @@ from hypertrain.common.rounds.machines import (
     MemberRequest,
 )
 from hypertrain.common.rounds.node import RelayNode
-from hypertrain.common.rounds.store import NodeStore, atomic_write
+from hypertrain.common.rounds.store import FRAGMENT_DIR, NodeStore, atomic_write
 from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import island_key
@@ -48,7 +49,7 @@ from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
 from hypertrain.wire.rounds import Intake, MergeBoard
-from hypertrain.wire.server import Shutdown, maps_errors
+from hypertrain.wire.server import Shutdown, fragment_of, maps_errors, push_fragment
 from hypertrain.wire.tls import PLAINTEXT, Callers, Security
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
@@ -60,7 +61,7 @@ FINAL_REPORTED = "final-reported"
 #: How long a relay tries to report the final state before giving up (the aggregator
 #: may already have ended the run).
 FINAL_REPORT_WAIT_S = 60.0
-_DONE_REASON = "run complete: every island has the final merge"
+RELAY_DONE = "run complete: every island has the final merge"
 
 
 class RelayService:
@@ -78,13 +79,21 @@ class RelayService:
         trusted: TrustedKeys | None = None,
         shard: int = 0,
         security: Security = PLAINTEXT,
+        fragment: tuple[int, torch.Tensor] | None = None,
     ) -> None:
         """``shard``: which of the region's relay shards this is (common/shards.py); it
         keeps, serves and forwards only its range of the parameters.  ``security``: with
-        TLS, each island may act only as itself (``tls.Callers``)."""
+        TLS, each island may act only as itself (``tls.Callers``).  ``fragment``: the
+        streaming fragment it serves (its index and initial values; ``RelayFragments``
+        runs one per fragment), in ``<state-dir>/fragment-<index>``."""
         self.cfg = cfg
         self.region = region
-        _, theta0 = starting_parameters(cfg)
+        index = None
+        if fragment is None:
+            _, theta0 = starting_parameters(cfg)
+        else:
+            index, theta0 = fragment
+            state_dir = state_dir / f"{FRAGMENT_DIR}-{index}"
         model_numel = theta0.numel()
         shards = cfg.shards(model_numel)
         if shards.sharded:  # keep only this shard's range
@@ -95,19 +104,29 @@ class RelayService:
         self.state_dir = state_dir
         store = NodeStore(state_dir, cfg.run_id, key, crash=fault_point)
         self.node = RelayNode(
-            cfg, region, theta0, store, trusted, shard, model_numel, security.ca_fingerprint
+            cfg,
+            region,
+            theta0,
+            store,
+            trusted,
+            shard,
+            model_numel,
+            security.ca_fingerprint,
+            fragment=index,
         )
         self.member = self.node.member
         """This relay's id at the aggregator (its region, or ``region/i``)."""
         self.where: dict[str, object] = {"shard": shards.label(shard)} if shards.sharded else {}
         """What log lines add to ``region`` to say which relay this is."""
+        if index is not None:
+            self.where["fragment"] = index
         self.key = key
         self.peer = aggregator
         self.shutdown = shutdown
         self.aggregator = Patient(
             # A fresh tensor per download: the relay keeps each global state (it is the
             # merge it serves its islands), so no buffer is reused.
-            GrpcUpstream(aggregator, cfg.run_id, self.numel, reuse_buffer=False),
+            GrpcUpstream(aggregator, cfg.run_id, self.numel, reuse_buffer=False, fragment=index),
             f"Aggregator {aggregator.address}",
             lambda: self.shutdown.requested,
             lambda message: log_event(
@@ -117,7 +136,7 @@ class RelayService:
         self.callers = Callers(
             security, {i: island_key(i) for i in cfg.topology.islands_of(region)}
         )
-        self.board = MergeBoard(cfg, shutdown)
+        self.board = MergeBoard(cfg, shutdown, index)
         self.metrics = metrics or Metrics("relay")
         self.intake = Intake(
             self.node,
@@ -162,7 +181,7 @@ class RelayService:
         if merge.kind == "global" and node.machine.schedule.is_final(merge.sync_step):
             with self.board.cond:
                 node.fetched_final(request.requester)
-            self.board.check_final(node, _DONE_REASON)
+            self.board.check_final(node, RELAY_DONE)
 
     @maps_errors
     def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
@@ -292,7 +311,7 @@ class RelayService:
                   step=merge.sync_step, followed=True)  # fmt: skip
         if self.node.done:
             self._report_final()
-            self.board.check_final(self.node, _DONE_REASON)  # no island waits for it
+            self.board.check_final(self.node, RELAY_DONE)  # no island waits for it
 
     def _report_final(self) -> None:
         """Report the final state applied and durable; keep trying for a while even when
@@ -324,7 +343,7 @@ class RelayService:
                 self._report_final()
             except WireError as e:
                 log_event("warning", role="relay", region=self.region, **self.where, message=str(e))
-        self.board.check_final(node, _DONE_REASON)
+        self.board.check_final(node, RELAY_DONE)
         log_event("recovered", role="relay", region=self.region, **self.where, **node.recovered)
 
     def _log_commit(self, c: Committed) -> None:
@@ -352,3 +371,40 @@ class RelayService:
         self.intake.close()
         with self.board.cond:
             self.board.cond.notify_all()
+
+
+class RelayFragments:
+    """The Relay servicer of a run split into streaming fragments: one ``RelayService``
+    per fragment (its own node, folder, tape, forwarder and merges), each call handed to
+    the fragment it names.  The relay stops when every fragment's run is complete
+    (``PartShutdown``), or at once when one fails."""
+
+    def __init__(self, parts: list[RelayService]) -> None:
+        self.parts = parts
+        self.where = parts[0].where | {"fragments": len(parts)}
+        self.where.pop("fragment", None)
+
+    @maps_errors
+    def PushDelta(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
+        index, chunks = push_fragment(chunks, len(self.parts))
+        return self.parts[index].PushDelta(chunks, context)
+
+    @maps_errors
+    def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        index = fragment_of(request, len(self.parts))
+        yield from self.parts[index].FetchMerge(request, context)
+
+    @maps_errors
+    def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
+        raise WireError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "joins and leaves are not supported with streaming fragments yet",
+        )
+
+    @maps_errors
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        return self.parts[fragment_of(request, len(self.parts))].Status(request, context)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()

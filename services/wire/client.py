@@ -109,6 +109,7 @@ def transfer_header(delta: Delta) -> pb.TransferHeader:
         codec=delta.codec,
         signature=delta.signature,
         shard=delta.shard,
+        **({} if delta.fragment is None else {"fragment": delta.fragment}),
     )
 
 

@@ -29,11 +29,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.runflags import (
-    add_run_config_flags,
-    refuse_fragments,
-    run_config_from_args,
-)
+from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.settings import DaemonSettings, load_tables
 from hypertrain.common.trust.certs import TlsFiles
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, load_signing_key
@@ -213,9 +209,7 @@ def start_metrics(settings: DaemonSettings, metrics: Metrics) -> None:
 
 
 def load_run_config(args: argparse.Namespace) -> RunConfig:
-    cfg = run_config_from_args(args)
-    refuse_fragments(cfg, "the daemons")
-    return cfg
+    return run_config_from_args(args)
 
 
 _FAULT: list[Any] = []

@@ -61,7 +61,8 @@ WAIT_SLICE_S = 0.5
 HOLD_S = 2.0
 
 
-def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
+def merge_header(cfg: RunConfig, merge: Committed, fragment: int | None = None) -> pb.MergeHeader:
+    """The wire header of ``merge`` (of streaming ``fragment``, when the run is split)."""
     return pb.MergeHeader(
         run_id=cfg.run_id,
         round=merge.round,
@@ -73,6 +74,7 @@ def merge_header(cfg: RunConfig, merge: Committed) -> pb.MergeHeader:
         commitment=json.dumps(merge.commitment.to_dict(), sort_keys=True, separators=(",", ":")),
         members=list(merge.commitment.members),
         receipts=list(merge.receipts),
+        **({} if fragment is None else {"fragment": fragment}),
     )
 
 
@@ -104,9 +106,11 @@ def refusal(decision: Decision) -> WireError:
 class MergeBoard:
     """The lock around a node, wire headers of its merges, and a condition to wait on."""
 
-    def __init__(self, cfg: RunConfig, shutdown: Shutdown) -> None:
+    def __init__(self, cfg: RunConfig, shutdown: Shutdown, fragment: int | None = None) -> None:
+        """``fragment``: the streaming fragment whose node it guards (None: not split)."""
         self.cfg = cfg
         self.shutdown = shutdown
+        self.fragment = fragment
         self.cond = threading.Condition()
         self.headers: dict[tuple[int, str, int, int], pb.MergeHeader] = {}
         self._headers_lock = threading.Lock()  # header() is called outside ``cond``
@@ -149,7 +153,7 @@ class MergeBoard:
         with self._headers_lock:
             h = self.headers.get(key)
         if h is None:
-            h = merge_header(self.cfg, merge)
+            h = merge_header(self.cfg, merge, self.fragment)
             with self._headers_lock:
                 self.headers[key] = h
                 steps = sorted({k[0] for k in self.headers})
@@ -234,6 +238,7 @@ class Intake:
             rx.data,
             h.signature,
             shard=h.shard,
+            fragment=h.fragment if h.HasField("fragment") else None,
         )
         published = self.published
 

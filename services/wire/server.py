@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
+import itertools
 import logging
 import re
 import signal
@@ -240,6 +241,59 @@ class Shutdown:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until requested (True) or ``timeout`` seconds pass (False)."""
         return self._event.wait(timeout)
+
+
+class PartShutdown(Shutdown):
+    """The stop request of one part of a daemon (a streaming fragment's node): ``final``,
+    the part's own run-complete reason, stops the daemon once every part of ``parts`` has
+    asked it; any other reason (a failure) stops the daemon at once; a stop of the daemon
+    (``whole``: a signal) is every part's."""
+
+    def __init__(self, whole: Shutdown, parts: list[PartShutdown], final: str) -> None:
+        super().__init__()
+        self.whole = whole
+        self.parts = parts
+        self.final = final
+        parts.append(self)
+
+    def request(self, reason: str) -> None:
+        super().request(reason)
+        if not reason.startswith(self.final) or all(p._event.is_set() for p in self.parts):
+            self.whole.request(reason)
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set() or self.whole.requested
+
+
+def push_fragment(chunks: Iterator[Any], count: int) -> tuple[int, Iterator[Any]]:
+    """The streaming fragment a pushed delta names in its header (0 where it names none,
+    or the stream does not start with a header: that part then refuses it by name), and
+    the stream as it was.  INVALID_ARGUMENT for a fragment the run does not have."""
+    first = next(chunks, None)
+    index = 0
+    header = first.header if isinstance(first, pb.DeltaChunk) and first.HasField("header") else None
+    if header is not None and header.HasField("fragment"):
+        index = header.fragment
+        if index >= count:
+            raise WireError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"delta of fragment {index}: the run has {count} fragments",
+            )
+    rest = chunks if first is None else itertools.chain([first], chunks)
+    return index, rest
+
+
+def fragment_of(request: Any, count: int) -> int:
+    """The streaming fragment a fetch or status request names (0 where it names none);
+    INVALID_ARGUMENT for one the run does not have."""
+    index = request.fragment if request.HasField("fragment") else 0
+    if index >= count:
+        raise WireError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"fragment {index}: the run has {count} fragments",
+        )
+    return int(index)
 
 
 def run_until_signal(

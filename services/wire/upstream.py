@@ -66,10 +66,20 @@ def _marked(e: grpc.RpcError | WireError, key: str) -> bool:
 class GrpcUpstream:
     """``Upstream`` over a gRPC channel to a relay (islands) or the aggregator (relays)."""
 
-    def __init__(self, peer: Peer, run_id: str, numel: int, reuse_buffer: bool = True) -> None:
-        """``run_id``: the run every call names; ``numel``: the model's parameter count (every merge is checked against it);
-        ``reuse_buffer``: download every merge into one buffer (a caller that is done with
-        each merge before the next fetch never touches fresh memory)."""
+    def __init__(
+        self,
+        peer: Peer,
+        run_id: str,
+        numel: int,
+        reuse_buffer: bool = True,
+        fragment: int | None = None,
+    ) -> None:
+        """``run_id``: the run every call names; ``numel``: the model's parameter count (every
+        merge is checked against it; of the fragment, with one); ``reuse_buffer``: download
+        every merge into one buffer (a caller that is done with each merge before the next
+        fetch never touches fresh memory); ``fragment``: the streaming fragment whose
+        merges it fetches and reports (None: the run is not split)."""
+        self.fragment = fragment
         self.peer = peer
         self.run_id = run_id
         self.numel = numel
@@ -108,9 +118,11 @@ class GrpcUpstream:
         """The merge of ``sync_step`` (``out``: receive it there, e.g. an island's slice of
         the whole merge for one relay shard; default: this upstream's buffer, if any)."""
         request = pb.MergeRequest(
-            run_id=self.run_id, requester=requester, sync_step=sync_step, kind=kind
+            run_id=self.run_id, requester=requester, sync_step=sync_step, kind=kind, **self._of
         )
-        what = f"fetch of the {kind} merge of step {sync_step}"
+        what = f"fetch of the {kind} merge of step {sync_step}" + (
+            f" of fragment {self.fragment}" if self.fragment is not None else ""
+        )
         try:
             header, payload = fetch_merge(
                 self.peer._fetch,
@@ -124,6 +136,12 @@ class GrpcUpstream:
                 return None  # held while not committed, then "ask again"
             return self._answer(what, e)
         newer = header.kind == "global" and header.sync_step > sync_step  # left behind
+        fragment = header.fragment if header.HasField("fragment") else None
+        if fragment != self.fragment:
+            raise WireError(
+                grpc.StatusCode.INTERNAL,
+                f"{what}: the peer sent a merge of fragment {fragment}",
+            )
         if not newer and (header.sync_step != sync_step or header.kind != kind):
             raise WireError(
                 grpc.StatusCode.INTERNAL,
@@ -143,9 +161,14 @@ class GrpcUpstream:
         )
 
     def report_applied(self, requester: str, step: int) -> Decision | None:
-        request = pb.StatusRequest(requester=requester, applied_step=step)
+        request = pb.StatusRequest(requester=requester, applied_step=step, **self._of)
         got = self._call(f"report of step {step} applied", lambda: self.peer.status(request))
         return got if isinstance(got, Decision) else None
+
+    @property
+    def _of(self) -> dict[str, int]:
+        """The ``fragment`` field of a request, where the run is split."""
+        return {} if self.fragment is None else {"fragment": self.fragment}
 
     def member(self, request: MemberRequest) -> Decision:
         call = self.peer._member

@@ -328,7 +328,7 @@ def test_in_process_run_with_fragments_is_the_simulators_streaming_run_bit_for_b
 # -- the command line ---------------------------------------------------------------------------
 
 
-def test_run_local_takes_fragments_and_the_daemons_refuse_them_in_one_line(tmp_path: Path) -> None:
+def test_run_local_takes_fragments_and_prints_the_in_process_digest() -> None:
     flags = ["--fragments", "2", "--steps", "8", "--h-r", "2", "--h-g", "4", "--batch", "2"]
     flags += ["--regions", "eu", "--islands-per-region", "2", "--holdout-windows", "4"]
     run = subprocess.run(
@@ -349,19 +349,14 @@ def test_run_local_takes_fragments_and_the_daemons_refuse_them_in_one_line(tmp_p
         }
     )
     assert f"final state digest {run_reference(cfg).final_digest}" in run.stdout
-    for argv in (
-        ["hypertrain.relay", "--region", "eu"],
-        ["hypertrain.aggregator"],
-        ["hypertrain.island", "--region", "eu", "--index", "0"],
-        ["hypertrain", "up", "--run-dir", str(tmp_path / "up")],
-    ):
-        got = subprocess.run(
-            [sys.executable, "-m", *argv, *flags], capture_output=True, text=True, check=False
-        )
-        assert got.returncode == 2, (argv, got.stderr)
-        lines = got.stderr.strip().splitlines()
-        assert len(lines) == 1 and "do not sync by fragment yet" in lines[0], (argv, got.stderr)
-    assert not (tmp_path / "up").exists()  # refused before anything is written
+    bad = subprocess.run(
+        [sys.executable, "-m", "hypertrain", "run", "--local", *flags[:-6], "--fragments", "5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "fragments must be in [1, h_g = 4]" in bad.stderr
 
 
 # -- restarts -----------------------------------------------------------------------------------

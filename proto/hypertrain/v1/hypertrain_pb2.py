@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehypertrain/v1/hypertrain.proto\x12\rhypertrain.v1\"\xa1\x01\n\x0eTransferHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsync_step\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12\r\n\x05shard\x18\t \x01(\t\"U\n\nDeltaChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.hypertrain.v1.TransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\",\n\x07PushAck\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\xb7\x01\n\x0bMergeHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsync_step\x18\x03 \x01(\x04\x12\x12\n\nmerge_step\x18\x04 \x01(\x04\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\r\n\x05numel\x18\x07 \x01(\x04\x12\x12\n\ncommitment\x18\x08 \x01(\t\x12\x0f\n\x07members\x18\t \x03(\t\x12\x10\n\x08receipts\x18\n \x03(\x0c\"R\n\nMergeChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.hypertrain.v1.MergeHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"R\n\x0cMergeRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x11\n\tsync_step\x18\x03 \x01(\x04\x12\x0c\n\x04kind\x18\x04 \x01(\t\"8\n\rStatusRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x14\n\x0c\x61pplied_step\x18\x02 \x01(\x04\"\x88\x01\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tlast_step\x18\x04 \x01(\x04\x12\x14\n\x0cstate_digest\x18\x05 \x01(\t\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12\x15\n\rconfig_digest\x18\x07 \x01(\t\"o\n\x0cMemberChange\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63hange\x18\x02 \x01(\t\x12\x0e\n\x06member\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x0e\n\x06issued\x18\x06 \x01(\x04\"S\n\x0bMemberReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x11\n\thas_start\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0f\n\x07message\x18\x04 \x01(\t2\x98\x02\n\x05Relay\x12@\n\tPushDelta\x12\x19.hypertrain.v1.DeltaChunk\x1a\x16.hypertrain.v1.PushAck(\x01\x12\x46\n\nFetchMerge\x12\x1b.hypertrain.v1.MergeRequest\x1a\x19.hypertrain.v1.MergeChunk0\x01\x12\x42\n\x06Status\x12\x1c.hypertrain.v1.StatusRequest\x1a\x1a.hypertrain.v1.StatusReply\x12\x41\n\x06Member\x12\x1b.hypertrain.v1.MemberChange\x1a\x1a.hypertrain.v1.MemberReply2\xde\x01\n\nAggregator\x12\x43\n\x0cPushRegional\x12\x19.hypertrain.v1.DeltaChunk\x1a\x16.hypertrain.v1.PushAck(\x01\x12G\n\x0b\x46\x65tchGlobal\x12\x1b.hypertrain.v1.MergeRequest\x1a\x19.hypertrain.v1.MergeChunk0\x01\x12\x42\n\x06Status\x12\x1c.hypertrain.v1.StatusRequest\x1a\x1a.hypertrain.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehypertrain/v1/hypertrain.proto\x12\rhypertrain.v1\"\xc5\x01\n\x0eTransferHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsync_step\x18\x03 \x01(\x04\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12\r\n\x05shard\x18\t \x01(\t\x12\x15\n\x08\x66ragment\x18\n \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_fragment\"U\n\nDeltaChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.hypertrain.v1.TransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\",\n\x07PushAck\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\xdb\x01\n\x0bMergeHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsync_step\x18\x03 \x01(\x04\x12\x12\n\nmerge_step\x18\x04 \x01(\x04\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\r\n\x05numel\x18\x07 \x01(\x04\x12\x12\n\ncommitment\x18\x08 \x01(\t\x12\x0f\n\x07members\x18\t \x03(\t\x12\x10\n\x08receipts\x18\n \x03(\x0c\x12\x15\n\x08\x66ragment\x18\x0b \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_fragment\"R\n\nMergeChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.hypertrain.v1.MergeHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"v\n\x0cMergeRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x11\n\tsync_step\x18\x03 \x01(\x04\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x15\n\x08\x66ragment\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_fragment\"\\\n\rStatusRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x14\n\x0c\x61pplied_step\x18\x02 \x01(\x04\x12\x15\n\x08\x66ragment\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_fragment\"\x88\x01\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\tlast_step\x18\x04 \x01(\x04\x12\x14\n\x0cstate_digest\x18\x05 \x01(\t\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12\x15\n\rconfig_digest\x18\x07 \x01(\t\"o\n\x0cMemberChange\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63hange\x18\x02 \x01(\t\x12\x0e\n\x06member\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x0e\n\x06issued\x18\x06 \x01(\x04\"S\n\x0bMemberReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x11\n\thas_start\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0f\n\x07message\x18\x04 \x01(\t2\x98\x02\n\x05Relay\x12@\n\tPushDelta\x12\x19.hypertrain.v1.DeltaChunk\x1a\x16.hypertrain.v1.PushAck(\x01\x12\x46\n\nFetchMerge\x12\x1b.hypertrain.v1.MergeRequest\x1a\x19.hypertrain.v1.MergeChunk0\x01\x12\x42\n\x06Status\x12\x1c.hypertrain.v1.StatusRequest\x1a\x1a.hypertrain.v1.StatusReply\x12\x41\n\x06Member\x12\x1b.hypertrain.v1.MemberChange\x1a\x1a.hypertrain.v1.MemberReply2\xde\x01\n\nAggregator\x12\x43\n\x0cPushRegional\x12\x19.hypertrain.v1.DeltaChunk\x1a\x16.hypertrain.v1.PushAck(\x01\x12G\n\x0b\x46\x65tchGlobal\x12\x1b.hypertrain.v1.MergeRequest\x1a\x19.hypertrain.v1.MergeChunk0\x01\x12\x42\n\x06Status\x12\x1c.hypertrain.v1.StatusRequest\x1a\x1a.hypertrain.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hypertrain.v1.hypertrain_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRANSFERHEADER']._serialized_start=50
-  _globals['_TRANSFERHEADER']._serialized_end=211
-  _globals['_DELTACHUNK']._serialized_start=213
-  _globals['_DELTACHUNK']._serialized_end=298
-  _globals['_PUSHACK']._serialized_start=300
-  _globals['_PUSHACK']._serialized_end=344
-  _globals['_MERGEHEADER']._serialized_start=347
-  _globals['_MERGEHEADER']._serialized_end=530
-  _globals['_MERGECHUNK']._serialized_start=532
-  _globals['_MERGECHUNK']._serialized_end=614
-  _globals['_MERGEREQUEST']._serialized_start=616
-  _globals['_MERGEREQUEST']._serialized_end=698
-  _globals['_STATUSREQUEST']._serialized_start=700
-  _globals['_STATUSREQUEST']._serialized_end=756
-  _globals['_STATUSREPLY']._serialized_start=759
-  _globals['_STATUSREPLY']._serialized_end=895
-  _globals['_MEMBERCHANGE']._serialized_start=897
-  _globals['_MEMBERCHANGE']._serialized_end=1008
-  _globals['_MEMBERREPLY']._serialized_start=1010
-  _globals['_MEMBERREPLY']._serialized_end=1093
-  _globals['_RELAY']._serialized_start=1096
-  _globals['_RELAY']._serialized_end=1376
-  _globals['_AGGREGATOR']._serialized_start=1379
-  _globals['_AGGREGATOR']._serialized_end=1601
+  _globals['_TRANSFERHEADER']._serialized_end=247
+  _globals['_DELTACHUNK']._serialized_start=249
+  _globals['_DELTACHUNK']._serialized_end=334
+  _globals['_PUSHACK']._serialized_start=336
+  _globals['_PUSHACK']._serialized_end=380
+  _globals['_MERGEHEADER']._serialized_start=383
+  _globals['_MERGEHEADER']._serialized_end=602
+  _globals['_MERGECHUNK']._serialized_start=604
+  _globals['_MERGECHUNK']._serialized_end=686
+  _globals['_MERGEREQUEST']._serialized_start=688
+  _globals['_MERGEREQUEST']._serialized_end=806
+  _globals['_STATUSREQUEST']._serialized_start=808
+  _globals['_STATUSREQUEST']._serialized_end=900
+  _globals['_STATUSREPLY']._serialized_start=903
+  _globals['_STATUSREPLY']._serialized_end=1039
+  _globals['_MEMBERCHANGE']._serialized_start=1041
+  _globals['_MEMBERCHANGE']._serialized_end=1152
+  _globals['_MEMBERREPLY']._serialized_start=1154
+  _globals['_MEMBERREPLY']._serialized_end=1237
+  _globals['_RELAY']._serialized_start=1240
+  _globals['_RELAY']._serialized_end=1520
+  _globals['_AGGREGATOR']._serialized_start=1523
+  _globals['_AGGREGATOR']._serialized_end=1745
 # @@protoc_insertion_point(module_scope)

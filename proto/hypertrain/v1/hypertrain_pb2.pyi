@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TransferHeader(_message.Message):
-    __slots__ = ("run_id", "round", "sync_step", "sender", "digest", "size", "codec", "signature", "shard")
+    __slots__ = ("run_id", "round", "sync_step", "sender", "digest", "size", "codec", "signature", "shard", "fragment")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class TransferHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     sync_step: int
@@ -26,7 +27,8 @@ class TransferHeader(_message.Message):
     codec: str
     signature: bytes
     shard: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., sender: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., codec: _Optional[str] = ..., signature: _Optional[bytes] = ..., shard: _Optional[str] = ...) -> None: ...
+    fragment: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., sender: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., codec: _Optional[str] = ..., signature: _Optional[bytes] = ..., shard: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class DeltaChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -45,7 +47,7 @@ class PushAck(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class MergeHeader(_message.Message):
-    __slots__ = ("run_id", "round", "sync_step", "merge_step", "kind", "digest", "numel", "commitment", "members", "receipts")
+    __slots__ = ("run_id", "round", "sync_step", "merge_step", "kind", "digest", "numel", "commitment", "members", "receipts", "fragment")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,7 @@ class MergeHeader(_message.Message):
     COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     sync_step: int
@@ -66,7 +69,8 @@ class MergeHeader(_message.Message):
     commitment: str
     members: _containers.RepeatedScalarFieldContainer[str]
     receipts: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., merge_step: _Optional[int] = ..., kind: _Optional[str] = ..., digest: _Optional[str] = ..., numel: _Optional[int] = ..., commitment: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., receipts: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    fragment: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., sync_step: _Optional[int] = ..., merge_step: _Optional[int] = ..., kind: _Optional[str] = ..., digest: _Optional[str] = ..., numel: _Optional[int] = ..., commitment: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., receipts: _Optional[_Iterable[bytes]] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class MergeChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -77,24 +81,28 @@ class MergeChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[MergeHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class MergeRequest(_message.Message):
-    __slots__ = ("run_id", "requester", "sync_step", "kind")
+    __slots__ = ("run_id", "requester", "sync_step", "kind", "fragment")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     requester: str
     sync_step: int
     kind: str
-    def __init__(self, run_id: _Optional[str] = ..., requester: _Optional[str] = ..., sync_step: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    fragment: int
+    def __init__(self, run_id: _Optional[str] = ..., requester: _Optional[str] = ..., sync_step: _Optional[int] = ..., kind: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("requester", "applied_step")
+    __slots__ = ("requester", "applied_step", "fragment")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     APPLIED_STEP_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     requester: str
     applied_step: int
-    def __init__(self, requester: _Optional[str] = ..., applied_step: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, requester: _Optional[str] = ..., applied_step: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("run_id", "role", "round", "last_step", "state_digest", "done", "config_digest")
