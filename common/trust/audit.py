@@ -590,7 +590,13 @@ class Auditor:
                 kept = read_receipts(path)
             except HypertrainError as e:
                 raise AuditError(str(e)) from None
+            valid = range(self.cfg.fragments) if self.cfg.fragments > 1 else (None,)
             for r in kept:
+                if r.fragment not in valid:
+                    raise AuditError(
+                        f"{r.where}: a receipt of fragment {r.fragment}, which this run "
+                        f"({self.cfg.fragments} fragments) does not keep a tape of"
+                    )
                 if r.fragment != self.fragment:
                     continue  # another fragment's tape: checked with that fragment
                 if r.signer not in tapes:

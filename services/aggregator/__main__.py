@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             service = AggregatorFragments(
                 cfg, settings.state_path, shutdown, metrics, key, trusted, security
             )
-        guard = call_guard(settings, metrics)
+        guard = call_guard(settings, metrics, cfg.fragments)
         server = make_server(guard.limits.pool_size(len(service.callers.names)))
         add_servicer(service, server, "Aggregator", guard)
         address = bind(server, settings.listen, security)

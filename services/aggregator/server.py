@@ -480,7 +480,7 @@ class AggregatorFragments:
                 AggregatorService(
                     cfg,
                     state_dir,
-                    PartShutdown(shutdown, parts, AGGREGATOR_DONE),
+                    PartShutdown(shutdown, parts, AGGREGATOR_DONE, cfg.fragments),
                     self.metrics,
                     key,
                     trusted,
@@ -493,24 +493,35 @@ class AggregatorFragments:
             self.evaluator.submit(-1, 0, theta0)
         del theta0
         self.callers = self.parts[0].callers
+        # A restart: a fragment whose last round was durable before it (not redone from
+        # its tape, so never handed to ``rounds_done``) has its final state all the same.
+        for p in self.parts:
+            merge = p.node.machine.merge_for(cfg.steps)
+            if merge is not None:
+                self._final_part(p, merge.payload)
 
     def rounds_done(self, part: AggregatorService, done: list[Committed]) -> None:
         """Fragment ``part`` made ``done`` durable: evaluate the joined model after
         fragment 0's rounds, and log the final state once every fragment has its last."""
-        final = None
-        with self._lock:
-            for c in done:
-                if c.sync_step == self.cfg.steps:
-                    self._finals[part.fragment or 0] = c.payload
-            n = self.cfg.fragments
-            if len(self._finals) == n and not self._final_logged:
-                self._final_logged = True
-                final = torch.cat([self._finals[i] for i in range(n)])
         if part.fragment == 0 and len(self.parts) == self.cfg.fragments:  # (not while starting)
             for c in done:
                 if c.sync_step < self.cfg.steps:
                     joined = torch.cat([p.node.machine.core.theta for p in self.parts])
                     self.evaluator.submit(c.round, c.sync_step, joined)
+        for c in done:
+            if c.sync_step == self.cfg.steps:
+                self._final_part(part, c.payload)
+
+    def _final_part(self, part: AggregatorService, payload: torch.Tensor) -> None:
+        """Fragment ``part``'s final state: once every fragment's is in, the run's final
+        state is logged (``event=final``, once) and evaluated."""
+        final = None
+        with self._lock:
+            self._finals[part.fragment or 0] = payload
+            n = self.cfg.fragments
+            if len(self._finals) == n and not self._final_logged:
+                self._final_logged = True
+                final = torch.cat([self._finals[i] for i in range(n)])
         if final is not None:
             digest = state_digest(self.layout.unflatten(final))
             log_event("final", role="aggregator", step=self.cfg.steps, digest=digest,

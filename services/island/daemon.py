@@ -265,10 +265,12 @@ class Island:
         m, labels = self.metrics, self._labels
         train_loss = 0.0
 
-        def take(merges: list[PendingMerge[int]], t_trained: float) -> bool:
+        def take(merges: list[PendingMerge[int]], t_trained: float, save: bool = True) -> bool:
             """Fetch and apply ``merges`` in order (each once this island's push in flight
             is done); False when a fetch was answered with a later global merge (left
-            behind: healed there)."""
+            behind: healed there).  ``save``: write the rejoin state after a global merge
+            (not for the last step's merges taken before its sync: a state saved there
+            would resume with the last delta never sent)."""
             nonlocal train_loss
             while merges:
                 merge = merges.pop(0)
@@ -287,7 +289,7 @@ class Island:
                 del payload  # applied (copied into the model and the base): free it
                 trim_heap()  # and the fetch's chunks, freed on gRPC's threads
                 self._merged(merge.sync_step, t2 - t0, time.perf_counter() - t1)
-                if merge.kind == "global":
+                if merge.kind == "global" and save:
                     self._save(merges)
                 if losses:
                     train_loss = round(sum(losses) / len(losses), 5)
@@ -326,7 +328,7 @@ class Island:
             # come on top of whatever free heap this step left resident.
             trim_heap()
             # At the last step, a fragment's merge still pending is taken before its sync.
-            if not take(rounds.before_sync(), t_trained):
+            if not take(rounds.before_sync(), t_trained, save=False):
                 continue
             t0 = time.perf_counter()
             deltas = rounds.after_step(encode=self.lead)

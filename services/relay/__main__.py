@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         region,
                         state_dir,
                         peer,
-                        PartShutdown(shutdown, parts, RELAY_DONE),
+                        PartShutdown(shutdown, parts, RELAY_DONE, cfg.fragments),
                         metrics,
                         key,
                         trusted,

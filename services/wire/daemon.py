@@ -187,11 +187,13 @@ def load_security(settings: DaemonSettings, name: str, metrics: Metrics) -> Secu
 EXPIRY_WARNING_DAYS = 30
 
 
-def call_guard(settings: DaemonSettings, metrics: Metrics) -> CallGuard:
+def call_guard(settings: DaemonSettings, metrics: Metrics, parts: int = 1) -> CallGuard:
     """The bounds on the daemon's calls (``calls.py``) from its settings, counted in
-    ``hypertrain_calls_refused_total``."""
+    ``hypertrain_calls_refused_total``.  ``parts``: independent parts each caller talks to
+    at once (the aggregator of a run in F streaming fragments: a relay forwards and
+    fetches every fragment's rounds side by side), each allowed ``calls_per_peer``."""
     limits = CallLimits(
-        per_peer=settings.calls_per_peer,
+        per_peer=settings.calls_per_peer * parts,
         idle_s=float(settings.call_idle_s),
         min_bytes_s=settings.call_min_kib_s * 1024.0,
     )

@@ -245,20 +245,23 @@ class Shutdown:
 
 class PartShutdown(Shutdown):
     """The stop request of one part of a daemon (a streaming fragment's node): ``final``,
-    the part's own run-complete reason, stops the daemon once every part of ``parts`` has
-    asked it; any other reason (a failure) stops the daemon at once; a stop of the daemon
-    (``whole``: a signal) is every part's."""
+    the part's own run-complete reason, stops the daemon once all ``count`` parts sharing
+    ``parts`` have asked it (a part that recovers a finished run asks while the daemon
+    starts, before the others exist); any other reason (a failure) stops the daemon at
+    once; a stop of the daemon (``whole``: a signal) is every part's."""
 
-    def __init__(self, whole: Shutdown, parts: list[PartShutdown], final: str) -> None:
+    def __init__(self, whole: Shutdown, parts: list[PartShutdown], final: str, count: int) -> None:
         super().__init__()
         self.whole = whole
         self.parts = parts
         self.final = final
+        self.count = count
         parts.append(self)
 
     def request(self, reason: str) -> None:
         super().request(reason)
-        if not reason.startswith(self.final) or all(p._event.is_set() for p in self.parts):
+        done = sum(p._event.is_set() for p in self.parts)
+        if not reason.startswith(self.final) or done == self.count:
             self.whole.request(reason)
 
     @property

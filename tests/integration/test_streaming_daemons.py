@@ -127,13 +127,15 @@ def test_a_relay_killed_in_a_fragment_round_resumes_from_its_tapes(
     relay_trial(tmp_path, restart_digest, fault, RESTART)
 
 
+@pytest.mark.parametrize("n", [3, 6])
 def test_the_aggregator_killed_in_a_fragment_round_resumes_from_its_tapes(
-    tmp_path: Path, restart_digest: str
+    tmp_path: Path, restart_digest: str, n: int
 ) -> None:
-    """The aggregator (every fragment's node in one process) dies the 3rd time it tapes a
-    round, counted over its fragments' nodes, restarts on the same port and folder, and
-    the run ends on the in-process state, auditing clean."""
-    aggregator_trial(tmp_path, "after_tape", 3, restart_digest, RESTART)
+    """The aggregator (every fragment's node in one process) dies the ``n``-th time it
+    tapes a round, counted over its fragments' nodes (the 6th: the first of the two final
+    rounds, the other fragment's still to come), restarts on the same port and folder,
+    and the run ends on the in-process state, auditing clean."""
+    aggregator_trial(tmp_path, "after_tape", n, restart_digest, RESTART)
 
 
 def test_a_killed_island_resumes_the_merges_it_waited_for(

@@ -36,6 +36,7 @@ from hypertrain.common.trust.tape import verify_tape
 from hypertrain.sim.engine.job import SimJob
 from hypertrain.sim.engine.run import run_job
 from hypertrain.up import config_toml
+from hypertrain.wire.server import PartShutdown, Shutdown
 from tests.unit.toycluster import Restarter, drive
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -238,6 +239,40 @@ def test_the_audit_replays_each_fragment_and_joins_their_final_states(
     assert " in 2 fragments, " in report.summary()
     with pytest.raises(AuditError, match="segment audit of a run with streaming fragments"):
         audit_run(run_dir, TRUSTED, from_round=1)
+
+
+def test_the_audit_refuses_a_receipt_of_a_fragment_the_run_does_not_have(
+    taped: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(taped[0], run_dir)
+    receipts = run_dir / "island-r0-0" / "receipts"
+    line = json.loads(receipts.read_text().splitlines()[0])
+    line["fragment"] = 7
+    with receipts.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+    with pytest.raises(AuditError, match="a receipt of fragment 7, which this run"):
+        audit_run(run_dir, TRUSTED)
+
+
+def test_a_daemon_of_several_fragments_stops_when_all_are_done_or_one_fails() -> None:
+    whole, parts = Shutdown(), []
+    a, b = (PartShutdown(whole, parts, "run complete", 2) for _ in range(2))
+    a.request("run complete: every island has the final merge")
+    assert a.requested and not b.requested and not whole.requested  # b's run goes on
+    b.request("run complete: every island has the final merge")
+    assert whole.requested
+    whole, parts = Shutdown(), []
+    first = PartShutdown(whole, parts, "run complete", 2)
+    first.request("run complete")  # recovered a finished fragment while the daemon starts
+    assert not whole.requested  # the second part does not exist yet: not a whole run
+    second = PartShutdown(whole, parts, "run complete", 2)
+    second.request("forwarding failed: the aggregator refused")
+    assert whole.requested and whole.reason == "forwarding failed: the aggregator refused"
+    whole, parts = Shutdown(), []
+    c, d = (PartShutdown(whole, parts, "run complete", 2) for _ in range(2))
+    whole.request("SIGTERM")
+    assert c.requested and d.requested
 
 
 def test_the_audit_catches_a_tampered_fragment_input_and_a_tape_of_another_fragment(
