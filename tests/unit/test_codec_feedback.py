@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hypertrain.common.codec import ErrorFeedback, make_codec
@@ -34,21 +34,26 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     rounds=st.integers(1, 4),
     scale=st.sampled_from([1e-6, 1.0, 1e6]),
 )
+@example(seed=10311, n=920, beta=0.9, rounds=2, scale=1e-6)  # beta's fp32 rounding mattered
 @FAST
 def test_conservation(spec: str, seed: int, n: int, beta: float, rounds: int, scale: float) -> None:
     codec = make_codec(spec)
     ef = ErrorFeedback(codec, n, beta=beta)
     gen = torch.Generator().manual_seed(seed)
+    # The residual is scaled in fp32, by beta as fp32 holds it (0.9 is not exact there):
+    # the target uses that beta, or its representation error (up to 2^-25 |e|) would come
+    # on top of the bound (hypothesis found seed 10311, n 920, beta 0.9, scale 1e-6).
+    beta32 = float(torch.tensor(beta, dtype=torch.float32))
     for _ in range(rounds):
         delta = torch.randn(n, generator=gen) * scale
         old = ef.residual.clone()
         sent = codec.decode(ef.encode(delta), (n,))
         new = ef.residual
-        target = old.double() * beta + delta.double()
+        target = old.double() * beta32 + delta.double()
         # Three fp32 roundings: fl(beta*e) (absent for beta = 1), fl(. + delta) and
         # fl(acc - sent); each is at most U times the magnitude it rounds, so
         # |sent + e_new - (beta*e + delta)| <= 2U(|beta*e| + |delta| + |e_new|) generously.
-        bound = 2 * U * (old.double().abs() * beta + delta.double().abs() + new.double().abs())
+        bound = 2 * U * (old.double().abs() * beta32 + delta.double().abs() + new.double().abs())
         assert bool(((sent.double() + new.double() - target).abs() <= bound).all())
         if codec.lossless:
             # fp32: everything is sent, the residual is exactly zero.
