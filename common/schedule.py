@@ -28,6 +28,7 @@ refuses to let one be skipped.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
@@ -274,6 +275,10 @@ class PendingMerges(Generic[T]):
 
     def peek(self) -> PendingMerge[T] | None:
         return self._queue[0] if self._queue else None
+
+    def __iter__(self) -> Iterator[PendingMerge[T]]:
+        """The merges waiting, in order (nothing removed)."""
+        return iter(self._queue)
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -246,18 +246,27 @@ class IslandRounds:
         self.core.heal(payload, sync_step)
         self.last_sync = None
 
-    def pending_state(self, taken: list[PendingMerge[int]]) -> list[list[Any]]:
-        """What a saved state must also hold when the run is split: every merge this
-        island still waits for, ``taken`` (handed out by ``due``, not applied yet) first,
-        as ``[fragment, sync_step, kind]`` (a merge of one fragment's global round may be
-        applied while another fragment's merges are pending)."""
-        left = [p for q in self.pendings for p in q._queue]
-        return [[p.item, p.sync_step, p.kind] for p in sorted([*taken, *left], key=_order)]
+    def rejoin_state(self, taken: list[PendingMerge[int]], copy: bool = True) -> dict[str, Any]:
+        """The state this island rejoins from after a crash (saved right after a global
+        merge): its core's (``copy=False``: the live tensors), and when the run is split,
+        every merge it still waits for (a merge of one fragment's global round may be
+        applied while another fragment's are pending): ``taken`` (handed out by ``due``,
+        not applied yet) and those pending, as ``[fragment, sync_step, kind]`` in fragment
+        and step order."""
+        state = self.core.state_dict(copy=copy)
+        if len(self.pendings) > 1:
+            waiting = sorted([*taken, *(p for q in self.pendings for p in q)], key=_order)
+            state["pending"] = [[p.item, p.sync_step, p.kind] for p in waiting]
+        return state
 
-    def resume(self, pending: list[list[Any]] | None = None) -> None:
-        """After loading a rejoin state (saved right after a global merge): nothing pending,
-        or (a run split into fragments) the merges it saved as pending
-        (``pending_state``), which the driver fetches from ``due`` on."""
-        self._flush()
-        for fragment, sync_step, kind in pending or []:
+    def load_rejoin_state(self, state: dict[str, Any]) -> None:
+        """Take a ``rejoin_state``: the core's state, and the merges it waited for (none
+        when the run is not split), which the driver fetches from ``due`` on."""
+        self.core.load_state_dict(state)
+        self.resume()
+        for fragment, sync_step, kind in state.get("pending", []):
             self.pendings[int(fragment)].add(int(sync_step), kind, int(fragment))
+
+    def resume(self) -> None:
+        """After loading a rejoin state (saved right after a global merge): nothing pending."""
+        self._flush()

@@ -322,12 +322,8 @@ class IslandActor(_Client):
     def _start(self) -> None:
         self.core = self.make_core()
         self.rounds = IslandRounds(self.core, self.cluster.cfg.run_id, self.witness)
-        pending: list[list[Any]] | None = None
         if self.state_path is not None and self.state_path.exists():
-            state = load_state(self.state_path)
-            self.core.load_state_dict(state)
-            pending = state.get("pending")
-            self.rounds.resume(pending)
+            self.rounds.load_rejoin_state(load_state(self.state_path))
         self.wake: Callable[[], None] | None = None  # the sleeping training loop, if any
         self.push_step: int | None = None  # the sync step whose push is not acknowledged
         self.unacked: set[int] = set()  # ... by these relay shards
@@ -339,7 +335,7 @@ class IslandActor(_Client):
         self.healing: tuple[int, str] | None = None  # the merge a join named, being fetched
         self.leaving = False
         self.joining = False  # asking its relay to take it in (``begin``)
-        if pending:  # restarted with merges to take (a run split into fragments)
+        if any(self.rounds.pendings):  # restarted with merges to take (with fragments)
             self.waiting = self.rounds.due()
             self.final_wait = self.rounds.final_due() is not None
 
@@ -579,9 +575,7 @@ class IslandActor(_Client):
         """After a global merge: the state this island rejoins from after a crash (with
         fragments, and the merges it still waits for)."""
         if self.state_path is not None:
-            state = self.core.state_dict()
-            if self.cluster.cfg.fragments > 1:
-                state["pending"] = self.rounds.pending_state(self.waiting)
+            state = self.rounds.rejoin_state(self.waiting)
             atomic_write(self.state_path, save_state(state), sync=False)
 
 

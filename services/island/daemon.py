@@ -470,9 +470,7 @@ class Island:
         island loads it (their states are equal)."""
         if self.state_path is not None and self.lead:
             state: dict[str, Any] = {"run_id": self.cfg.run_id, "config": self.cfg.digest}
-            state |= self.core.state_dict(copy=False)
-            if self.fragment_relays:
-                state["pending"] = self.rounds.pending_state(taken or [])
+            state |= self.rounds.rejoin_state(taken or [], copy=False)
             self.saving = self.saver.submit(atomic_save, self.state_path, state)
 
     def _saved(self) -> None:
@@ -494,8 +492,7 @@ class Island:
         state = torch.load(self.state_path, weights_only=True)
         if state["run_id"] != self.cfg.run_id or state["config"] != self.cfg.digest:
             raise ConfigError(f"{self.state_path} belongs to another run or config")
-        self.core.load_state_dict(state)
-        self.rounds.resume(state.get("pending"))
+        self.rounds.load_rejoin_state(state)
         self._log("resumed", role="island", island=self.island_id, step=self.core.step)
         return self.core.step
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -109,6 +110,39 @@ class Cluster:
             start_cluster(self.cfg, self.run_dir, self.progress, island_ranks=island_ranks)
         )
         return supervise(self.children, deadline_s=timeout_s)
+
+    def kill_island_and_restart(
+        self, island: str, ready: Callable[[str], bool], timeout_s: float = 300
+    ) -> Child:
+        """Start the whole cluster, SIGKILL ``island`` ("eu-1") once its log text
+        satisfies ``ready``, start it again with the same flags, and wait until every
+        other process ended cleanly; returns the restarted island (AssertionError when a
+        process fails or the run does not end in time)."""
+        self.children.extend(start_cluster(self.cfg, self.run_dir, self.progress))
+        victim = next(c for c in self.children if c.name == f"island-{island}")
+        log = victim.log_path
+        deadline = time.monotonic() + timeout_s
+        while not ready(log.read_text()):
+            assert time.monotonic() < deadline and victim.proc.poll() is None
+            time.sleep(0.02)
+        victim.proc.kill()
+        victim.proc.wait()
+        again = Child(
+            f"island-{island}-again",
+            victim.argv,
+            log.with_name(f"island-{island}-again.log"),
+            self.progress.on_event,
+            child_env(),
+        )
+        self.children.append(again)
+        while any(c.proc.poll() is None for c in self.children if c is not victim):
+            assert time.monotonic() < deadline, "run did not finish"
+            failed = [
+                c for c in self.children if c is not victim and c.proc.poll() not in (None, 0)
+            ]
+            assert not failed, failed[0].failure_message()
+            time.sleep(0.1)
+        return again
 
     def stop(self) -> None:
         for child in reversed(self.children):

@@ -176,34 +176,11 @@ def test_a_killed_island_rejoins_from_its_state(tmp_path: Path, reference_digest
     """SIGKILL one island after a global merge; restarted with the same flags it resumes
     from its saved state (inner optimizer and error feedback included), re-sends
     bit-identical deltas the relay already has, and the run ends on the reference."""
-    from hypertrain.up import start_cluster
-
     cluster = Cluster(CFG, tmp_path / "run")
     try:
-        cluster.children.extend(start_cluster(CFG, cluster.run_dir, cluster.progress))
-        victim = next(c for c in cluster.children if c.name == "island-eu-1")
-        log = victim.log_path
-        deadline = time.monotonic() + 300
-        while "kind=global" not in log.read_text() or "step=40 " not in log.read_text():
-            assert time.monotonic() < deadline and victim.proc.poll() is None
-            time.sleep(0.05)
-        victim.proc.kill()
-        victim.proc.wait()
-        again = Child(
-            "island-eu-1-again",
-            victim.argv,
-            log.with_name("island-eu-1-again.log"),
-            cluster.progress.on_event,
-            child_env(),
+        again = cluster.kill_island_and_restart(
+            "eu-1", lambda log: "kind=global" in log and "step=40 " in log
         )
-        cluster.children.append(again)
-        while any(c.proc.poll() is None for c in cluster.children if c is not victim):
-            assert time.monotonic() < deadline, "run did not finish"
-            others = [
-                c for c in cluster.children if c is not victim and c.proc.poll() not in (None, 0)
-            ]
-            assert not others, others[0].failure_message()
-            time.sleep(0.1)
         assert "event=resumed" in again.log_path.read_text()
     finally:
         cluster.stop()

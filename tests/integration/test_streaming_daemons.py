@@ -9,7 +9,6 @@ island killed with merges of several fragments pending resume on the same state.
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,8 @@ from hypertrain.common.reference import run_reference
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import TrustedKeys
-from hypertrain.procs import Child, child_env
 from hypertrain.sim.engine.job import SimJob
 from hypertrain.sim.engine.run import run_job
-from hypertrain.up import start_cluster
 from tests.integration.conftest import Cluster, finished_cluster
 from tests.integration.test_crash import _trial as aggregator_trial
 from tests.integration.test_relay_restart import _trial as relay_trial
@@ -146,30 +143,9 @@ def test_a_killed_island_resumes_the_merges_it_waited_for(
     from its saved state with that merge pending, and the run ends on the reference."""
     cluster = Cluster(RESTART, tmp_path / "run")
     try:
-        cluster.children.extend(start_cluster(RESTART, cluster.run_dir, cluster.progress))
-        victim = next(c for c in cluster.children if c.name == "island-eu-1")
-        log = victim.log_path
-        deadline = time.monotonic() + 300
-        while "step=4 kind=global fragment=0" not in log.read_text():
-            assert time.monotonic() < deadline and victim.proc.poll() is None
-            time.sleep(0.02)
-        victim.proc.kill()
-        victim.proc.wait()
-        again = Child(
-            "island-eu-1-again",
-            victim.argv,
-            log.with_name("island-eu-1-again.log"),
-            cluster.progress.on_event,
-            child_env(),
+        again = cluster.kill_island_and_restart(
+            "eu-1", lambda log: "step=4 kind=global fragment=0" in log
         )
-        cluster.children.append(again)
-        while any(c.proc.poll() is None for c in cluster.children if c is not victim):
-            assert time.monotonic() < deadline, "run did not finish"
-            failed = [
-                c for c in cluster.children if c is not victim and c.proc.poll() not in (None, 0)
-            ]
-            assert not failed, failed[0].failure_message()
-            time.sleep(0.1)
         assert "event=resumed" in again.log_path.read_text()
     finally:
         cluster.stop()
