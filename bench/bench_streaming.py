@@ -28,12 +28,21 @@ waiting for its pushes and merges: ``blocked_share`` of its ``event=done`` line)
 real daemons (``hypertrain up``, 2 x 2 islands, the flat schedule, tau = 1) for each F,
 one run after the other on this machine; the peak bytes of a push there too (its
 ``event=sync`` lines' ``bytes``, the step's pushes of every fragment).
+
+``--rate 40mbit`` (with ``--daemons``; root, ``ip`` and ``tc``): the same runs once more,
+each inside a network namespace of its own whose loopback sends through a token bucket
+at that rate (``tc qdisc ... tbf``), so every link of the cluster shares one limited
+path, as a slow WAN would; the namespace is made for the run and removed after it.
+Where bandwidth, not a sync's fixed cost, is what an island waits for, F smaller pushes
+each hidden behind the same tau steps block it less than one large one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import re
 import subprocess
@@ -41,6 +50,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +124,39 @@ def measure(preset: str, fragments: int, h_r: int, h_g: int, rounds: int) -> dic
     }
 
 
-def daemons(preset: str, fragments: int, rounds: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def limited_loopback(rate: str | None) -> Iterator[list[str]]:
+    """The argv prefix that runs a command in a fresh network namespace whose loopback is
+    limited to ``rate`` by a token bucket (none: no prefix, the host's loopback)."""
+    if rate is None:
+        yield []
+        return
+    name = f"ht-bench-{os.getpid()}"
+
+    def sh(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, text=True)
+
+    sh("ip", "netns", "add", name)
+    try:
+        sh("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+           "rate", rate, "burst", "256kb", "latency", "400ms")  # fmt: skip
+        yield ["ip", "netns", "exec", name]
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
+def daemons(preset: str, fragments: int, rounds: int, rate: str | None = None) -> dict[str, Any]:
     """One ``hypertrain up`` run (flat schedule, tau = 1): the islands' blocked shares and
-    the largest push before the last step, from their logs."""
+    the largest push before the last step, from their logs (``rate``: on a loopback
+    limited to it, ``limited_loopback``)."""
     h = 30
-    with tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp,
+        limited_loopback(rate) as prefix,
+    ):
         run_dir = Path(tmp) / "run"
-        argv = [sys.executable, "-m", "hypertrain", "up", "--preset", preset]
+        argv = [*prefix, sys.executable, "-m", "hypertrain", "up", "--preset", preset]
         argv += ["--steps", str(rounds * h), "--h-r", str(h), "--h-g", str(h), "--tau", "1"]
         argv += ["--batch", "2", "--regions", "eu,us", "--islands-per-region", "2"]
         argv += ["--fragments", str(fragments), "--run-dir", str(run_dir)]
@@ -141,6 +177,7 @@ def daemons(preset: str, fragments: int, rounds: int) -> dict[str, Any]:
         digest = re.search(r"final state digest ([0-9a-f]+)", out.stdout)
     return {
         "fragments": fragments,
+        "rate": rate or "",
         "blocked_share_max": max(shares),
         "blocked_share_mean": sum(shares) / len(shares),
         "push_peak_bytes": max(pushes),
@@ -154,6 +191,11 @@ def main() -> None:
     ap.add_argument("--preset", default="proxy")
     ap.add_argument("--rounds", type=int, default=3, help="global rounds per run (>= 2)")
     ap.add_argument("--daemons", action="store_true", help="also the blocked share (up runs)")
+    ap.add_argument(
+        "--rate",
+        default=None,
+        help="with --daemons: also on a loopback limited to RATE (tc tbf), e.g. 40mbit",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.rounds < 2:
@@ -182,9 +224,14 @@ def main() -> None:
                 f"{r['seconds']:.1f} s"
             )
         res["schedules"][name] = {"h_r": h_r, "h_g": h_g, "runs": runs}
-    if args.daemons:
-        up = [daemons(args.preset, f, args.rounds) for f in (1, 2, 4)]
-        print(f"daemons (hypertrain up, H_r = H_g = 30, tau = 1), {args.preset}")
+    if args.rate is not None and not args.daemons:
+        ap.error("--rate goes with --daemons")
+    for key, rate in (("daemons", None), ("daemons_limited", args.rate)):
+        if not args.daemons or (key == "daemons_limited" and rate is None):
+            continue
+        up = [daemons(args.preset, f, args.rounds, rate) for f in (1, 2, 4)]
+        link = f"loopback limited to {rate}" if rate else "loopback"
+        print(f"daemons (hypertrain up, H_r = H_g = 30, tau = 1, {link}), {args.preset}")
         for r in up:
             r["blocked_share_ratio"] = r["blocked_share_max"] / up[0]["blocked_share_max"]
             r["push_peak_ratio"] = r["push_peak_bytes"] / up[0]["push_peak_bytes"]
@@ -194,7 +241,7 @@ def main() -> None:
                 f"F = 1's), largest push {r['push_peak_bytes'] / 1024:.1f} KiB "
                 f"({r['push_peak_ratio']:.3f}); {r['seconds']:.0f} s"
             )
-        res["daemons"] = up
+        res[key] = up
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")

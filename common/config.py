@@ -22,6 +22,7 @@ from typing import Any
 from hypertrain.common.codec import parse_codec_spec
 from hypertrain.common.data.sampling import HOLDOUT_WINDOWS
 from hypertrain.common.errors import ConfigError, HypertrainError
+from hypertrain.common.fragments import fragment_offset
 from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
@@ -294,11 +295,15 @@ class RunConfig:
     global syncs unchanged; ``islands:K`` trains the decay on the run's first K islands
     (``anneal_kept``): the others push their delta of that step, take its global merge and
     stop, and the regions left without an island follow the global rounds.  The switch is
-    taped by the relays and the aggregator."""
+    taped by the relays and the aggregator.  With streaming fragments each fragment
+    switches after its own last global sync step at or before the decay's start
+    (``anneal_step_of``); an island the anneal stops leaves each fragment there."""
     lawa: int = 0
     """LAWA: the run's final model is also published as the fixed-order fp32 mean of the
     aggregator's states after its last ``lawa`` global rounds (common/optim.py
-    ``LawaSum``; 0: off).  Choose it so those rounds fall in the schedule's decay."""
+    ``LawaSum``; 0: off); with streaming fragments, each fragment's mean over its own last
+    ``lawa`` global rounds, joined.  Choose it so those rounds fall in the schedule's
+    decay."""
     fragments: int = 1
     """Streaming DiLoCo (docs/design.md §3.8): the parameters are cut into this many
     fragments (common/fragments.py ``partition``), fragment f syncs on the schedule
@@ -378,8 +383,6 @@ class RunConfig:
             unsupported = [
                 name
                 for name, on in (
-                    (f"anneal {self.anneal}", self.anneal != "full_m"),
-                    ("lawa", bool(self.lawa)),
                     ("standby islands", bool(self.membership.standby)),
                     ("membership cutoffs", self.membership.has_cutoffs),
                     ("relay shards", self.topology.relay_shards > 1),
@@ -391,6 +394,16 @@ class RunConfig:
                 raise ConfigError(
                     f"run: fragments > 1 does not work with {', '.join(unsupported)} yet"
                 )
+            if self.anneal != "full_m":
+                for f in range(self.fragments):
+                    if self.anneal_step_of(f) is None:
+                        raise ConfigError(
+                            f"run: anneal {self.anneal}: fragment {f} has no global sync step "
+                            f"at or before the decay's start (its first is step "
+                            f"{fragment_offset(f, self.fragments, self.topology.h_g)}; steps "
+                            f"{self.steps}, h_g {self.topology.h_g}, inner decay_fraction "
+                            f"{self.inner.decay_fraction}): it would have nothing to switch after"
+                        )
         if not 0 < self.ef_beta <= 1:
             raise ConfigError(f"run: ef_beta must be in (0, 1], got {self.ef_beta}")
         for name in ("regional_codec", "global_codec"):
@@ -507,10 +520,29 @@ class RunConfig:
     @property
     def anneal_step(self) -> int | None:
         """The anneal's first step: its switch follows the merge of this global sync step
-        (None: no anneal, ``full_m``)."""
+        (None: no anneal, ``full_m``); fragment 0's when the run is split
+        (``anneal_step_of``)."""
+        return self.anneal_step_of(None if self.fragments == 1 else 0)
+
+    @property
+    def anneal_stop_step(self) -> int | None:
+        """The last step of an island an ``islands:K`` anneal stops: the anneal's first step,
+        or with streaming fragments the latest fragment's (None: no such anneal)."""
+        if anneal_islands(self.anneal) is None:
+            return None
+        if self.fragments == 1:
+            return self.anneal_step
+        return max(self.anneal_step_of(f) or 0 for f in range(self.fragments))
+
+    def anneal_step_of(self, fragment: int | None) -> int | None:
+        """Streaming fragment ``fragment``'s anneal start (None: the run is not split): the
+        last of its own global sync steps at or before the decay's start, so each fragment
+        switches after one of its global merges, as the whole model does."""
         if self.anneal == "full_m":
             return None
-        return anneal_start(self.steps, self.topology.h_g, self.inner.decay_fraction)
+        h_g = self.topology.h_g
+        offset = 0 if fragment is None else fragment_offset(fragment, self.fragments, h_g)
+        return anneal_start(self.steps, h_g, self.inner.decay_fraction, offset)
 
     def anneal_kept(self) -> tuple[str, ...] | None:
         """The islands that train the decay of an ``islands:K`` anneal: the first K of the

@@ -157,14 +157,14 @@ def run_reference(
     result.final_loss = result.rounds[-1]["heldout_loss"]
     result.final_digest = state_digest(layout.unflatten(theta))
     result.final_params = theta
-    averaged = cluster.aggregator.node.averaged
+    averaged = cluster.lawa_average()
     if cfg.lawa:
         if averaged is None:
             raise HypertrainError("in-process run: the aggregator published no LAWA average")
         t0 = time.perf_counter()
-        result.lawa_params = averaged.payload
-        result.lawa_digest = state_digest(layout.unflatten(averaged.payload))
-        result.lawa_loss = held_out(averaged.payload)
+        result.lawa_params = averaged
+        result.lawa_digest = state_digest(layout.unflatten(averaged))
+        result.lawa_loss = held_out(averaged)
         result.seconds_eval += time.perf_counter() - t0
     sent, sends = _sent(every)
     result.bytes_per_sync = sent / max(sends, 1)

@@ -14,10 +14,11 @@ after it.  With sync intervals ``h_r`` (regional) and ``h_g = K * h_r`` (global)
   except after the last step, where every member takes the final global state;
 - sync step s belongs to global round ``(s - 1) // h_g`` (0-based, ``Schedule.round_of``);
 - an island that an ``islands:K`` anneal stops ends at the anneal's first step (its
-  schedule's ``steps``; ``Schedule.of(cfg, island=...)``);
+  schedule's ``steps``; ``Schedule.of(cfg, island=...)``; a streaming fragment's own);
 - the anneal at H_r = 1 (``RunConfig.anneal = "h_r1"``): after the anneal's first step
   ``anneal_at`` (the last global sync step at or before the inner schedule's decay starts,
-  ``anneal_start``), every step syncs regionally, and globally as before;
+  ``anneal_start``; a streaming fragment's own last one), every step syncs regionally,
+  and globally as before;
 - with tau > 0 a member keeps training through the overlap and then takes the merged
   state plus the progress it made since the sync step (``overlap_merge``).
 
@@ -76,15 +77,13 @@ class Schedule:
         if not 0 <= self.offset < self.h_g:
             raise HypertrainError(f"schedule: offset must be in [0, h_g), got {self.offset}")
         if self.anneal_at is not None and (
-            self.anneal_at % self.h_g
-            or not 0 <= self.anneal_at < self.steps
+            (self.anneal_at - self.offset) % self.h_g
+            or not self.offset <= self.anneal_at < self.steps
             or self.tau
-            or self.offset
         ):
             raise HypertrainError(
                 f"schedule: the anneal starts at a global sync step before the last step, "
-                f"with tau 0 and no fragments (got step {self.anneal_at}, tau {self.tau}, "
-                f"offset {self.offset})"
+                f"with tau 0 (got step {self.anneal_at}, tau {self.tau}, offset {self.offset})"
             )
 
     @classmethod
@@ -92,19 +91,21 @@ class Schedule:
         """The run's schedule; of streaming ``fragment`` f (None with ``cfg.fragments`` 1),
         staggered by ``fragment_offset``; for ``island``, that island's: with an
         ``islands:K`` anneal an island that does not train the decay ends at the anneal's
-        first step (it takes that step's global merge as its final state)."""
+        first step (of the fragment: ``RunConfig.anneal_step_of``), where it pushes its last
+        delta of it."""
         t = cfg.topology
         if (fragment is None) != (cfg.fragments == 1) or not 0 <= (fragment or 0) < cfg.fragments:
             raise HypertrainError(
                 f"schedule: fragment {fragment} of a run with {cfg.fragments} fragments"
             )
         offset = 0 if fragment is None else fragment_offset(fragment, cfg.fragments, t.h_g)
-        at = cfg.anneal_step if cfg.anneal == "h_r1" else None
+        start = cfg.anneal_step_of(fragment)
+        at = start if cfg.anneal == "h_r1" else None
         steps = cfg.steps
         kept = cfg.anneal_kept()
         if island is not None and kept is not None and island not in kept:
-            assert cfg.anneal_step is not None
-            steps = cfg.anneal_step
+            assert start is not None
+            steps = start
         return cls(
             h_r=t.h_r,
             h_g=t.h_g,
@@ -209,14 +210,16 @@ class Schedule:
         return self.h_g // self.h_r
 
 
-def anneal_start(steps: int, h_g: int, decay_fraction: float) -> int | None:
+def anneal_start(steps: int, h_g: int, decay_fraction: float, offset: int = 0) -> int | None:
     """The anneal's first step: the last global sync step at or before the inner schedule's
     decay starts (its merge applied; the WSD decay spans the last ``decay_fraction`` of the
     steps); None where that is the last step (no anneal).  The simulator's M = 1 anneal
-    starts there too."""
+    starts there too.  A streaming fragment's (``offset`` > 0) is the last of its own global
+    sync steps at or before the decay's start; None where the decay starts before its first
+    (a run configuration refuses that)."""
     decay = round(decay_fraction * steps)
-    start = (steps - decay) // h_g * h_g
-    return start if start < steps else None
+    start = offset + (steps - decay - offset) // h_g * h_g
+    return start if offset <= start < steps else None
 
 
 def overlap_merge(merged: torch.Tensor, now: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:

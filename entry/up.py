@@ -41,6 +41,7 @@ from hypertrain.chaos_up import (
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import initial_parameters
+from hypertrain.common.rounds.store import FRAGMENT_DIR
 from hypertrain.common.runflags import run_config_from_args
 from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.certs import cert_path, ensure_certs
@@ -357,11 +358,12 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
         f"state and published inputs: {run_dir}/aggregator, {run_dir}/relay-*; logs: {run_dir}/logs",
     ]
     if stopped:  # an islands:K anneal: the others stopped once their delta of its start was in
-        early = sorted(i for i, e in stopped.items() if e.get("step") != str(cfg.anneal_step))
+        end = cfg.anneal_stop_step
+        early = sorted(i for i, e in stopped.items() if e.get("step") != str(end))
         lines.insert(
             4,
             f"anneal {cfg.anneal}: {', '.join(kept or ())} trained the decay; "
-            f"{len(stopped)} islands stopped after step {cfg.anneal_step}, their delta merged in"
+            f"{len(stopped)} islands stopped after step {end}, their delta merged in"
             + (f" (NOT at that step: {', '.join(early)})" if early else ""),
         )
         agree = agree and not early
@@ -373,7 +375,8 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
                 4,
                 f"LAWA average of global rounds {got.get('rounds', '?')}: "
                 + (f"held-out loss {float(loss):.4f}, " if loss is not None else "")
-                + f"digest {got['digest']} ({run_dir}/aggregator/lawa.pt)",
+                + f"digest {got['digest']} ({run_dir}/aggregator/"
+                + ("lawa.pt)" if cfg.fragments == 1 else f"{FRAGMENT_DIR}-*/lawa.pt, joined)"),
             )
         else:
             lines.insert(4, "LAWA average: MISSING (the aggregator logged no event=lawa)")

@@ -57,8 +57,11 @@ class IslandRounds:
         self.run_id = run_id
         self.witness = witness
         self.schedule: Schedule = core.schedule
-        """The run's schedule (fragment 0's when the run is split: its last step is the
-        run's)."""
+        """The run's schedule (fragment 0's when the run is split)."""
+        self.last_step = max(s.steps for s in core.schedules)
+        """This island's last step: the run's, or, when an ``islands:K`` anneal stops it,
+        the anneal's first step (with streaming fragments, the last fragment's: it leaves
+        each fragment at that fragment's own start, and trains on to the last)."""
         self.pendings: list[PendingMerges[int]] = [PendingMerges(s) for s in core.schedules]
         """Per fragment, the merges it waits for (the item: the fragment's index)."""
         self.codec = str(core.codec.spec)
@@ -72,14 +75,14 @@ class IslandRounds:
     @property
     def finished(self) -> bool:
         """Trained every step (the final merge may still be outstanding)."""
-        return self.core.step >= self.schedule.steps
+        return self.core.step >= self.last_step
 
     @property
     def stops_early(self) -> bool:
         """An ``islands:K`` anneal does not keep this island: its schedule ends at the
         anneal's first step, whose delta it pushes (it is merged in) and then stops, without
         waiting for that merge (its relay may follow the run past it meanwhile)."""
-        return self.schedule.steps < self.core.cfg.steps
+        return self.last_step < self.core.cfg.steps
 
     def stop(self) -> None:
         """An island that ``stops_early``: its last push was acknowledged; nothing more."""
@@ -95,7 +98,7 @@ class IslandRounds:
         that step, or later with tau > 0), to fetch and ``apply`` first, so the final delta
         is taken from the state they give (the simulator's flush).  Only a fragment whose
         last sync before the end lies less than tau steps back has one."""
-        if self.core.step != self.schedule.steps or self.stops_early:
+        if self.core.step != self.last_step or self.stops_early:
             return []
         return [p for q in self.pendings if len(q) for p in q.flush()]
 
@@ -108,8 +111,8 @@ class IslandRounds:
         shards = self.core.shards
         out: list[Delta] = []
         for f, schedule in enumerate(self.core.schedules):
-            kind = schedule.sync_kind(step)
-            if kind is None:
+            kind = schedule.sync_kind(step) if step <= schedule.steps else None
+            if kind is None:  # not a sync step (or past this island's end of the fragment)
                 continue
             blobs = self.core.sync(encode=encode, fragment=f)
             self.pendings[f].add(step, kind, f)
@@ -175,10 +178,20 @@ class IslandRounds:
         out: list[PendingMerge[int]] = []
         for q in self.pendings:
             head = q.peek()
-            if head is not None and not q.schedule.applies_in_run(head.sync_step):
-                continue  # the last step's merge: taken by ``finish``
+            if head is not None and not self._applies(q, head.sync_step):
+                continue  # the last step's merge: taken by ``finish`` (or by no one)
             out.extend(q.due(step))
         return out
+
+    def _applies(self, q: PendingMerges[int], sync_step: int) -> bool:
+        """Is the merge of ``sync_step`` applied at a step this island trains?  Not its last
+        step's.  An island an ``islands:K`` anneal stops takes the merge of a fragment it
+        leaves before its own last step, as every island takes one in the run: it trains
+        on from the merged state (the fragment's schedule ends there, and its last merge
+        is not its final state)."""
+        if not self.stops_early:
+            return q.schedule.applies_in_run(sync_step)
+        return sync_step < self.last_step and q.schedule.merge_step(sync_step) <= self.last_step
 
     def apply(self, merge: PendingMerge[int], payload: torch.Tensor) -> None:
         """Apply ``merge`` (from ``due``, or ``before_sync`` at the last step)."""

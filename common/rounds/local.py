@@ -1012,6 +1012,15 @@ class Cluster:
             parts.append(merge.payload)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def lawa_average(self) -> torch.Tensor | None:
+        """The LAWA average (RunConfig.lawa) each fragment's aggregator published, joined;
+        None while any has not."""
+        parts = [a.node.averaged for a in self.aggregators]
+        if any(p is None for p in parts):
+            return None
+        payloads = [p.payload for p in parts if p is not None]
+        return payloads[0] if len(payloads) == 1 else torch.cat(payloads)
+
     def global_theta(self) -> torch.Tensor:
         """The newest global parameters, joined from every fragment's aggregator (each
         fragment's state after its last global merge)."""

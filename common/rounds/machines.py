@@ -378,27 +378,33 @@ class Switched:
 
 
 def anneal_members(
-    cfg: RunConfig, roster: tuple[str, ...], region_of: Callable[[str], str]
+    cfg: RunConfig,
+    schedule: Schedule,
+    roster: tuple[str, ...],
+    region_of: Callable[[str], str],
 ) -> tuple[int, frozenset[str]] | None:
-    """An ``islands:K`` anneal: (its first step, the senders of ``roster`` that stay
-    members after it).  A relay's senders are islands: those the anneal keeps; the
-    aggregator's are relays (``region_of`` one of them is its region): those of the regions
-    with a kept island.  None for another anneal."""
+    """An ``islands:K`` anneal: (its first step on ``schedule``, a streaming fragment's own
+    with fragments, the senders of ``roster`` that stay members after it).  A relay's
+    senders are islands: those the anneal keeps; the aggregator's are relays
+    (``region_of`` one of them is its region): those of the regions with a kept island.
+    None for another anneal."""
     kept = cfg.anneal_kept()
     if kept is None:
         return None
-    assert cfg.anneal_step is not None
+    start = cfg.anneal_step_of(schedule.fragment)
+    assert start is not None
     regions = {cfg.topology.region_of(i) for i in kept}
     stay = frozenset(m for m in roster if m in kept or region_of(m) in regions)
-    return cfg.anneal_step, stay
+    return start, stay
 
 
 def anneal_switch(schedule: Schedule, cfg: RunConfig, step: int) -> list[Effect]:
-    """The anneal's switch, after the merge of ``step`` if the anneal starts there."""
-    if cfg.anneal_step is None or step != cfg.anneal_step:
+    """The anneal's switch, after the merge of ``step`` if the anneal starts there (on
+    ``schedule``: a streaming fragment switches at its own start)."""
+    if step != cfg.anneal_step_of(schedule.fragment) or cfg.anneal == "full_m":
         return []
     h_r = schedule.next_sync_step("regional", step) - step  # the interval from then on
-    return [Switched(AnnealEntry(step=step, mode=cfg.anneal, h_r=h_r))]
+    return [Switched(AnnealEntry(step=step, mode=cfg.anneal, h_r=h_r, fragment=schedule.fragment))]
 
 
 Effect = (
@@ -882,7 +888,7 @@ class RelayMachine:
             shard=shards.label(shard),
             region=region,
             initial=cfg.membership.initial(cfg.topology.islands_of(region)),
-            kept_after=anneal_members(cfg, cfg.topology.islands_of(region), str),
+            kept_after=anneal_members(cfg, self.schedule, cfg.topology.islands_of(region), str),
         )
         self.global_pending: int | None = None  # sync step forwarded, theta not yet back
         self.merges: dict[int, Committed] = {}  # sync_step -> what islands apply
@@ -1280,7 +1286,10 @@ class AggregatorMachine:
             numel_of=self._numel_of,
             unit_of=lambda member: self.shards.split(member)[0],
             kept_after=anneal_members(
-                cfg, tuple(self.core.members), lambda member: self.shards.split(member)[0]
+                cfg,
+                self.schedule,
+                tuple(self.core.members),
+                lambda member: self.shards.split(member)[0],
             ),
         )
         self.merges: dict[int, Committed] = {}
@@ -1344,6 +1353,7 @@ class AggregatorMachine:
             last_round=self.schedule.rounds - 1,
             states=tuple(self._lawa_states),
             average=flat_digest(average),
+            fragment=self.schedule.fragment,
         )
         return Averaged(average, record)
 

@@ -291,8 +291,14 @@ class _Node:
         """The merge of ``sync_step`` for ``requester``; a refusal; None: not yet; or, to a
         member left behind, a newer global merge (``newer``)."""
         got = self._lookup(run_id, requester, sync_step, kind)
-        if got is None and self.cfg.membership.has_cutoffs:
-            got = self.newer(sync_step, requester)  # only cutoffs leave members behind
+        if got is None and (
+            self.cfg.membership.has_cutoffs  # only cutoffs leave members behind
+            or requester not in self.machine.level.members_for(sync_step)
+        ):
+            # ... and a relay an islands:K anneal left without a member follows the rounds
+            # it is no longer a member of: those may have moved on meanwhile (a streaming
+            # fragment's anneal starts before its last round: more than one round follows)
+            got = self.newer(sync_step, requester)
         if isinstance(got, Committed):
             got = dataclasses.replace(got, receipts=self._receipts(got))
         return got
@@ -843,7 +849,7 @@ class AggregatorNode(_Node):
         the entry (the replay redoes a switch taped or cut off after a redone round)."""
         m = self.machine
         last = max(m.merges, default=None)
-        if last is None or last != self.cfg.anneal_step:
+        if last is None or last != self.cfg.anneal_step_of(m.schedule.fragment):
             return None
         if any(e.kind == AnnealEntry.KIND for e in entries):
             return None

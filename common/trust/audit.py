@@ -417,7 +417,8 @@ class Auditor:
         nodes' own tapes and folders (``RunLayout.fragment``), as the run it is: its own
         rounds, inputs, merges and checkpoints; the final state joins their last merges."""
         if self.cfg.fragments == 1:
-            return self._run(from_round)[0]
+            report, _, _ = self._run(from_round)
+            return report
         if from_round is not None:
             raise AuditError(
                 "a segment audit of a run with streaming fragments is not supported yet "
@@ -425,16 +426,20 @@ class Auditor:
             )
         whole = self.layout
         layout, theta0 = initial_parameters(self.cfg)
-        reports, finals = [], []
+        reports, finals, averages = [], [], []
         try:
             for fr in run_fragments(self.cfg, layout):
                 self.layout, self.fragment = whole.fragment(fr.index), fr.index
                 self._files, self._same_as_replay = {}, set()
-                report, final = self._run(None, theta0[fr.lo : fr.hi], layout)
+                report, final, average = self._run(None, theta0[fr.lo : fr.hi], layout)
                 reports.append(report)
                 finals.append(final)
+                averages.append(average)
         finally:
             self.layout, self.fragment = whole, None
+        lawa = ""
+        if all(a is not None for a in averages):  # LAWA: each fragment's, joined
+            lawa = state_digest(layout.unflatten(torch.cat([a for a in averages if a is not None])))
         first = reports[0]
         done = min(reports, key=lambda r: (r.last_step, r.fragments))
         return dataclasses.replace(
@@ -446,6 +451,7 @@ class Auditor:
             final_digest=state_digest(layout.unflatten(torch.cat(finals))),
             receipts=sum(r.receipts for r in reports),
             fragments=len(reports),
+            lawa_digest=lawa,
         )
 
     def _run(
@@ -453,10 +459,10 @@ class Auditor:
         from_round: int | None,
         part: torch.Tensor | None = None,
         whole: ParamLayout | None = None,
-    ) -> tuple[AuditReport, torch.Tensor]:
+    ) -> tuple[AuditReport, torch.Tensor, torch.Tensor | None]:
         """The audit of the run, or of ``self.fragment``'s nodes (``part``: its initial
-        values, of the model laid out as ``whole``); the report and the last global state
-        replayed."""
+        values, of the model laid out as ``whole``); the report, the last global state
+        replayed and the LAWA average checked (None: the run has none, or has not ended)."""
         cfg, lay = self.cfg, self.layout
         tapes = {AGGREGATOR_KEY: (lay.aggregator, lay.aggregator / "tape")}
         tapes.update({relay_key(r): (d, d / "tape") for r, d in lay.relays.items()})
@@ -537,7 +543,7 @@ class Auditor:
             raise AuditError(f"{agg_tape}: no global round after round {from_round}")
         sched = agg.schedule
         first, last = merges[0].round, merges[-1].round
-        lawa = self._check_lawa(agg_tape, agg_replay, layout)
+        average = self._check_lawa(agg_tape, agg_replay)
         final = merges[-1].payload
         audited = AuditReport(
             first,
@@ -551,16 +557,19 @@ class Auditor:
             steps=sched.steps,
             segment=from_round is not None,
             receipts=receipts,
-            lawa_digest=lawa,
+            lawa_digest=""
+            if average is None or part is not None
+            else state_digest(layout.unflatten(average)),
         )
-        return audited, final
+        return audited, final, average
 
-    def _check_lawa(self, agg_tape: Path, replay: AggregatorReplay, layout: ParamLayout) -> str:
+    def _check_lawa(self, agg_tape: Path, replay: AggregatorReplay) -> torch.Tensor | None:
         """A run with LAWA that reached its end taped the average (the replay recomputed
-        it and matched the entry), and ``lawa.pt`` holds exactly it; its state digest."""
+        it and matched the entry), and ``lawa.pt`` holds exactly it; the average (None
+        without LAWA or before the end)."""
         average = replay.average
         if not self.cfg.lawa or not replay.machine.done:
-            return ""
+            return None
         if average is None:
             raise AuditError(
                 f"{agg_tape}: the run's configuration asks for LAWA over its last "
@@ -579,7 +588,7 @@ class Auditor:
                 f"{average.record.last_round} the tape records (sha256 {average.record.average}, "
                 f"the file holds {found})"
             )
-        return state_digest(layout.unflatten(average.payload))
+        return average.payload
 
     def _check_receipts(self, tapes: dict[str, Path], verified: dict[str, list[Entry]]) -> int:
         """Every kept receipt is its signer's, and a head of its signer's tape as it is now

@@ -528,6 +528,19 @@ class AggregatorFragments:
                       fragments=self.cfg.fragments)  # fmt: skip
             rounds = Schedule.of(self.cfg, fragment=0).rounds
             self.evaluator.submit(rounds - 1, self.cfg.steps, final)
+            averages = [p.node.averaged for p in self.parts]
+            if self.cfg.lawa and all(a is not None for a in averages):
+                # each fragment's average over its own last rounds, joined
+                spans = ", ".join(
+                    f"f{i} {a.record.first_round}..{a.record.last_round}"
+                    for i, a in enumerate(averages)
+                    if a is not None
+                )
+                average = torch.cat([a.payload for a in averages if a is not None])
+                lawa = state_digest(self.layout.unflatten(average))
+                log_event("lawa", role="aggregator", rounds=spans, digest=lawa,
+                          fragments=self.cfg.fragments)  # fmt: skip
+                self.evaluator.submit_average(average)  # after the final state's
 
     @maps_errors
     def PushRegional(self, chunks: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:

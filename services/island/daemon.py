@@ -315,7 +315,7 @@ class Island:
         if self._resume():
             take(rounds.due(), time.perf_counter())  # (fragments) what it waited for
         self._join()
-        while self.core.step < rounds.schedule.steps:  # its own end (an anneal may stop it)
+        while self.core.step < rounds.last_step:  # its own end (an anneal may stop it)
             if self._stopping():
                 raise KeyboardInterrupt
             losses.append(self.core.train_step())

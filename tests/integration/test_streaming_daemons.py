@@ -1,4 +1,5 @@
-"""Streaming fragments with the real daemons (RunConfig.fragments, issue 16): every relay
+"""Streaming fragments with the real daemons (RunConfig.fragments, issue 16), alone and with
+the anneal and LAWA (the README's recipe, ALL3; restarts at a fragment's switch): every relay
 and the aggregator serve each fragment from a node and folder of its own, islands push
 and fetch by fragment.  The daemons end on the same final state, bit for bit, as the
 in-process run and the simulator's per-replica path, with tau = 0 and tau > 0 (and
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import state_digest
@@ -19,8 +21,11 @@ from hypertrain.common.reference import run_reference
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import TrustedKeys
+from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.common.trust.tape import verify_tape
 from hypertrain.sim.engine.job import SimJob
 from hypertrain.sim.engine.run import run_job
+from hypertrain.up import summary
 from tests.integration.conftest import Cluster, finished_cluster
 from tests.integration.test_crash import _trial as aggregator_trial
 from tests.integration.test_relay_restart import _trial as relay_trial
@@ -135,21 +140,161 @@ def test_the_aggregator_killed_in_a_fragment_round_resumes_from_its_tapes(
     aggregator_trial(tmp_path, "after_tape", n, restart_digest, RESTART)
 
 
+def _killed_and_restarted(cfg: RunConfig, tmp_path: Path, island: str, marker: str) -> Cluster:
+    """``cfg``'s cluster run to its end with ``island`` SIGKILLed once its log shows
+    ``marker`` and started again, which resumes from its saved state."""
+    cluster = Cluster(cfg, tmp_path / "run")
+    try:
+        again = cluster.kill_island_and_restart(island, lambda log: marker in log)
+        assert "event=resumed" in again.log_path.read_text()
+    finally:
+        cluster.stop()
+    return cluster
+
+
 def test_a_killed_island_resumes_the_merges_it_waited_for(
     tmp_path: Path, restart_digest: str
 ) -> None:
     """SIGKILL island eu-1 right after fragment 0's global merge of step 4, while
     fragment 1's regional merge of step 4 (tau = 1) is pending; restarted, it resumes
     from its saved state with that merge pending, and the run ends on the reference."""
-    cluster = Cluster(RESTART, tmp_path / "run")
-    try:
-        again = cluster.kill_island_and_restart(
-            "eu-1", lambda log: "step=4 kind=global fragment=0" in log
-        )
-        assert "event=resumed" in again.log_path.read_text()
-    finally:
-        cluster.stop()
+    cluster = _killed_and_restarted(RESTART, tmp_path, "eu-1", "step=4 kind=global fragment=0")
     digests = {e["digest"] for e in cluster.progress.done.values()}
     assert digests == {restart_digest}
     report = audit_run(cluster.run_dir, _trusted(cluster.run_dir))
     assert report.final_digest == restart_digest
+
+
+# -- fragments with the anneal and LAWA: the whole recipe ---------------------------------------
+
+ALL3 = _cfg(3, 0, 2, 4, 16, ["r0", "r1"]).with_overrides(anneal="islands:1", lawa=2)
+"""Streaming in 3 fragments, the decay on island r0-0 alone (each fragment switches after
+its own last global sync at or before the decay's start: steps 12, 13 and 10; the other
+islands stop after step 13) and LAWA over each fragment's last 2 global rounds."""
+
+
+@pytest.fixture(scope="module")
+def all3(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    return finished_cluster(ALL3, tmp_path_factory.mktemp("all3") / "run")
+
+
+def _lawa(run_dir: Path, cfg: RunConfig) -> torch.Tensor:
+    """The LAWA average the aggregator published, its fragments' lawa.pt joined."""
+    parts = [
+        torch.load(run_dir / "aggregator" / f"fragment-{f}" / "lawa.pt", weights_only=True)
+        for f in range(cfg.fragments)
+    ]
+    for part in parts:
+        assert flat_digest(part["theta"]) == part["digest"]
+    return torch.cat([p["theta"] for p in parts])
+
+
+def test_fragments_the_anneal_and_lawa_together_match_in_process_and_simulator(
+    all3: Cluster,
+) -> None:
+    cfg, run_dir = ALL3, all3.run_dir
+    ref = run_reference(cfg)
+    job = SimJob(run=cfg.with_overrides(fragments=1, anneal="full_m", lawa=0),
+                 path="per_replica", eval_points=1, fragments=3, anneal="islands:1",
+                 lawa_k=2)  # fmt: skip
+    sim = run_job(job)
+    assert torch.equal(ref.final_params, sim.final_params)  # type: ignore[arg-type]
+    assert ref.lawa_params is not None and sim.lawa_params is not None
+    published = _lawa(run_dir, cfg)
+    assert torch.equal(published, ref.lawa_params) and torch.equal(published, sim.lawa_params)
+    done = all3.progress.done
+    assert done["r0-0"]["digest"] == ref.final_digest == all3.progress.final_digest
+    assert cfg.anneal_stop_step == 13
+    assert {i: e["step"] for i, e in done.items() if i != "r0-0"} == dict.fromkeys(
+        ("r0-1", "r1-0", "r1-1"), "13"
+    )
+    logged = all3.progress.lawa
+    assert logged is not None and logged["digest"] == ref.lawa_digest
+    assert logged["rounds"] == "f0 2..3, f1 3..4, f2 3..4"  # fragments 1, 2: one more round
+    assert float(logged["heldout_loss"]) == round(ref.lawa_loss, 6)
+    text, ok = summary(cfg, all3.progress, run_dir, 1.0)
+    assert ok, text
+    assert "anneal islands:1: r0-0 trained the decay; 3 islands stopped after step 13" in text
+    assert f"held-out loss {ref.lawa_loss:.4f}, digest {ref.lawa_digest}" in text
+    for f, start in enumerate((12, 13, 10)):
+        for node in ("aggregator", "relay-r0", "relay-r1"):
+            tape = run_dir / node / f"fragment-{f}" / "tape"
+            switches = [e.body for e in verify_tape(tape, _trusted(run_dir)).entries
+                        if e.kind == "anneal"]  # fmt: skip
+            assert switches == [{"step": start, "mode": "islands:1", "h_r": 2, "fragment": f}]
+
+
+def test_the_audit_recomputes_each_fragment_s_average_and_catches_a_changed_one(
+    all3: Cluster, tmp_path: Path
+) -> None:
+    run_dir = all3.run_dir
+    report = audit_run(run_dir, _trusted(run_dir))
+    assert report.complete and report.fragments == 3
+    assert report.final_digest == all3.progress.final_digest
+    assert report.lawa_digest == all3.progress.lawa["digest"]  # type: ignore[index]
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    path = copy / "aggregator" / "fragment-2" / "lawa.pt"
+    saved = torch.load(path, weights_only=True)
+    saved["theta"] = saved["theta"].clone()
+    saved["theta"][0] = 0.5
+    torch.save(saved, path)
+    with pytest.raises(
+        AuditError, match=r"fragment-2/lawa\.pt: not the LAWA average of rounds 3\.\.4"
+    ):
+        audit_run(copy, _trusted(copy))
+
+
+SWITCH = _cfg(2, 0, 2, 4, 12, ["eu", "us"]).with_overrides(anneal="h_r1", lawa=2)
+"""Fragment 0 switches to H_r = 1 after step 8, fragment 1 after step 10."""
+
+
+@pytest.fixture(scope="module")
+def switch_digest() -> str:
+    return run_reference(SWITCH).final_digest
+
+
+def test_the_aggregator_killed_at_a_fragment_s_anneal_switch_resumes(
+    tmp_path: Path, switch_digest: str
+) -> None:
+    """Killed after the checkpoint of fragment 1's anneal round (step 10), before the
+    switch's tape entry (the 2nd switch over its fragments' nodes): the restarted
+    aggregator tapes it, and the run ends on the in-process digest, auditing clean (its
+    LAWA averages included)."""
+    aggregator_trial(tmp_path, "before_anneal_entry", 2, switch_digest, SWITCH)
+
+
+def test_a_relay_killed_at_a_fragment_s_anneal_switch_resumes(
+    tmp_path: Path, switch_digest: str
+) -> None:
+    relay_trial(tmp_path, switch_digest, "before_anneal_entry:1", SWITCH)
+
+
+def test_an_island_killed_at_a_fragment_s_anneal_switch_resumes(
+    tmp_path: Path, switch_digest: str
+) -> None:
+    """SIGKILL island us-0 right after fragment 0's global merge of step 8, the merge its
+    switch to H_r = 1 follows (fragment 1's comes at step 10); restarted, it resumes from
+    its saved state and the run ends on the in-process digest, auditing clean."""
+    cluster = _killed_and_restarted(SWITCH, tmp_path, "us-0", "step=8 kind=global fragment=0")
+    assert {e["digest"] for e in cluster.progress.done.values()} == {switch_digest}
+    report = audit_run(cluster.run_dir, _trusted(cluster.run_dir))
+    assert report.final_digest == switch_digest and report.lawa_digest
+
+
+def test_an_island_the_anneal_stops_killed_between_two_fragments_starts_resumes(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL island r1-1 (the anneal stops it) right after fragment 2's global merge of
+    step 10, where it left fragment 2, while it still trains fragments 0 and 1 to their
+    starts (12 and 13); restarted, it pushes its last deltas from the same state: r0-0
+    and the aggregator end on the in-process digest and LAWA average."""
+    ref = run_reference(ALL3)
+    cluster = _killed_and_restarted(ALL3, tmp_path, "r1-1", "step=10 kind=global fragment=2")
+    done = cluster.progress.done
+    assert done["r0-0"]["digest"] == ref.final_digest == cluster.progress.final_digest
+    assert done["r1-1"]["step"] == "13"
+    assert cluster.progress.lawa is not None
+    assert cluster.progress.lawa["digest"] == ref.lawa_digest
+    report = audit_run(cluster.run_dir, _trusted(cluster.run_dir))
+    assert report.final_digest == ref.final_digest and report.lawa_digest == ref.lawa_digest

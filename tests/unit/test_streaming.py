@@ -5,9 +5,11 @@ paths, bit for bit (the tiny preset; real tapes and signatures where the test sa
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,15 +25,17 @@ from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.fragments import fragment_offset, run_fragments
+from hypertrain.common.optim import InnerConfig
 from hypertrain.common.reference import model_cluster, open_dataset, run_reference
 from hypertrain.common.roles import IslandCore, initial_parameters
 from hypertrain.common.rounds.local import Crash
 from hypertrain.common.rounds.machines import INVALID, Delta, RelayMachine
+from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.schedule import Schedule
 from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import island_key
-from hypertrain.common.trust.schema import GenesisEntry, InputEntry, parse
+from hypertrain.common.trust.schema import AnnealEntry, GenesisEntry, InputEntry, parse
 from hypertrain.common.trust.tape import verify_tape
 from hypertrain.sim.engine.job import SimJob
 from hypertrain.sim.engine.run import run_job
@@ -125,8 +129,6 @@ def test_the_config_names_what_fragments_do_not_work_with_yet() -> None:
         _cfg(0)
     base = _cfg(2).to_dict()
     for change, named in (
-        ({"lawa": 1}, "lawa"),
-        ({"anneal": "h_r1"}, "anneal h_r1"),
         ({"membership": {"standby": ["r0-1"]}}, "standby islands"),
         ({"membership": {"regional_cutoff_s": 5.0}}, "membership cutoffs"),
         ({"topology": {**base["topology"], "relay_shards": 2}}, "relay shards"),
@@ -134,6 +136,16 @@ def test_the_config_names_what_fragments_do_not_work_with_yet() -> None:
     ):
         with pytest.raises(ConfigError, match=f"fragments > 1 does not work with {named}"):
             RunConfig.from_dict({**base, **change})
+    # the anneal and LAWA combine with fragments; each fragment needs a start of its own
+    RunConfig.from_dict({**base, "anneal": "islands:1", "lawa": 2})
+    late = dataclasses.replace(_cfg(4, h_r=2, h_g=8), inner=InnerConfig(decay_fraction=0.7))
+    assert [late.anneal_step_of(f) for f in range(3)] == [None] * 3  # (anneal full_m)
+    with pytest.raises(ConfigError, match="fragment 3 has no global sync step at or before"):
+        late.with_overrides(anneal="h_r1")
+    assert [late.with_overrides(fragments=3, anneal="h_r1").anneal_step_of(f)
+            for f in range(3)] == [0, 2, 5]  # fmt: skip
+    with pytest.raises(ConfigError, match="needs tau = 0"):
+        _cfg(2, tau=1).with_overrides(anneal="h_r1")
 
 
 # -- the fragment on the wire and on the tape --------------------------------------------------
@@ -360,6 +372,75 @@ def test_in_process_run_with_fragments_is_the_simulators_streaming_run_bit_for_b
     assert not torch.equal(whole.final_params, ref.final_params)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("fragments", "anneal", "lawa", "paths"),
+    [
+        (2, "h_r1", 0, ("per_replica",)),
+        (2, "islands:1", 0, ("per_replica",)),
+        (2, "islands:2", 0, ("per_replica",)),
+        (2, "full_m", 2, ("per_replica",)),
+        (3, "islands:1", 2, ("per_replica", "batched")),
+        (3, "h_r1", 2, ("per_replica",)),
+    ],
+    ids=["f2-h_r1", "f2-islands1", "f2-islands2", "f2-lawa2", "all3-islands1", "all3-h_r1"],
+)
+def test_fragments_with_the_anneal_and_lawa_are_the_simulators_run_bit_for_bit(
+    fragments: int, anneal: str, lawa: int, paths: tuple[str, ...]
+) -> None:
+    """Each fragment switches after its own last global sync at or before the decay's start
+    (f3: steps 12, 13 and 10); an island ``islands:K`` stops leaves each fragment there,
+    takes the merges of those it left before its own last step (13) and trains on; LAWA
+    is each fragment's mean over its own last rounds (fragments 1 and 2 have one more)."""
+    cfg = _cfg(fragments).with_overrides(anneal=anneal, lawa=lawa)
+    if fragments == 3:
+        assert [cfg.anneal_step_of(f) for f in range(3)] == [12, 13, 10]
+    ref = run_reference(cfg)
+    for path in paths:
+        job = SimJob(run=cfg.with_overrides(fragments=1, anneal="full_m", lawa=0),  # type: ignore[arg-type]
+                     path=path, eval_points=1, fragments=fragments, anneal=anneal,
+                     lawa_k=lawa)  # fmt: skip
+        sim = run_job(job)
+        assert torch.equal(ref.final_params, sim.final_params), path  # type: ignore[arg-type]
+        if lawa:
+            assert torch.equal(ref.lawa_params, sim.lawa_params), path  # type: ignore[arg-type]
+            assert ref.lawa_loss == sim.final_loss
+        else:
+            assert ref.final_loss == sim.final_loss
+    if anneal == "full_m":  # the average is not the final state
+        assert not torch.equal(ref.lawa_params, ref.final_params)  # type: ignore[arg-type]
+    else:  # the anneal changed the run
+        plain = run_reference(cfg.with_overrides(anneal="full_m", lawa=0))
+        assert not torch.equal(plain.final_params, ref.final_params)  # type: ignore[arg-type]
+
+
+ALL3 = _cfg(3, steps=16).with_overrides(anneal="islands:1", lawa=2)
+
+
+def test_the_audit_replays_fragments_with_the_anneal_and_lawa_and_catches_a_tampered_average(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    theta = _taped_run(run_dir, ALL3)
+    ref = run_reference(ALL3)
+    assert torch.equal(theta, ref.final_params)  # type: ignore[arg-type]
+    report = audit_run(run_dir, TRUSTED)
+    assert report.complete and report.fragments == 3
+    assert report.lawa_digest == ref.lawa_digest and report.lawa_digest
+    for f, start in enumerate((12, 13, 10)):
+        tape = run_dir / "aggregator" / f"fragment-{f}" / "tape"
+        records = [parse(e) for e in verify_tape(tape, TRUSTED).entries]
+        kinds = [(r.KIND, r.fragment) for r in records if r is not None]
+        assert ("anneal", f) in kinds and ("lawa", f) in kinds
+        (switch,) = [r for r in records if isinstance(r, AnnealEntry)]
+        assert switch.step == start
+    path = run_dir / "aggregator" / "fragment-1" / "lawa.pt"
+    ck = torch.load(path, weights_only=True)
+    ck["theta"][0] += 1e-3
+    torch.save(ck, path)
+    with pytest.raises(AuditError, match=r"fragment-1/lawa.pt: not the LAWA average of rounds"):
+        audit_run(run_dir, TRUSTED)
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
@@ -394,29 +475,71 @@ def test_run_local_takes_fragments_and_prints_the_in_process_digest() -> None:
     assert "fragments must be in [1, h_g = 4]" in bad.stderr
 
 
+def test_the_readme_s_recipe_is_streaming_a_one_island_decay_and_lawa_within_the_decay() -> None:
+    """The README's one-command recipe parses to what it says: 2 fragments, the decay on the
+    first island, LAWA over rounds that lie in the decay, on the default cluster (that it
+    runs to the end is tests/integration/test_streaming_daemons.py's ALL3, smaller)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (line,) = [x for x in readme.splitlines() if x.startswith("bash scripts/demo.sh --fragm")]
+    p = argparse.ArgumentParser()
+    add_run_config_flags(p)
+    cfg = run_config_from_args(p.parse_args(shlex.split(line)[2:]))
+    assert (cfg.fragments, cfg.anneal, cfg.lawa, cfg.topology.tau) == (2, "islands:1", 2, 0)
+    assert cfg.anneal_kept() == ("eu-0",)
+    decay = cfg.steps - round(cfg.inner.decay_fraction * cfg.steps)
+    for f in range(cfg.fragments):
+        schedule = Schedule.of(cfg, fragment=f)
+        start = cfg.anneal_step_of(f)
+        assert start is not None and start <= decay
+        first = schedule.rounds - cfg.lawa  # the averaged rounds end after the switch
+        assert schedule.global_step_of(first) > start
+
+
 # -- restarts -----------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def all3() -> tuple[torch.Tensor, torch.Tensor]:
+    """The fault-free final state and LAWA average of ALL3 (fragments, the islands:1 anneal
+    and LAWA)."""
+    ref = run_reference(ALL3)
+    assert ref.final_params is not None and ref.lawa_params is not None
+    return ref.final_params, ref.lawa_params
+
+
 @pytest.mark.parametrize(
-    ("victim", "point", "nth"),
+    ("victim", "point", "nth", "run"),
     [
-        ("relay-r0.f1", "relay_before_merge_entry", 2),
-        ("relay-r1.f0", "relay_after_forward_entry", 1),
-        ("relay-r0.f1", "relay_after_checkpoint", 2),
-        ("aggregator.f1", "before_tape", 2),
-        ("aggregator.f0", "after_tape", 1),
-        ("r0-1", "island", 2),
+        ("relay-r0.f1", "relay_before_merge_entry", 2, "taped"),
+        ("relay-r1.f0", "relay_after_forward_entry", 1, "taped"),
+        ("relay-r0.f1", "relay_after_checkpoint", 2, "taped"),
+        ("aggregator.f1", "before_tape", 2, "taped"),
+        ("aggregator.f0", "after_tape", 1, "taped"),
+        ("r0-1", "island", 2, "taped"),
+        ("aggregator.f1", "before_anneal_entry", 1, "all3"),
+        ("relay-r1.f2", "before_anneal_entry", 1, "all3"),
+        ("aggregator.f2", "before_lawa_entry", 1, "all3"),
+        ("r0-1", "island", 8, "all3"),  # stopped by the anneal, after fragment 2 left at 10
     ],
 )
 def test_a_process_that_dies_in_a_fragment_round_resumes_on_the_same_state(
-    taped: tuple[Path, torch.Tensor], tmp_path: Path, victim: str, point: str, nth: int
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    victim: str,
+    point: str,
+    nth: int,
+    run: str,
 ) -> None:
     """``victim`` (one fragment's relay or aggregator, or an island holding merges of
     several fragments) dies the ``nth`` time it passes ``point`` (an island: after its
     ``nth`` global merge), is restarted from its folder while the others go on, and the
-    run ends on the fault-free final state with tapes that audit clean."""
+    run ends on the fault-free final state with tapes that audit clean; ``all3``: with the
+    anneal's switch and the LAWA average of each fragment."""
     torch.set_num_threads(1)
-    cfg = TAPED
+    cfg = TAPED if run == "taped" else ALL3
+    expected = (
+        request.getfixturevalue("taped")[1] if run == "taped" else request.getfixturevalue("all3")
+    )
     fired: list[str] = []
     seen = [0]
 
@@ -448,7 +571,9 @@ def test_a_process_that_dies_in_a_fragment_round_resumes_on_the_same_state(
     (tmp_path / "run.toml").write_text(config_toml(cfg))
     drive(cluster)
     assert fired == [point]
-    assert torch.equal(cluster.final_theta(), taped[1])
+    assert torch.equal(cluster.final_theta(), expected[0] if run == "all3" else expected)
+    if run == "all3":
+        assert torch.equal(cluster.lawa_average(), expected[1])  # type: ignore[arg-type]
     for a in cluster.aggregators:
         a._drop()  # close the tapes as a stopped process would
     for r in cluster.relays.values():

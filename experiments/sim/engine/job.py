@@ -63,9 +63,11 @@ import torch
 
 from hypertrain.common.config import CUSTOM_MODEL, RunConfig, TopologyConfig, anneal_islands
 from hypertrain.common.errors import ConfigError
+from hypertrain.common.fragments import fragment_offset
 from hypertrain.common.model import ModelConfig
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
+from hypertrain.common.schedule import anneal_start
 
 ExecPath = Literal["batched", "per_replica"]
 Anneal = str
@@ -148,11 +150,13 @@ class SimJob:
     anneal: Anneal = "full_m"
     """full_m: the WSD decay runs on the full hierarchy.  m1: from the last global sync at
     or before the decay start, all replicas are merged (fixed-order fp32 mean) after every
-    step, i.e. M_eff = 1 (docs/design.md §3.6); needs fragments = 1 and tau = 0."""
+    step, i.e. M_eff = 1 (docs/design.md §3.6); needs fragments = 1 and tau = 0.  h_r1 and
+    islands:K are the system's (a streaming fragment switches at its own start); tau 0."""
     lawa_k: int = 0
     """Final held-out loss of the mean of the last k checkpoints (0 = off)."""
     lawa_every: int = 0
-    """Checkpoint cadence in steps (0 = h_g, one per global round)."""
+    """Checkpoint cadence in steps (0 = h_g, one per global round; with streaming
+    fragments, each fragment's own global rounds, as the system's aggregators keep them)."""
     eval_points: int = 8
     """Held-out evaluations along the run (the last one is at ``steps``)."""
     holdout_seed: int = 0
@@ -220,11 +224,18 @@ class SimJob:
                 )
         if self.fragments > self.h_g:
             raise bad(f"fragments ({self.fragments}) must be <= h_g ({self.h_g}) to stagger")
-        if self.anneal != "full_m" and (self.fragments != 1 or self.tau):
-            raise bad(
-                f"anneal {self.anneal} needs fragments = 1 and tau = 0 (all replicas equal at "
-                "its start)"
-            )
+        if self.anneal == "m1" and self.fragments != 1:
+            raise bad("anneal m1 needs fragments = 1 (all replicas equal at its start)")
+        if self.anneal != "full_m" and self.tau:
+            raise bad(f"anneal {self.anneal} needs tau = 0 (every step syncs in it)")
+        if self.anneal != "full_m" and self.fragments > 1:
+            for f in range(self.fragments):
+                offset = fragment_offset(f, self.fragments, self.h_g)
+                if anneal_start(self.steps, self.h_g, self.inner.decay_fraction, offset) is None:
+                    raise bad(
+                        f"anneal {self.anneal}: fragment {f} has no global sync step at or "
+                        f"before the decay's start (its first is step {offset})"
+                    )
         if self.fragments > 1 and self.steps < self.h_g:
             raise bad("streaming needs at least one full global round")
         if not 0.0 <= self.drop < 1.0:

@@ -117,12 +117,13 @@ def eval_steps(job: SimJob) -> list[int]:
     return sorted(points)
 
 
-def anneal_start(job: SimJob) -> int | None:
-    """The anneal's first step (m1, h_r1): the last global sync step at or before the WSD
-    decay start (common/schedule.py ``anneal_start``, the system's rule)."""
+def anneal_start(job: SimJob, offset: int = 0) -> int | None:
+    """The anneal's first step (m1, h_r1, islands:K): the last global sync step at or before
+    the WSD decay start (common/schedule.py ``anneal_start``, the system's rule); of the
+    streaming fragment at ``offset``, its own last one."""
     if job.anneal == "full_m" or job.dp:
         return None
-    return schedule_anneal_start(job.steps, job.h_g, job.inner.decay_fraction)
+    return schedule_anneal_start(job.steps, job.h_g, job.inner.decay_fraction, offset)
 
 
 @dataclass(slots=True)
@@ -149,7 +150,7 @@ class FragmentSync:
             tau=job.tau,
             steps=job.steps,
             offset=frag.offset,
-            anneal_at=anneal_start(job) if job.anneal == "h_r1" else None,
+            anneal_at=anneal_start(job, frag.offset) if job.anneal == "h_r1" else None,
         )
         self.island_ids = topo.island_ids()
         self.n_r = topo.islands_per_region
@@ -161,10 +162,15 @@ class FragmentSync:
             for _ in self.island_ids
         ]
         self.pending: PendingMerges[_Targets] = PendingMerges(self.schedule)
-        k, a = anneal_islands(job.anneal), anneal_start(job)
+        k, a = anneal_islands(job.anneal), anneal_start(job, frag.offset)
         self.kept = None if k is None or a is None else (a, frozenset(range(k)))
-        """islands:K anneal: after its first step only replicas 0..K-1 sync (the system's
-        ``RunConfig.anneal_kept``: the first K islands); the others' training is ignored."""
+        """islands:K anneal: after its first step (the fragment's own) only replicas 0..K-1
+        sync (the system's ``RunConfig.anneal_kept``: the first K islands); the others'
+        training is ignored."""
+        per_fragment = job.lawa_k and job.fragments > 1 and not job.lawa_every
+        self.lawa = LAWA(job.lawa_k) if per_fragment else None
+        """Streaming fragments with LAWA: this fragment's states after its last ``lawa_k``
+        global rounds (the system's aggregator of the fragment keeps the same)."""
         self.churn = churn
         self.absences: list[Absence] = []
         """Churn: who missed each sync step the draw applied to (engine/churn.py)."""
@@ -194,7 +200,9 @@ class FragmentSync:
                     self.island_ids[i]: self.feedback[i].encode(core.base - rows[i]) for i in stay
                 }
                 core.merge(blobs, keep=False)
-                targets.append((lo, hi, core.base.clone()))
+                # only the kept replicas (the first of the region's: kept is 0..K-1) take it:
+                # one that left may train on to another fragment's later start (streaming)
+                targets.append((lo, lo + len(stay), core.base.clone()))
                 continue
             blobs = {
                 self.island_ids[i]: self.feedback[i].encode(core.base - rows[i])
@@ -215,6 +223,8 @@ class FragmentSync:
                 forwards = {c.region: forwards[c.region]
                             for k, c in enumerate(self.regions) if k not in absent}  # fmt: skip
             self.glob.step(forwards)
+            if self.lawa is not None:
+                self.lawa.add(self.glob.theta)
             for core in self.regions:
                 core.set_global(self.glob.theta)
             targets = [(0, len(self.island_ids), self.glob.theta.clone())]
@@ -298,7 +308,10 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
     anneal: _Anneal | None = None
     if m1_start == 0:  # the whole run is the anneal
         anneal = _Anneal(full, syncs[0].island_ids, theta0)
-    lawa = LAWA(job.lawa_k) if job.lawa_k else None
+    # LAWA: of the joined state every lawa_every steps; with streaming fragments and the
+    # default cadence, each fragment's over its own last global rounds (FragmentSync.lawa)
+    per_fragment = bool(job.lawa_k) and job.fragments > 1 and not job.lawa_every
+    lawa = LAWA(job.lawa_k) if job.lawa_k and not per_fragment else None
     lawa_every = job.lawa_every or job.h_g
     evals = set(eval_steps(job))
     log_every = max(1, job.steps // 100)
@@ -362,9 +375,13 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
         res.final_loss_raw = res.curve[-1][1]
         res.final_params = global_theta()
         res.final_loss = res.final_loss_raw
-        if lawa is not None:
+        if lawa is not None or per_fragment:
             t0 = time.perf_counter()
-            res.lawa_params = lawa.average()
+            res.lawa_params = (
+                lawa.average()
+                if lawa is not None
+                else torch.cat([s.lawa.average() for s in syncs if s.lawa is not None])
+            )
             res.final_loss = held_out(res.lawa_params)
             res.seconds_eval += time.perf_counter() - t0
             if not math.isfinite(res.final_loss):
