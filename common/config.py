@@ -297,7 +297,8 @@ class RunConfig:
     stop, and the regions left without an island follow the global rounds.  The switch is
     taped by the relays and the aggregator.  With streaming fragments each fragment
     switches after its own last global sync step at or before the decay's start
-    (``anneal_step_of``); an island the anneal stops leaves each fragment there."""
+    (``anneal_step_of``); an island the anneal stops leaves each fragment there.  ``h_r1``
+    needs tau = 0; ``islands:K`` works with overlap."""
     lawa: int = 0
     """LAWA: the run's final model is also published as the fixed-order fp32 mean of the
     aggregator's states after its last ``lawa`` global rounds (common/optim.py
@@ -359,7 +360,7 @@ class RunConfig:
                 f"run: anneal {self.anneal} does not work with standby islands or relay shards yet"
             )
         if self.anneal != "full_m":
-            if self.topology.tau:
+            if self.topology.tau and self.anneal == "h_r1":
                 raise ConfigError(
                     f"run: anneal {self.anneal} needs tau = 0 (every step syncs in the anneal, "
                     f"and a merge must apply before the next sync), got tau {self.topology.tau}"

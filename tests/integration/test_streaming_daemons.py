@@ -167,10 +167,11 @@ def test_a_killed_island_resumes_the_merges_it_waited_for(
 
 # -- fragments with the anneal and LAWA: the whole recipe ---------------------------------------
 
-ALL3 = _cfg(3, 0, 2, 4, 16, ["r0", "r1"]).with_overrides(anneal="islands:1", lawa=2)
-"""Streaming in 3 fragments, the decay on island r0-0 alone (each fragment switches after
-its own last global sync at or before the decay's start: steps 12, 13 and 10; the other
-islands stop after step 13) and LAWA over each fragment's last 2 global rounds."""
+ALL3 = _cfg(3, 1, 2, 4, 16, ["r0", "r1"]).with_overrides(anneal="islands:1", lawa=2)
+"""Streaming in 3 fragments with one step of overlap, the decay on island r0-0 alone (each
+fragment switches after its own last global sync at or before the decay's start: steps 12,
+13 and 10; the other islands stop after step 13) and LAWA over each fragment's last 2
+global rounds."""
 
 
 @pytest.fixture(scope="module")

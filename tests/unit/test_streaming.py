@@ -144,8 +144,9 @@ def test_the_config_names_what_fragments_do_not_work_with_yet() -> None:
         late.with_overrides(anneal="h_r1")
     assert [late.with_overrides(fragments=3, anneal="h_r1").anneal_step_of(f)
             for f in range(3)] == [0, 2, 5]  # fmt: skip
-    with pytest.raises(ConfigError, match="needs tau = 0"):
+    with pytest.raises(ConfigError, match="anneal h_r1 needs tau = 0"):
         _cfg(2, tau=1).with_overrides(anneal="h_r1")
+    assert _cfg(2, tau=1).with_overrides(anneal="islands:1").topology.tau == 1  # overlap: yes
 
 
 # -- the fragment on the wire and on the tape --------------------------------------------------
@@ -373,27 +374,41 @@ def test_in_process_run_with_fragments_is_the_simulators_streaming_run_bit_for_b
 
 
 @pytest.mark.parametrize(
-    ("fragments", "anneal", "lawa", "paths"),
+    ("fragments", "tau", "anneal", "lawa", "paths"),
     [
-        (2, "h_r1", 0, ("per_replica",)),
-        (2, "islands:1", 0, ("per_replica",)),
-        (2, "islands:2", 0, ("per_replica",)),
-        (2, "full_m", 2, ("per_replica",)),
-        (3, "islands:1", 2, ("per_replica", "batched")),
-        (3, "h_r1", 2, ("per_replica",)),
+        (2, 0, "h_r1", 0, ("per_replica",)),
+        (2, 0, "islands:1", 0, ("per_replica",)),
+        (2, 1, "islands:2", 0, ("per_replica",)),
+        (2, 1, "full_m", 2, ("per_replica",)),
+        (3, 1, "islands:1", 2, ("per_replica", "batched")),
+        (3, 0, "h_r1", 2, ("per_replica",)),
+        (4, 3, "islands:3", 2, ("per_replica",)),
     ],
-    ids=["f2-h_r1", "f2-islands1", "f2-islands2", "f2-lawa2", "all3-islands1", "all3-h_r1"],
+    ids=[
+        "f2-h_r1",
+        "f2-islands1",
+        "f2-tau1-islands2",
+        "f2-tau1-lawa2",
+        "all3-tau1-islands1",
+        "all3-h_r1",
+        "f4-tau3-islands3",
+    ],
 )
 def test_fragments_with_the_anneal_and_lawa_are_the_simulators_run_bit_for_bit(
-    fragments: int, anneal: str, lawa: int, paths: tuple[str, ...]
+    fragments: int, tau: int, anneal: str, lawa: int, paths: tuple[str, ...]
 ) -> None:
     """Each fragment switches after its own last global sync at or before the decay's start
     (f3: steps 12, 13 and 10); an island ``islands:K`` stops leaves each fragment there,
-    takes the merges of those it left before its own last step (13) and trains on; LAWA
-    is each fragment's mean over its own last rounds (fragments 1 and 2 have one more)."""
-    cfg = _cfg(fragments).with_overrides(anneal=anneal, lawa=lawa)
+    takes the merges of those it left pinned up to its own last step (13) and trains on
+    (f4-tau3: starts 8, 10, 12, 6 with h_g 8; r1-1 stops at 12 and takes the merges of 6
+    and 8 at 9 and 11, not that of 10); LAWA is each fragment's mean over its own last
+    rounds (fragments with an offset have one more)."""
+    h_r = 4 if tau == 3 else 2
+    cfg = _cfg(fragments, tau, h_r, 2 * h_r).with_overrides(anneal=anneal, lawa=lawa)
     if fragments == 3:
         assert [cfg.anneal_step_of(f) for f in range(3)] == [12, 13, 10]
+    if fragments == 4:
+        assert [cfg.anneal_step_of(f) for f in range(4)] == [8, 10, 12, 6]
     ref = run_reference(cfg)
     for path in paths:
         job = SimJob(run=cfg.with_overrides(fragments=1, anneal="full_m", lawa=0),  # type: ignore[arg-type]
@@ -413,7 +428,7 @@ def test_fragments_with_the_anneal_and_lawa_are_the_simulators_run_bit_for_bit(
         assert not torch.equal(plain.final_params, ref.final_params)  # type: ignore[arg-type]
 
 
-ALL3 = _cfg(3, steps=16).with_overrides(anneal="islands:1", lawa=2)
+ALL3 = _cfg(3, tau=1, steps=16).with_overrides(anneal="islands:1", lawa=2)
 
 
 def test_the_audit_replays_fragments_with_the_anneal_and_lawa_and_catches_a_tampered_average(
@@ -484,7 +499,7 @@ def test_the_readme_s_recipe_is_streaming_a_one_island_decay_and_lawa_within_the
     p = argparse.ArgumentParser()
     add_run_config_flags(p)
     cfg = run_config_from_args(p.parse_args(shlex.split(line)[2:]))
-    assert (cfg.fragments, cfg.anneal, cfg.lawa, cfg.topology.tau) == (2, "islands:1", 2, 0)
+    assert (cfg.fragments, cfg.anneal, cfg.lawa, cfg.topology.tau) == (2, "islands:1", 2, 1)
     assert cfg.anneal_kept() == ("eu-0",)
     decay = cfg.steps - round(cfg.inner.decay_fraction * cfg.steps)
     for f in range(cfg.fragments):

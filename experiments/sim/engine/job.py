@@ -151,7 +151,8 @@ class SimJob:
     """full_m: the WSD decay runs on the full hierarchy.  m1: from the last global sync at
     or before the decay start, all replicas are merged (fixed-order fp32 mean) after every
     step, i.e. M_eff = 1 (docs/design.md §3.6); needs fragments = 1 and tau = 0.  h_r1 and
-    islands:K are the system's (a streaming fragment switches at its own start); tau 0."""
+    islands:K are the system's (a streaming fragment switches at its own start); h_r1
+    needs tau 0."""
     lawa_k: int = 0
     """Final held-out loss of the mean of the last k checkpoints (0 = off)."""
     lawa_every: int = 0
@@ -226,7 +227,7 @@ class SimJob:
             raise bad(f"fragments ({self.fragments}) must be <= h_g ({self.h_g}) to stagger")
         if self.anneal == "m1" and self.fragments != 1:
             raise bad("anneal m1 needs fragments = 1 (all replicas equal at its start)")
-        if self.anneal != "full_m" and self.tau:
+        if self.anneal in ("m1", "h_r1") and self.tau:
             raise bad(f"anneal {self.anneal} needs tau = 0 (every step syncs in it)")
         if self.anneal != "full_m" and self.fragments > 1:
             for f in range(self.fragments):
