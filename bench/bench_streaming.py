@@ -21,7 +21,10 @@ offsets 0, 7, 15, 22, so fragments 0 and 2 sync regionally together), and the is
 peak drops less; the relays' global peak still drops to one fragment's.
 
 Fragments are cut at whole parameters (``common/fragments.py``, the simulator's rule), so
-the largest of F = 4 on the 4-layer proxy holds 30.7% of the values, not 25%.
+the largest of F = 4 on the 4-layer proxy holds 30.7% of the values, not 25%; the bench
+also reports the best any contiguous cut at whole parameters could do
+(``best_whole_cut``, exhaustive): on the proxy the rule's cut is that best (on the tiny
+preset the greedy rule's F = 4 cut is 0.2765 against the best 0.2755).
 
 ``--daemons``: also the islands' blocked share (the part of an island's wall time spent
 waiting for its pushes and merges: ``blocked_share`` of its ``event=done`` line) with the
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -58,6 +62,7 @@ import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
+from hypertrain.common.flat import ParamLayout
 from hypertrain.common.reference import model_cluster, open_dataset
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.local import Observer
@@ -113,6 +118,7 @@ def measure(preset: str, fragments: int, h_r: int, h_g: int, rounds: int) -> dic
         "fragments": fragments,
         "numel": layout.numel,
         "largest_fragment_share": max(sizes) / layout.numel,
+        "best_whole_cut_share": best_whole_cut(layout, fragments),
         "island_peak_bytes": max(up),
         "island_syncs": len(up) // cfg.topology.n_islands + 1,
         "island_last_step_bytes": max(up_last),
@@ -122,6 +128,29 @@ def measure(preset: str, fragments: int, h_r: int, h_g: int, rounds: int) -> dic
         "seconds": seconds,
         "final_digest": flat_digest(theta),
     }
+
+
+def best_whole_cut(layout: ParamLayout, fragments: int) -> float:
+    """The smallest largest-fragment share any cut of the parameters into ``fragments``
+    contiguous runs of whole parameters can reach (the floor of the partition rule's kind;
+    exhaustive, by dynamic programming over the cut points)."""
+    ends = [*layout.offsets[1:], layout.numel]
+    sizes = [b - a for a, b in zip(layout.offsets, ends, strict=True)]
+    prefix = [0]
+    for n in sizes:
+        prefix.append(prefix[-1] + n)
+    count = len(sizes)
+
+    @functools.cache
+    def best(first: int, parts: int) -> int:
+        if parts == 1:
+            return prefix[count] - prefix[first]
+        return min(
+            max(prefix[cut] - prefix[first], best(cut, parts - 1))
+            for cut in range(first + 1, count - parts + 2)
+        )
+
+    return best(0, fragments) / layout.numel
 
 
 @contextlib.contextmanager
@@ -218,7 +247,8 @@ def main() -> None:
                 f"  F = {r['fragments']}: island peak {r['island_peak_bytes'] / 1024:8.1f} KiB "
                 f"per sync ({r['island_peak_ratio']:.3f} of F = 1), relay forward peak "
                 f"{r['relay_peak_bytes'] / 1024:8.1f} KiB ({r['relay_peak_ratio']:.3f}); "
-                f"largest fragment {r['largest_fragment_share']:.3f} of the values; "
+                f"largest fragment {r['largest_fragment_share']:.3f} of the values (the best "
+                f"cut at whole parameters: {r['best_whole_cut_share']:.3f}); "
                 f"{r['island_syncs']} syncs per island, "
                 f"{r['island_last_step_bytes'] / 1024:.1f} KiB at the last step; "
                 f"{r['seconds']:.1f} s"
