@@ -371,6 +371,15 @@ class RunConfig:
                     f"or before the decay's start (steps {self.steps}, h_g {self.topology.h_g}, "
                     f"inner decay_fraction {self.inner.decay_fraction}): nothing to anneal"
                 )
+        if k is not None and any(
+            self.anneal_step_of(f if self.fragments > 1 else None) == 0
+            for f in range(self.fragments)
+        ):
+            raise ConfigError(
+                f"run: anneal {self.anneal}: the decay starts before the first global sync "
+                f"step (steps {self.steps}, h_g {self.topology.h_g}, inner decay_fraction "
+                f"{self.inner.decay_fraction}): the islands it stops would train no step"
+            )
         if not 0 <= self.lawa <= rounds:
             raise ConfigError(
                 f"run: lawa must be in [0, {rounds}] (the run's global rounds), got {self.lawa}"

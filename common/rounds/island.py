@@ -191,7 +191,7 @@ class IslandRounds:
         is not its final state)."""
         if not self.stops_early:
             return q.schedule.applies_in_run(sync_step)
-        return sync_step < self.last_step and q.schedule.merge_step(sync_step) <= self.last_step
+        return q.schedule.merge_step(sync_step) < self.last_step  # (its last step's: no)
 
     def apply(self, merge: PendingMerge[int], payload: torch.Tensor) -> None:
         """Apply ``merge`` (from ``due``, or ``before_sync`` at the last step)."""

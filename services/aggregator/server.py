@@ -519,7 +519,8 @@ class AggregatorFragments:
         with self._lock:
             self._finals[part.fragment or 0] = payload
             n = self.cfg.fragments
-            if len(self._finals) == n and not self._final_logged:
+            # (not while a restart builds the parts: the loop after it logs the final state)
+            if len(self._finals) == n == len(self.parts) and not self._final_logged:
                 self._final_logged = True
                 final = torch.cat([self._finals[i] for i in range(n)])
         if final is not None:

@@ -147,6 +147,10 @@ def test_the_config_names_what_fragments_do_not_work_with_yet() -> None:
     with pytest.raises(ConfigError, match="anneal h_r1 needs tau = 0"):
         _cfg(2, tau=1).with_overrides(anneal="h_r1")
     assert _cfg(2, tau=1).with_overrides(anneal="islands:1").topology.tau == 1  # overlap: yes
+    early = dataclasses.replace(_cfg(2, h_r=2, h_g=8), inner=InnerConfig(decay_fraction=0.6))
+    assert [early.with_overrides(anneal="h_r1").anneal_step_of(f) for f in range(2)] == [0, 4]
+    with pytest.raises(ConfigError, match="islands:1: the decay starts before the first global"):
+        early.with_overrides(anneal="islands:1")
 
 
 # -- the fragment on the wire and on the tape --------------------------------------------------

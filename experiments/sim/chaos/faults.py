@@ -57,15 +57,14 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
     # LAWA over the last 1 or 2 global rounds in half the schedules, likewise; an anneal
     # (at H_r = 1, or on the first 1 or 2 islands) in a third of those with tau = 0.
     lawa = random.Random(f"lawa-{seed}").choice((0, 0, 1, 2))
-    annealable = (
-        tau == 0
-        and anneal_start(h_r * k * rounds, h_r * k, InnerConfig().decay_fraction) is not None
-    )
+    start = anneal_start(h_r * k * rounds, h_r * k, InnerConfig().decay_fraction)
+    annealable = tau == 0 and start is not None
     anneal_rng = random.Random(f"anneal-{seed}")
     anneal = "full_m"
     if annealable and anneal_rng.random() < 1 / 3:
         modes = ["h_r1"]
-        if shards == 1 and "standby" not in membership:  # the decay on the first 1 or 2 islands
+        # the decay on the first 1 or 2 islands (not from step 0: they would train none)
+        if shards == 1 and "standby" not in membership and start:
             modes += [f"islands:{n}" for n in (1, 2) if n < n_regions * n_r]
         anneal = anneal_rng.choice(modes)
     return RunConfig.from_dict(
