@@ -26,7 +26,7 @@ from hypertrain.common.fragments import fragment_offset
 from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
-from hypertrain.common.schedule import anneal_start
+from hypertrain.common.schedule import anneal_start, anneal_starts
 from hypertrain.common.shards import Shards, shard_unit
 
 ANNEAL_MODES = ("full_m", "h_r1", "islands:K")
@@ -371,10 +371,7 @@ class RunConfig:
                     f"or before the decay's start (steps {self.steps}, h_g {self.topology.h_g}, "
                     f"inner decay_fraction {self.inner.decay_fraction}): nothing to anneal"
                 )
-        if k is not None and any(
-            self.anneal_step_of(f if self.fragments > 1 else None) == 0
-            for f in range(self.fragments)
-        ):
+        if k is not None and 0 in self.anneal_starts:
             raise ConfigError(
                 f"run: anneal {self.anneal}: the decay starts before the first global sync "
                 f"step (steps {self.steps}, h_g {self.topology.h_g}, inner decay_fraction "
@@ -405,8 +402,8 @@ class RunConfig:
                     f"run: fragments > 1 does not work with {', '.join(unsupported)} yet"
                 )
             if self.anneal != "full_m":
-                for f in range(self.fragments):
-                    if self.anneal_step_of(f) is None:
+                for f, start in enumerate(self.anneal_starts):
+                    if start is None:
                         raise ConfigError(
                             f"run: anneal {self.anneal}: fragment {f} has no global sync step "
                             f"at or before the decay's start (its first is step "
@@ -540,19 +537,23 @@ class RunConfig:
         or with streaming fragments the latest fragment's (None: no such anneal)."""
         if anneal_islands(self.anneal) is None:
             return None
-        if self.fragments == 1:
-            return self.anneal_step
-        return max(self.anneal_step_of(f) or 0 for f in range(self.fragments))
+        return max(s or 0 for s in self.anneal_starts)  # (every one is set in a valid config)
+
+    @property
+    def anneal_starts(self) -> list[int | None]:
+        """Each streaming fragment's anneal start (common/schedule.py ``anneal_starts``; one,
+        the whole model's, when the run is not split; empty without an anneal)."""
+        if self.anneal == "full_m":
+            return []
+        return anneal_starts(self.steps, self.topology.h_g, self.inner.decay_fraction,
+                             self.fragments)  # fmt: skip
 
     def anneal_step_of(self, fragment: int | None) -> int | None:
         """Streaming fragment ``fragment``'s anneal start (None: the run is not split): the
         last of its own global sync steps at or before the decay's start, so each fragment
         switches after one of its global merges, as the whole model does."""
-        if self.anneal == "full_m":
-            return None
-        h_g = self.topology.h_g
-        offset = 0 if fragment is None else fragment_offset(fragment, self.fragments, h_g)
-        return anneal_start(self.steps, h_g, self.inner.decay_fraction, offset)
+        starts = self.anneal_starts
+        return starts[fragment or 0] if starts else None
 
     def anneal_kept(self) -> tuple[str, ...] | None:
         """The islands that train the decay of an ``islands:K`` anneal: the first K of the

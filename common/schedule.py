@@ -222,6 +222,17 @@ def anneal_start(steps: int, h_g: int, decay_fraction: float, offset: int = 0) -
     return start if offset <= start < steps else None
 
 
+def anneal_starts(
+    steps: int, h_g: int, decay_fraction: float, fragments: int = 1
+) -> list[int | None]:
+    """Each streaming fragment's anneal start (``anneal_start`` at its offset; one entry,
+    the whole model's, when the run is not split)."""
+    return [
+        anneal_start(steps, h_g, decay_fraction, fragment_offset(f, fragments, h_g))
+        for f in range(fragments)
+    ]
+
+
 def overlap_merge(merged: torch.Tensor, now: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
     """tau > 0: the merged state plus the local progress made during the overlap,
     ``merged + (now - snapshot)`` (``snapshot``: the member's state at the sync step)."""

@@ -67,7 +67,7 @@ from hypertrain.common.fragments import fragment_offset
 from hypertrain.common.model import ModelConfig
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
-from hypertrain.common.schedule import anneal_start
+from hypertrain.common.schedule import anneal_starts
 
 ExecPath = Literal["batched", "per_replica"]
 Anneal = str
@@ -230,12 +230,13 @@ class SimJob:
         if self.anneal in ("m1", "h_r1") and self.tau:
             raise bad(f"anneal {self.anneal} needs tau = 0 (every step syncs in it)")
         if self.anneal != "full_m" and self.fragments > 1:
-            for f in range(self.fragments):
-                offset = fragment_offset(f, self.fragments, self.h_g)
-                if anneal_start(self.steps, self.h_g, self.inner.decay_fraction, offset) is None:
+            starts = anneal_starts(self.steps, self.h_g, self.inner.decay_fraction, self.fragments)
+            for f, start in enumerate(starts):
+                if start is None:
                     raise bad(
                         f"anneal {self.anneal}: fragment {f} has no global sync step at or "
-                        f"before the decay's start (its first is step {offset})"
+                        f"before the decay's start (its first is step "
+                        f"{fragment_offset(f, self.fragments, self.h_g)})"
                     )
         if self.fragments > 1 and self.steps < self.h_g:
             raise bad("streaming needs at least one full global round")
@@ -245,6 +246,13 @@ class SimJob:
             self.dp_steps is not None or self.fragments != 1 or self.anneal != "full_m"
         ):
             raise bad("drop needs a DiLoCo run without fragments and with anneal full_m")
+
+    @property
+    def lawa_per_fragment(self) -> bool:
+        """LAWA over each streaming fragment's own last global rounds (its default cadence
+        with fragments, as the system's aggregators keep them), else of the joined state
+        every ``lawa_every`` (or h_g) steps."""
+        return bool(self.lawa_k) and self.fragments > 1 and not self.lawa_every
 
     @classmethod
     def build(cls, **fields: Any) -> SimJob:

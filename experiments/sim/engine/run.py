@@ -167,8 +167,7 @@ class FragmentSync:
         """islands:K anneal: after its first step (the fragment's own) only replicas 0..K-1
         sync (the system's ``RunConfig.anneal_kept``: the first K islands); the others'
         training is ignored."""
-        per_fragment = job.lawa_k and job.fragments > 1 and not job.lawa_every
-        self.lawa = LAWA(job.lawa_k) if per_fragment else None
+        self.lawa = LAWA(job.lawa_k) if job.lawa_per_fragment else None
         """Streaming fragments with LAWA: this fragment's states after its last ``lawa_k``
         global rounds (the system's aggregator of the fragment keeps the same)."""
         self.churn = churn
@@ -308,10 +307,8 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
     anneal: _Anneal | None = None
     if m1_start == 0:  # the whole run is the anneal
         anneal = _Anneal(full, syncs[0].island_ids, theta0)
-    # LAWA: of the joined state every lawa_every steps; with streaming fragments and the
-    # default cadence, each fragment's over its own last global rounds (FragmentSync.lawa)
-    per_fragment = bool(job.lawa_k) and job.fragments > 1 and not job.lawa_every
-    lawa = LAWA(job.lawa_k) if job.lawa_k and not per_fragment else None
+    # LAWA: of the joined state every lawa_every steps, or each fragment's (FragmentSync.lawa)
+    lawa = LAWA(job.lawa_k) if job.lawa_k and not job.lawa_per_fragment else None
     lawa_every = job.lawa_every or job.h_g
     evals = set(eval_steps(job))
     log_every = max(1, job.steps // 100)
@@ -375,7 +372,7 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
         res.final_loss_raw = res.curve[-1][1]
         res.final_params = global_theta()
         res.final_loss = res.final_loss_raw
-        if lawa is not None or per_fragment:
+        if lawa is not None or job.lawa_per_fragment:
             t0 = time.perf_counter()
             res.lawa_params = (
                 lawa.average()
