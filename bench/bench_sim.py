@@ -104,7 +104,7 @@ def _setup(m: int, path: str, inner: InnerConfig) -> tuple[SimJob, ReplicaSet, F
     layout = ParamLayout.of(template)
     theta0 = layout.flatten(template)
     reps = make_replicas(job, template, layout, theta0, torch.device("cpu"))
-    sync = FragmentSync(job, partition(layout, 1, H)[0], theta0)
+    sync = FragmentSync(job, partition(layout, 1, H, job.fragment_cut)[0], theta0)
     return job, reps, sync
 
 

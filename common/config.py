@@ -22,7 +22,7 @@ from typing import Any
 from hypertrain.common.codec import parse_codec_spec
 from hypertrain.common.data.sampling import HOLDOUT_WINDOWS
 from hypertrain.common.errors import ConfigError, HypertrainError
-from hypertrain.common.fragments import fragment_offset
+from hypertrain.common.fragments import CUTS, fragment_offset
 from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
@@ -310,6 +310,11 @@ class RunConfig:
     fragments (common/fragments.py ``partition``), fragment f syncs on the schedule
     staggered by ``f * h_g // fragments`` steps, with its own rounds, error feedback and
     outer state at every node; 1: the whole model syncs at once."""
+    fragment_cut: str = "values"
+    """How the fragments are cut (common/fragments.py ``CUTS``): ``values``, F equal
+    ranges of the flat vector (cut inside a parameter where a boundary falls: the peak
+    bytes of a sync fall by F), or ``params``, at whole parameters (the simulator's
+    registered cells); absent from ``to_dict`` while ``values``."""
     threads: int = 1
     """Intra-op threads per island.  CPU GEMM results depend on the thread
     count, so it is part of the config: equal threads give equal bits."""
@@ -385,6 +390,10 @@ class RunConfig:
             raise ConfigError(
                 f"run: fragments must be in [1, h_g = {self.topology.h_g}] (their syncs are "
                 f"staggered over a global interval), got {self.fragments}"
+            )
+        if self.fragment_cut not in CUTS:
+            raise ConfigError(
+                f"run: fragment_cut must be one of {', '.join(CUTS)}, got {self.fragment_cut!r}"
             )
         if self.fragments > 1:
             unsupported = [
@@ -510,6 +519,8 @@ class RunConfig:
             del d["lawa"]
         if self.fragments == 1:  # ... and from before fragments
             del d["fragments"]
+        if self.fragment_cut == "values":  # ... and from before the cut had a choice
+            del d["fragment_cut"]
         if self.anneal == "full_m":  # ... and from before the anneal
             del d["anneal"]
         if self.topology.relay_shards == 1:  # configs from before shards keep their digest

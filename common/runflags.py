@@ -52,6 +52,7 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--holdout-windows": ("holdout_windows", int),
     "--lawa": ("lawa", int),
     "--fragments": ("fragments", int),
+    "--fragment-cut": ("fragment_cut", str),
     "--anneal": ("anneal", str),
     "--regional-cutoff": ("membership.regional_cutoff_s", float),
     "--global-cutoff": ("membership.global_cutoff_s", float),

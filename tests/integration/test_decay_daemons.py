@@ -74,12 +74,7 @@ def test_daemons_in_process_and_simulator_end_on_the_same_state_and_average(run)
     run_dir = cluster.run_dir
     saved = torch.load(run_dir / "aggregator" / "lawa.pt", weights_only=True)
     ref = run_reference(cfg)
-    job = SimJob(
-        run=cfg.with_overrides(lawa=0, anneal="full_m"),
-        path="per_replica",
-        lawa_k=cfg.lawa,
-        anneal=cfg.anneal,  # type: ignore[arg-type]
-    )
+    job = SimJob.of_run(cfg, path="per_replica")
     sim = run_job(job)
     assert ref.lawa_params is not None and sim.lawa_params is not None
     assert torch.equal(saved["theta"], ref.lawa_params)

@@ -9,6 +9,7 @@ island killed with merges of several fragments pending resume on the same state.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def test_daemons_in_process_and_simulator_end_on_the_same_state(
     cfg, cluster = run
     layout, _ = initial_parameters(cfg)
     ref = run_reference(cfg)
-    job = SimJob(run=cfg.with_overrides(fragments=1), eval_points=1, fragments=cfg.fragments)
+    job = SimJob.of_run(cfg, eval_points=1)
     sim = run_job(job.replace(path="per_replica"))
     assert sim.final_params is not None
     assert state_digest(layout.unflatten(sim.final_params)) == ref.final_digest
@@ -195,9 +196,7 @@ def test_fragments_the_anneal_and_lawa_together_match_in_process_and_simulator(
 ) -> None:
     cfg, run_dir = ALL3, all3.run_dir
     ref = run_reference(cfg)
-    job = SimJob(run=cfg.with_overrides(fragments=1, anneal="full_m", lawa=0),
-                 path="per_replica", eval_points=1, fragments=3, anneal="islands:1",
-                 lawa_k=2)  # fmt: skip
+    job = SimJob.of_run(cfg, path="per_replica", eval_points=1)
     sim = run_job(job)
     assert torch.equal(ref.final_params, sim.final_params)  # type: ignore[arg-type]
     assert ref.lawa_params is not None and sim.lawa_params is not None
@@ -263,6 +262,22 @@ def test_the_aggregator_killed_at_a_fragment_s_anneal_switch_resumes(
     aggregator tapes it, and the run ends on the in-process digest, auditing clean (its
     LAWA averages included)."""
     aggregator_trial(tmp_path, "before_anneal_entry", 2, switch_digest, SWITCH)
+
+
+def test_the_aggregator_killed_after_taping_every_fragment_s_last_round_joins_them_again(
+    tmp_path: Path, switch_digest: str
+) -> None:
+    """Killed right after it tapes the 7th and last of its fragments' rounds (fragment 0's
+    3 and fragment 1's 4: both last rounds at step 12, their checkpoints deferred), the
+    restarted aggregator redoes the last rounds from its tapes while it builds its
+    fragments' nodes, and joins the final state and the LAWA averages only once every
+    fragment's node exists (it crashed joining them before), then ends on the in-process
+    digest."""
+    aggregator_trial(tmp_path, "after_tape", 7, switch_digest, SWITCH)
+    log = (tmp_path / "run" / "logs" / "aggregator-1.log").read_text()
+    assert re.search(rf"event=final .*digest={switch_digest}", log), log[-3000:]
+    ref = run_reference(SWITCH)
+    assert re.search(rf"event=lawa .*digest={ref.lawa_digest}", log), log[-3000:]
 
 
 def test_a_relay_killed_at_a_fragment_s_anneal_switch_resumes(

@@ -128,9 +128,8 @@ def test_in_process_run_is_the_simulators_per_replica_path_bit_for_bit(
         }
     )
     ref = run_reference(cfg)
-    run = cfg.with_overrides(lawa=0, anneal="full_m")  # the simulator's own fields say them
     for path in ("per_replica", "batched"):
-        job = SimJob(run=run, path=path, eval_points=1, lawa_k=2, anneal=anneal)  # type: ignore[arg-type]
+        job = SimJob.of_run(cfg, path=path, eval_points=1)
         sim = run_job(job)
         assert ref.lawa_params is not None and sim.lawa_params is not None
         assert torch.equal(ref.final_params, sim.final_params), path  # type: ignore[arg-type]

@@ -152,7 +152,7 @@ class _Rows:
 def _setup(job: SimJob, absent: tuple[int, ...]) -> tuple[FragmentSync, _Rows, torch.Tensor]:
     layout = ParamLayout.of(build_model(job.model_config(), seed=0))
     theta0 = layout.flatten(build_model(job.model_config(), seed=0))
-    frag = partition(layout, 1, job.h_g)[0]
+    frag = partition(layout, 1, job.h_g, job.fragment_cut)[0]
     gen = torch.Generator().manual_seed(7)
     rows = theta0 + 1e-2 * torch.randn(job.n_replicas, theta0.numel(), generator=gen)
     churn = _Fixed(absent, job.regions, job.islands_per_region)

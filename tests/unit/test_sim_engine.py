@@ -234,23 +234,70 @@ def test_negative_control_dp_equals_m1_h1_average(path: str) -> None:
 
 def test_fragments_partition_the_layout_and_stagger() -> None:
     layout = ParamLayout.of(build_model("proxy"))
-    frags = partition(layout, 3, 30)
+    frags = partition(layout, 3, 30, "params")
     assert [f.offset for f in frags] == [0, 10, 20]
     assert frags[0].lo == 0 and frags[-1].hi == layout.numel
     assert all(a.hi == b.lo for a, b in itertools.pairwise(frags))
-    assert sum(len(f.names) for f in frags) == len(layout.names)
+    pieces = [p for f in frags for p in f.pieces]  # whole parameters, each once, in order
+    assert [p.name for p in pieces] == list(layout.names)
+    assert all((p.start, p.stop) == (0, math.prod(p.shape)) for p in pieces)
     assert max(f.numel for f in frags) < 0.5 * layout.numel  # near-equal, by layer
 
     def sync_level(f: Fragment, t: int, h_r: int, h_g: int, steps: int) -> str | None:
         return Schedule(h_r=h_r, h_g=h_g, tau=0, steps=steps, offset=f.offset).sync_kind(t)
 
-    one = partition(layout, 1, 10)[0]
+    one = partition(layout, 1, 10, "params")[0]
     for t in range(1, 41):  # F = 1 is the reference schedule
         want = "global" if t % 10 == 0 else ("regional" if t % 5 == 0 else None)
         assert sync_level(one, t, 5, 10, 40) == want
     assert sync_level(frags[1], 10, 30, 30, 90) == "global"  # (t - offset) % H == 0
     assert sync_level(frags[1], 30, 30, 30, 90) is None
     assert sync_level(frags[1], 90, 30, 30, 90) == "global"  # the final flush
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_the_values_cut_gives_equal_ranges_cut_inside_parameters(n: int) -> None:
+    """Fragment f is exactly [numel f / F, numel (f + 1) / F); its pieces cover that range,
+    every value of the model once, cutting a parameter where a boundary falls."""
+    layout = ParamLayout.of(build_model("proxy"))
+    frags = partition(layout, n, 30, "values")
+    assert [(f.lo, f.hi) for f in frags] == [
+        (layout.numel * i // n, layout.numel * (i + 1) // n) for i in range(n)
+    ]
+    offsets = dict(zip(layout.names, layout.offsets, strict=True))
+    covered = []
+    for f in frags:
+        assert sum(p.numel for p in f.pieces) == f.numel
+        covered += [(offsets[p.name] + p.start, offsets[p.name] + p.stop) for p in f.pieces]
+    assert covered[0][0] == 0 and covered[-1][1] == layout.numel
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))  # no gap, no overlap
+    cut = [p for f in frags for p in f.pieces if p.numel < math.prod(p.shape)]
+    assert cut  # the proxy's boundaries fall inside parameters (the tied embedding at F = 2)
+    params = partition(layout, n, 30, "params")
+    assert max(f.numel for f in frags) <= max(f.numel for f in params)
+    with pytest.raises(ConfigError, match="fragment cut must be one of values, params"):
+        partition(layout, n, 30, "layers")
+
+
+@pytest.mark.parametrize("path", ["per_replica", "batched"])
+def test_replica_sets_read_and_write_fragments_cut_inside_parameters(path: str) -> None:
+    """What a replica set reads of a fragment is its range of the flat vector; what it
+    writes lands there and nowhere else, for one row and for a block of replicas."""
+    job = flat_job(4, 10, **SMALL).replace(path=path, fragments=3, fragment_cut="values")
+    template, layout, theta0 = _init(job)
+    reps = make_replicas(job, template, layout, theta0, torch.device("cpu"))
+    frags = partition(layout, 3, job.h_g, "values")
+    assert any(p.numel < math.prod(p.shape) for f in frags for p in f.pieces)
+    whole = partition(layout, 1, job.h_g, "values")[0]
+    g = torch.Generator().manual_seed(3)
+    want = reps.read(whole)
+    for f in frags:
+        rows = torch.randn(reps.n, f.numel, generator=g)
+        reps.write(f, 1, reps.n, rows[1:])
+        reps.write(f, 0, 1, rows[0])
+        want[:, f.lo : f.hi] = rows
+        assert torch.equal(reps.read(f), rows)
+        assert torch.equal(reps.read(whole), want)
 
 
 def test_eval_points_anneal_start_and_lawa() -> None:

@@ -153,6 +153,31 @@ def test_the_config_names_what_fragments_do_not_work_with_yet() -> None:
         early.with_overrides(anneal="islands:1")
 
 
+def test_the_fragment_cut_is_a_named_choice_of_the_config_and_the_simulators_job() -> None:
+    """``values`` is the run's default (left out of the config dict, so the digest of a run
+    from before the choice stays); ``params`` is the simulator's (its registered cells);
+    ``SimJob.of_run`` carries the run's cut, and a job of one fragment has no cut to set."""
+    assert "fragment_cut" not in _cfg(2).to_dict() and _cfg(2).fragment_cut == "values"
+    params = _cfg(2).with_overrides(fragment_cut="params")
+    assert params.to_dict()["fragment_cut"] == "params"
+    assert RunConfig.from_dict(params.to_dict()) == params
+    with pytest.raises(ConfigError, match="fragment_cut must be one of values, params, got 'x'"):
+        _cfg(2).with_overrides(fragment_cut="x")
+    parser = argparse.ArgumentParser()
+    add_run_config_flags(parser)
+    args = parser.parse_args(["--fragments", "2", "--fragment-cut", "params"])
+    assert run_config_from_args(args).fragment_cut == "params"
+    assert SimJob.of_run(_cfg(2)).fragment_cut == "values"
+    assert SimJob.of_run(params).fragment_cut == "params"
+    assert SimJob.of_run(_cfg(1)).fragment_cut == "params"  # the simulator's default
+    assert "fragment_cut" not in SimJob.of_run(_cfg(1)).to_dict()  # keys from before stay
+    assert SimJob.of_run(_cfg(2)).to_dict()["fragment_cut"] == "values"
+    with pytest.raises(ConfigError, match="fragment_cut is only set with fragments > 1"):
+        SimJob.of_run(_cfg(1)).replace(fragment_cut="values")
+    with pytest.raises(ConfigError, match=r"run\.fragments and run\.fragment_cut stay at their"):
+        SimJob(run=_cfg(1).with_overrides(fragment_cut="params"))
+
+
 # -- the fragment on the wire and on the tape --------------------------------------------------
 
 
@@ -355,21 +380,24 @@ def test_an_island_saves_and_restores_its_error_feedback_and_snapshots_per_fragm
 
 
 @pytest.mark.parametrize(
-    ("fragments", "tau", "h_r", "h_g"),
-    [(2, 0, 2, 4), (3, 1, 2, 4), (4, 3, 4, 8)],
-    ids=["f2-tau0", "f3-tau1", "f4-tau3-flush"],
-)
+    ("fragments", "tau", "h_r", "h_g", "cut"),
+    [(2, 0, 2, 4, "values"), (3, 1, 2, 4, "values"), (4, 3, 4, 8, "values"),
+     (3, 1, 2, 4, "params")],
+    ids=["f2-tau0", "f3-tau1", "f4-tau3-flush", "f3-tau1-params"],
+)  # fmt: skip
 def test_in_process_run_with_fragments_is_the_simulators_streaming_run_bit_for_bit(
-    fragments: int, tau: int, h_r: int, h_g: int
+    fragments: int, tau: int, h_r: int, h_g: int, cut: str
 ) -> None:
     """f4-tau3-flush: fragment 1 syncs at step 14 with its merge pinned past the last step
-    16; it is applied before the final sync there (``IslandRounds.before_sync``)."""
-    cfg = _cfg(fragments, tau, h_r, h_g)
+    16; it is applied before the final sync there (``IslandRounds.before_sync``).  The
+    values cut (the default) falls inside parameters; the params cut is the registered
+    cells'."""
+    cfg = _cfg(fragments, tau, h_r, h_g).with_overrides(fragment_cut=cut)
+    assert (cut == "values") == ("fragment_cut" not in cfg.to_dict())
     ref = run_reference(cfg)
     assert len(ref.rounds) == cfg.steps // h_g  # evaluated at fragment 0's global merges
     for path in ("per_replica", "batched"):
-        job = SimJob(run=cfg.with_overrides(fragments=1), path=path, eval_points=1,  # type: ignore[arg-type]
-                     fragments=fragments)  # fmt: skip
+        job = SimJob.of_run(cfg, path=path, eval_points=1)
         sim = run_job(job)
         assert torch.equal(ref.final_params, sim.final_params), path  # type: ignore[arg-type]
         assert ref.final_loss == sim.final_loss
@@ -415,9 +443,7 @@ def test_fragments_with_the_anneal_and_lawa_are_the_simulators_run_bit_for_bit(
         assert [cfg.anneal_step_of(f) for f in range(4)] == [8, 10, 12, 6]
     ref = run_reference(cfg)
     for path in paths:
-        job = SimJob(run=cfg.with_overrides(fragments=1, anneal="full_m", lawa=0),  # type: ignore[arg-type]
-                     path=path, eval_points=1, fragments=fragments, anneal=anneal,
-                     lawa_k=lawa)  # fmt: skip
+        job = SimJob.of_run(cfg, path=path, eval_points=1)
         sim = run_job(job)
         assert torch.equal(ref.final_params, sim.final_params), path  # type: ignore[arg-type]
         if lawa:

@@ -185,7 +185,7 @@ class Batched:
     @torch.no_grad()
     def read(self, frag: Fragment) -> torch.Tensor:
         rows = torch.cat(
-            [torch.cat([c[name].reshape(b - a, -1) for name in frag.names], dim=1)
+            [torch.cat([c[p.name].view(b - a, -1)[:, p.start : p.stop] for p in frag.pieces], dim=1)
              for (a, b), c in zip(self.bounds, self.chunks, strict=True)]
         )  # fmt: skip
         return rows.to("cpu", torch.float32, copy=True)
@@ -200,5 +200,6 @@ class Batched:
             if lo >= hi:
                 continue
             part = rows if one else rows[lo - start : hi - start]
-            for name, value in zip(frag.names, split_row(frag, part), strict=True):
-                stacks[name][lo - a : hi - a].copy_(value)  # broadcasts a single row
+            for p, value in zip(frag.pieces, split_row(frag, part), strict=True):
+                # broadcasts a single row
+                stacks[p.name][lo - a : hi - a].view(hi - lo, -1)[:, p.start : p.stop].copy_(value)

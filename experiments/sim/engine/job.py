@@ -63,7 +63,7 @@ import torch
 
 from hypertrain.common.config import CUSTOM_MODEL, RunConfig, TopologyConfig, anneal_islands
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.fragments import fragment_offset
+from hypertrain.common.fragments import CUTS, fragment_offset
 from hypertrain.common.model import ModelConfig
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
@@ -84,10 +84,10 @@ FLAT_FIELDS = (
 )  # fmt: skip
 """The flat vocabulary of ``build``, ``to_dict`` and ``replace``, in ``to_dict`` order (run
 fields the mapping does not name come in addition, see ``RUN_EXTRAS``)."""
-SIM_EXTRAS = ("drop",)
+SIM_EXTRAS = ("drop", "fragment_cut")
 """The simulator's own fields that ``to_dict`` (so ``key()``) names only where they differ
 from their default: a job without them keeps the key it had before they existed."""
-_SIM_DEFAULTS: dict[str, Any] = {"drop": 0.0}
+_SIM_DEFAULTS: dict[str, Any] = {"drop": 0.0, "fragment_cut": "params"}
 
 SIM_RUN_DEFAULTS: dict[str, Any] = dict(
     model="proxy", steps=3000, global_batch=32, regions=1, islands_per_region=1, h_r=30,
@@ -101,13 +101,15 @@ _RUN_MAPPED = frozenset({
     "model", "model_shape", "seed", "steps", "batch_per_island", "topology", "inner", "outer",
     "regional_codec", "global_codec", "ef_beta", "data", "holdout_windows",
 })  # fmt: skip
-_RUN_FIXED = frozenset({"run_id", "threads", "membership", "robust", "lawa", "anneal", "fragments"})
+_RUN_FIXED = frozenset({
+    "run_id", "threads", "membership", "robust", "lawa", "anneal", "fragments", "fragment_cut",
+})  # fmt: skip
 """RunConfig fields that are not the simulator's: a job's run keeps their defaults (the
 simulator has no clock and takes no cutoffs, its islands are all honest: robust rules
 are the daemons' defence against hostile ones, and its LAWA is its own ``lawa_k`` and
 ``lawa_every``, with the same arithmetic; its anneal is its own ``anneal``, whose ``h_r1``
-is the system's, and its streaming fragments its own ``fragments``, cut by the system's
-rule)."""
+is the system's, and its streaming fragments its own ``fragments`` and ``fragment_cut``,
+cut by the system's rule)."""
 _TOPO_MAPPED = frozenset({"regions", "islands_per_region", "h_r", "h_g", "tau"})
 _TOPO_FIXED = frozenset({"relay_shards"})
 """TopologyConfig fields that are not the simulator's: how many processes a region's relay
@@ -121,6 +123,7 @@ TOPOLOGY_EXTRAS = tuple(
 )
 """TopologyConfig fields the flat vocabulary does not map: taken under their own names."""
 _DEFAULT_RUN = RunConfig().to_dict()
+_DEFAULT_CUT = RunConfig().fragment_cut
 
 
 def region_names(regions: int) -> tuple[str, ...]:
@@ -147,6 +150,10 @@ class SimJob:
     loop), trained for dp_steps inner steps; None: DiLoCo on ``run.topology``."""
     fragments: int = 1
     """Streaming DiLoCo: F parameter fragments synced on staggered steps (1 = off)."""
+    fragment_cut: str = "params"
+    """How the fragments are cut (common/fragments.py ``CUTS``): ``params`` (whole
+    parameters, the registered cells' cut; the simulator's default) or ``values`` (equal
+    value ranges, the run configuration's default); only with fragments > 1."""
     anneal: Anneal = "full_m"
     """full_m: the WSD decay runs on the full hierarchy.  m1: from the last global sync at
     or before the decay start, all replicas are merged (fixed-order fp32 mean) after every
@@ -188,8 +195,11 @@ class SimJob:
             raise bad("run.lawa stays 0: the simulator's LAWA is lawa_k (and lawa_every)")
         if run.anneal != "full_m":
             raise bad("run.anneal stays full_m: the simulator's anneal is its own anneal field")
-        if run.fragments != 1:
-            raise bad("run.fragments stays 1: the simulator's fragments are its own field")
+        if run.fragments != 1 or run.fragment_cut != _DEFAULT_CUT:
+            raise bad(
+                "run.fragments and run.fragment_cut stay at their defaults: the simulator's "
+                "are its own fields"
+            )
         if topo.regions != region_names(len(topo.regions)):
             raise bad(
                 f"run.topology.regions must be {region_names(len(topo.regions))} (sorted order "
@@ -238,6 +248,10 @@ class SimJob:
                         f"before the decay's start (its first is step "
                         f"{fragment_offset(f, self.fragments, self.h_g)})"
                     )
+        if self.fragment_cut not in CUTS:
+            raise bad(f"fragment_cut must be one of {', '.join(CUTS)}, got {self.fragment_cut!r}")
+        if self.fragments == 1 and self.fragment_cut != _SIM_DEFAULTS["fragment_cut"]:
+            raise bad("fragment_cut is only set with fragments > 1 (one fragment is not cut)")
         if self.fragments > 1 and self.steps < self.h_g:
             raise bad("streaming needs at least one full global round")
         if not 0.0 <= self.drop < 1.0:
@@ -253,6 +267,23 @@ class SimJob:
         with fragments, as the system's aggregators keep them), else of the joined state
         every ``lawa_every`` (or h_g) steps."""
         return bool(self.lawa_k) and self.fragments > 1 and not self.lawa_every
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig, **fields: Any) -> SimJob:
+        """The simulator's job for the system's run ``cfg`` (the in-process run's and the
+        daemons'): the run fields the simulator keeps as its own (fragments and their cut,
+        the anneal, LAWA over the last global rounds) moved to them; ``fields`` sets the
+        rest (``path``, ``eval_points``, ...)."""
+        run = cfg.with_overrides(fragments=1, fragment_cut=_DEFAULT_CUT, anneal="full_m", lawa=0)
+        split = cfg.fragments > 1
+        return cls(
+            run=run,
+            fragments=cfg.fragments,
+            fragment_cut=cfg.fragment_cut if split else _SIM_DEFAULTS["fragment_cut"],
+            anneal=cfg.anneal,
+            lawa_k=cfg.lawa,
+            **fields,
+        )
 
     @classmethod
     def build(cls, **fields: Any) -> SimJob:

@@ -53,12 +53,11 @@ class ReplicaSet(Protocol):
 
 
 def split_row(frag: Fragment, row: torch.Tensor) -> list[torch.Tensor]:
-    """Views of a ``[..., frag.numel]`` tensor per parameter of ``frag`` (shapes kept)."""
-    lead = tuple(row.shape[:-1])
+    """Views of a ``[..., frag.numel]`` tensor per piece of ``frag`` (``[..., piece.numel]``)."""
     out, off = [], 0
-    for size, shape in zip(frag.sizes(), frag.shapes, strict=True):
-        out.append(row[..., off : off + size].reshape(*lead, *shape))
-        off += size
+    for piece in frag.pieces:
+        out.append(row[..., off : off + piece.numel])
+        off += piece.numel
     return out
 
 
@@ -108,7 +107,8 @@ class PerReplica:
     @torch.no_grad()
     def read(self, frag: Fragment) -> torch.Tensor:
         rows = [
-            torch.cat([params[name].reshape(-1) for name in frag.names]) for params in self._params
+            torch.cat([params[p.name].view(-1)[p.start : p.stop] for p in frag.pieces])
+            for params in self._params
         ]
         return torch.stack(rows).to("cpu", torch.float32)
 
@@ -117,5 +117,5 @@ class PerReplica:
         rows = rows.to(self.device)
         for i in range(start, stop):
             row = rows if rows.ndim == 1 else rows[i - start]
-            for name, value in zip(frag.names, split_row(frag, row), strict=True):
-                self._params[i][name].copy_(value)
+            for p, value in zip(frag.pieces, split_row(frag, row), strict=True):
+                self._params[i][p.name].view(-1)[p.start : p.stop].copy_(value)

@@ -295,8 +295,8 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
         layout.load(eval_model, theta)
         return evaluate(eval_model, windows)
 
-    frags = partition(layout, job.fragments, job.h_g)
-    full = partition(layout, 1, job.h_g)[0]
+    frags = partition(layout, job.fragments, job.h_g, job.fragment_cut)
+    full = partition(layout, 1, job.h_g, job.fragment_cut)[0]
     churn = None
     if job.drop:
         churn = Churn(job.drop, job.seed, job.regions, job.islands_per_region,
