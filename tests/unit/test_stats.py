@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import NormalDist
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hypertrain.sim.study.stats import (
+    DELTA,
     best_control,
     compare,
     h1_test,
@@ -30,6 +33,7 @@ from hypertrain.sim.study.stats import (
     relative_gaps,
     select_outer_lr,
     tost,
+    tost_power,
     trend_test,
     verdict_text,
 )
@@ -174,6 +178,52 @@ def test_power_hand_worked() -> None:
     assert power([0.001]).seeds_for_half_width is None
     # Tiny spread: two seeds already suffice.
     assert power([0.0, 1e-6, 2e-6]).seeds_for_half_width == 2
+
+
+@pytest.mark.parametrize(("n", "sd"), [(2, 0.001), (3, 0.002), (5, 0.004), (12, 0.006)])
+def test_tost_power_is_the_rate_at_which_tost_finds_equivalence(n: int, sd: float) -> None:
+    """Against the decision rule itself: 3000 draws of n gaps from N(0, sd^2) (a fixed seed),
+    each through ``tost``; the share found equivalent is within 4 standard errors of the
+    exact power (the cases span 0.1 to 0.95)."""
+    rng = np.random.default_rng(2026)
+    draws = 3000
+    found = sum(tost(list(rng.normal(0.0, sd, n))).equivalent for _ in range(draws))
+    exact = tost_power(n, sd)
+    assert abs(found / draws - exact) < 4 * math.sqrt(exact * (1 - exact) / draws) + 1e-3
+
+
+def test_tost_power_meets_the_normal_approximation_and_the_textbook_sample_size() -> None:
+    """Many seeds: the t quantile tends to z and S to sd, so the power tends to
+    2 Phi(delta sqrt(n) / sd - z_{1-alpha}) - 1.  A standardized margin of 0.3 at 80% power
+    needs (z_{0.95} + z_{0.90})^2 / 0.3^2 = 95.1, so 96 pairs by that approximation (Chow,
+    Shao and Wang, Sample Size Calculations in Clinical Research, formula 3.1.9, the example
+    of R's TOSTER ``powerTOSTpaired``); the exact t-based count is one or two more."""
+    z = NormalDist()
+    for n, sd in ((400, 0.05), (2000, 0.1)):
+        approx = 2 * z.cdf(DELTA * math.sqrt(n) / sd - z.inv_cdf(0.95)) - 1
+        assert tost_power(n, sd) == pytest.approx(approx, abs=0.005)
+    need = next(n for n in range(2, 200) if tost_power(n, 1.0, delta=0.3) >= 0.8)
+    assert 96 <= need <= 98
+    assert tost_power(4, 0.003, true_gap=0.004) < tost_power(4, 0.003)  # a real gap costs power
+    powers = [tost_power(n, 0.005) for n in range(2, 40)]
+    assert powers == sorted(powers) and powers[0] < 0.1 and powers[-1] > 0.9
+    with pytest.raises(ValueError, match="need n >= 2"):
+        tost_power(1, 0.005)
+
+
+def test_power_reports_the_power_at_n_and_the_seeds_for_80_percent() -> None:
+    """The half-width count is not an 80% design: at sd 0.005, 5 seeds bring the half-width
+    inside the margin, yet TOST would then demonstrate equivalence of a true gap of 0 far
+    less often than 80% of the time."""
+    p = power([-0.004, 0.001, 0.006])
+    assert p.power_at_n == pytest.approx(tost_power(3, 0.005))
+    assert p.seeds_for_power is not None and p.seeds_for_half_width is not None
+    assert tost_power(p.seeds_for_power, 0.005) >= 0.8 > tost_power(p.seeds_for_power - 1, 0.005)
+    assert p.power_at_half_width_seeds == pytest.approx(tost_power(p.seeds_for_half_width, 0.005))
+    assert p.power_at_half_width_seeds < 0.5
+    same = power([0.001, 0.001, 0.001])  # no spread: any two seeds are enough
+    assert (same.power_at_n, same.seeds_for_power) == (1.0, 2)
+    assert power([0.001]).power_at_n is None and power([0.001]).seeds_for_power is None
 
 
 def test_compare_pairs_by_seed_and_reports_missing_seeds() -> None:

@@ -26,7 +26,11 @@ Registered rules (docs/design.md §7), implemented literally:
   than two standard deviations of the per-seed paired improvement.
 - Power: the seed spread (sd) of the paired gaps, the 90% half-width at n
   seeds, and the seeds needed (half-width <= delta; and |mean| + half-width <
-  delta if the observed mean and sd held).
+  delta if the observed mean and sd held).  Also the probability that TOST
+  demonstrates equivalence when the true gap is 0 and the gaps' sd is the
+  observed one (``tost_power``, exact by numerical integration over the sample
+  sd, Owen's method), at the seeds observed, and the seeds that bring it to
+  80% (``POWER_TARGET``), the conventional size of a design.
 - Trends (H2 best eta vs M, H4 gap vs M): Kendall's tau-b with a one-sided
   permutation p-value, exact for n <= 8 (all n! orderings), else 100,000
   permutations from a fixed seed (deterministic).
@@ -51,6 +55,8 @@ DELTA = 0.005
 """Registered equivalence margin on the relative held-out gap (0.5%)."""
 ALPHA = 0.05
 """Registered significance level per one-sided test."""
+POWER_TARGET = 0.8
+"""Power a design is conventionally sized for (``Power.seeds_for_power``)."""
 PROMOTION_SD = 2.0
 """H3: a mechanism is promoted if its mean improvement exceeds this many sd."""
 
@@ -234,6 +240,15 @@ class Power(_Json):
     seeds_for_equivalence: int | None
     """Least n >= 2 with |mean| + half-width(n) < delta if mean and sd held
     (None: |mean| >= delta, sd unknown, or more than max_seeds)."""
+    power_at_n: float | None
+    """``tost_power(n, sd)``: the chance TOST demonstrates equivalence at the n seeds
+    observed if the true gap were 0 and the sd the observed one (None: sd unknown)."""
+    seeds_for_power: int | None
+    """Least n >= 2 with ``tost_power(n, sd) >= POWER_TARGET`` (None: sd unknown, or
+    more than max_seeds)."""
+    power_at_half_width_seeds: float | None
+    """``tost_power(seeds_for_half_width, sd)``: what a design sized by the half-width
+    count alone would give (None: no such count)."""
 
 
 def _least_n(ok: Any, max_seeds: int) -> int | None:
@@ -258,7 +273,7 @@ def power(
     ci = paired_ci(values, level=1 - 2 * alpha)
     sd, mean = ci.sd, ci.mean
     if math.isnan(sd):
-        return Power(ci.n, mean, sd, ci.half_width, delta, alpha, None, None)
+        return Power(ci.n, mean, sd, ci.half_width, delta, alpha, None, None, None, None, None)
 
     def half_width(n: int) -> float:
         return t_ppf(1 - alpha, n - 1) * sd / math.sqrt(n)
@@ -267,7 +282,62 @@ def power(
     for_eq = None
     if abs(mean) < delta:
         for_eq = _least_n(lambda n: abs(mean) + half_width(n) < delta, max_seeds)
-    return Power(ci.n, mean, sd, ci.half_width, delta, alpha, for_hw, for_eq)
+    if not sd > 0:  # every gap equal: any n >= 2 demonstrates a mean inside the margin
+        sure = 1.0 if abs(mean) < delta else 0.0
+        return Power(ci.n, mean, sd, ci.half_width, delta, alpha, for_hw, for_eq, sure,
+                     2 if sure else None, sure if for_hw else None)  # fmt: skip
+
+    def pw(n: int) -> float:
+        return tost_power(n, sd, delta, alpha)
+
+    for_power = _least_n(lambda n: pw(n) >= POWER_TARGET, max_seeds)
+    at_hw = pw(for_hw) if for_hw is not None else None
+    return Power(ci.n, mean, sd, ci.half_width, delta, alpha, for_hw, for_eq, pw(ci.n),
+                 for_power, at_hw)  # fmt: skip
+
+
+_NODES = np.polynomial.legendre.leggauss(256)
+"""Gauss-Legendre nodes and weights on [-1, 1] for ``tost_power``'s integral."""
+
+
+def tost_power(
+    n: int, sd: float, delta: float = DELTA, alpha: float = ALPHA, true_gap: float = 0.0
+) -> float:
+    """The probability that ``tost`` finds equivalence at margin ``delta`` with ``n`` paired
+    gaps drawn from N(true_gap, sd^2): P(|mean| + t_{1-alpha,n-1} S / sqrt(n) < delta)
+    where the mean ~ N(true_gap, sd^2 / n) and (n - 1) S^2 / sd^2 ~ chi^2_{n-1}, apart.
+
+    Exact up to quadrature (Owen's formulation of TOST's power): for u = S / sd the
+    condition is a normal probability, integrated against u's density
+    2 k^k u^(2k-1) exp(-k u^2) / Gamma(k), k = (n - 1) / 2, over 0 < u < u_max =
+    delta sqrt(n) / (t sd), beyond which the CI is wider than the margin; 256-point
+    Gauss-Legendre over the part of that range where u's density is not negligible
+    (within 12 of its approximate sds of 1)."""
+    if n < 2 or not sd > 0 or not delta > 0 or not 0 < alpha < 0.5:
+        raise ValueError(f"tost_power: need n >= 2, sd > 0, delta > 0, 0 < alpha < 0.5; got "
+                         f"{n}, {sd}, {delta}, {alpha}")  # fmt: skip
+    t = t_ppf(1 - alpha, n - 1)
+    root_n = math.sqrt(n)
+    u_max = delta * root_n / (t * sd)
+    width = 1 / math.sqrt(2 * (n - 1))  # u's sd, approximately (exact as n grows)
+    lo, hi = max(0.0, 1 - 12 * width), min(u_max, 1 + 12 * width)
+    if hi <= lo:
+        return 0.0
+    x, w = _NODES
+    u = lo + (hi - lo) * (x + 1) / 2
+    k = (n - 1) / 2
+    log_density = (
+        math.log(2) + k * math.log(k) - math.lgamma(k) + (2 * k - 1) * np.log(u) - k * u * u
+    )
+    room = (delta - t * sd * u / root_n) * root_n / sd  # the margin left, in se of the mean
+    shift = true_gap * root_n / sd
+    inside = _phi(room - shift) - _phi(-room - shift)
+    return float(np.clip((hi - lo) / 2 * np.sum(w * np.exp(log_density) * inside), 0.0, 1.0))
+
+
+def _phi(z: np.ndarray) -> np.ndarray:
+    """The standard normal CDF, elementwise."""
+    return 0.5 * np.array([math.erfc(-v / math.sqrt(2)) for v in z.tolist()])
 
 
 # -- one comparison: a cell against a reference -------------------------------------

@@ -327,7 +327,9 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
             power[cid] = {"verdict": e["verdict"], "n": p.n, "mean_gap": p.mean, "sd": p.sd,
                           "half_width": p.half_width, "seeds_for_half_width":
                           p.seeds_for_half_width, "seeds_for_equivalence":
-                          p.seeds_for_equivalence}  # fmt: skip
+                          p.seeds_for_equivalence, "power_at_n": p.power_at_n,
+                          "seeds_for_power": p.seeds_for_power, "power_at_half_width_seeds":
+                          p.power_at_half_width_seeds}  # fmt: skip
     counts = _job_counts(jobs, latest)
     invocations = []
     inv = out / INVOCATIONS_FILE
