@@ -6,6 +6,7 @@ the device check; and ``chaos``, the fault simulation (chaos_cmd.py).
     hypertrain sim grid --scale cpu-tiny [--processes 2] [--wall-cap 2000] [--max-jobs N]
                         [--out DIR] [--device cuda] [--prereg PATH]
     hypertrain sim summarize --scale cpu-tiny [--out DIR] [--no-plots]   # alias: summary
+    hypertrain sim grid --scale full --shard I/N --out SHARED   # one of N machines; then summarize
     hypertrain sim grid --prereg experiments/sim/churn_prereg.json --scale cpu-tiny
     hypertrain sim device-check --device cuda [--scale cpu-tiny] [--steps 60]
     hypertrain sim cross-check --scale cpu-tiny --with DIR   # shared jobs, bit for bit
@@ -13,7 +14,7 @@ the device check; and ``chaos``, the fault simulation (chaos_cmd.py).
 ``grid`` resumes from its results folder (default experiments/results/<study>-<scale>,
 the study named by the registration file: parity, or churn for churn_prereg.json):
 jobs already done or divergent there are not run again; it writes the summary and
-the plots at the end.  Caps (processes, wall clock) are the registered ones and may
+the plots at the end (a shard does not: the others may still be writing).  Caps (processes, wall clock) are the registered ones and may
 only be lowered.  The device ($HYPERTRAIN_SIM_DEVICE or --device) is outside the
 design hash; ``device-check`` runs real grid jobs of the scale, shortened, on CPU
 and on the device and refuses a device that disagrees beyond 0.05% relative.
@@ -43,13 +44,18 @@ def _common(p: argparse.ArgumentParser, scale_default: str | None = None) -> Non
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
-    from hypertrain.sim.study.grid import run_grid
+    from hypertrain.sim.study.grid import parse_shard, run_grid
     from hypertrain.sim.study.summary import summarize
 
+    shard = parse_shard(args.shard) if args.shard is not None else None
     rep = run_grid(
         args.prereg, args.scale, args.out, processes=args.processes, wall_cap_s=args.wall_cap,
-        max_jobs=args.max_jobs, device=args.device, path=args.path,
+        max_jobs=args.max_jobs, device=args.device, path=args.path, shard=shard,
     )  # fmt: skip
+    if shard is not None:  # the other shards may still be writing: summarize once all are done
+        print(f"shard {shard[0]} of {shard[1]} done; when every shard is, run "
+              f"`hypertrain sim summarize --scale {args.scale}` on the results folder")  # fmt: skip
+        return 0 if rep.counts["error"] == 0 else 1
     summary = summarize(args.prereg, args.scale, args.out, plots=not args.no_plots)
     _print_verdicts(summary)
     return 0 if rep.counts["error"] == 0 else 1
@@ -63,12 +69,12 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def cmd_cross_check(args: argparse.Namespace) -> int:
-    from hypertrain.sim.study.grid import RUNS_FILE, default_out
+    from hypertrain.sim.study.grid import RUNS_FILE, default_out, runs_files
     from hypertrain.sim.study.summary import CROSS_CHECK_FILE, cross_check
 
     out = args.out if args.out is not None else default_out(args.scale, args.prereg)
     for d in (out, args.other):
-        if not (Path(d) / RUNS_FILE).is_file():
+        if not runs_files(Path(d)):
             print(f"{_PROG} cross-check: no {RUNS_FILE} in {d}", file=sys.stderr)
             return 2
     r = cross_check(out, args.other)
@@ -178,6 +184,9 @@ def register(sub: Any) -> None:
     g.add_argument("--max-jobs", type=int, metavar="N", help="start at most N jobs this time")
     g.add_argument("--device", help="cpu | cuda | cuda:N (default $HYPERTRAIN_SIM_DEVICE, cpu)")
     g.add_argument("--path", choices=("batched", "per_replica"), default="batched")
+    g.add_argument("--shard", metavar="I/N",
+                   help="run shard I (0-based) of N: every N-th job of the plan from the I-th, "
+                        "writing files of its own, so N machines can share one --out")  # fmt: skip
     g.add_argument("--no-plots", action="store_true")
     g.set_defaults(func=cmd_grid)
 

@@ -8,6 +8,7 @@ fail), and a deliberately broken copy must fail the same check.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import json
@@ -26,6 +27,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
+from hypertrain import sim_cmd
 from hypertrain.common.config import RunConfig, TopologyConfig
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import IslandSettings, RelaySettings
@@ -57,9 +59,17 @@ def load_docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+GRID = "parity-grid.yaml"
+"""The parity grid's Job: not part of the training cluster (test_the_parity_grid_job_*)."""
+
+
 def manifests() -> dict[str, list[dict[str, Any]]]:
+    """The training cluster's manifests (every file of deploy/k8s but the kustomization and
+    the parity grid's Job)."""
     return {
-        p.name: load_docs(p) for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"
+        p.name: load_docs(p)
+        for p in sorted(K8S.glob("*.yaml"))
+        if p.name not in ("kustomization.yaml", GRID)
     }
 
 
@@ -1342,3 +1352,56 @@ def test_component_labels_match_the_start_order_of_the_docs() -> None:
     assert "-l '!app.kubernetes.io/component'" in docs
     at = [docs.index(f"-l app.kubernetes.io/component={g}\n") for g in groups]
     assert at == sorted(at)
+
+
+# -- the parity grid's Job ------------------------------------------------------------------
+
+
+def test_the_parity_grid_job_runs_every_shard_once_on_a_gpu_into_one_shared_folder() -> None:
+    """deploy/k8s/parity-grid.yaml: an Indexed Job whose pod i runs `hypertrain sim grid
+    --shard i/N` with N = its completions (so the N pods together run every registered job
+    once), on one GPU, writing to the ReadWriteMany claim of the same file, hardened like
+    the daemons' pods; its arguments parse with the real CLI for every index."""
+    from hypertrain.sim.study.grid import parse_shard, plan_jobs, shard_jobs
+    from hypertrain.sim.study.prereg import registered_design
+
+    docs = load_docs(K8S / GRID)
+    assert [e for d in docs for e in schema_errors(d)] == []
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    spec = job["spec"]
+    n = spec["completions"]
+    assert spec["completionMode"] == "Indexed" and spec["parallelism"] == n
+    assert spec["maxFailedIndexes"] == 0  # a missing shard fails the Job
+    pod = job["spec"]["template"]["spec"]
+    sec = pod["securityContext"]
+    assert sec["runAsNonRoot"] and sec["runAsUser"] == IMAGE_UID and sec["fsGroup"] == IMAGE_UID
+    assert pod["automountServiceAccountToken"] is False and pod["restartPolicy"] == "Never"
+    (main,) = pod["containers"]
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    assert main["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    index = env_value(main, "SHARD_INDEX")
+    completion = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert index == {"fieldRef": {"fieldPath": completion}}
+    args = main["args"]
+    assert args[:3] == ["hypertrain", "sim", "grid"]
+    assert flag(args, "--shard") == f"$(SHARD_INDEX)/{n}" and flag(args, "--device") == "cuda"
+    mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+    out = flag(args, "--out")
+    (root,) = [p for p in mounts if out.startswith(p + "/")]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mounts[root]]
+    assert vol["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    ap = argparse.ArgumentParser(prog="hypertrain")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sim_cmd.register(sub)
+    design = registered_design()
+    scale = flag(args, "--scale")
+    plan = plan_jobs(design, scale)
+    seen: list[str] = []
+    for i in range(n):
+        parsed = ap.parse_args([a.replace("$(SHARD_INDEX)", str(i)) for a in args[1:]])
+        assert parsed.device == "cuda" and parsed.scale == scale
+        seen += [j.job_id for j in shard_jobs(plan, parse_shard(parsed.shard))]
+    assert sorted(seen) == sorted(j.job_id for j in plan)  # every job in exactly one pod

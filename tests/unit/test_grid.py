@@ -10,6 +10,8 @@ import csv
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,11 @@ from hypertrain.sim.study.grid import (
     RUNS_FILE,
     job_for,
     load_checked,
+    parse_shard,
     plan_jobs,
     read_rows,
     run_grid,
+    shard_jobs,
 )
 from hypertrain.sim.study.prereg import DEFAULT_PATH, registered_design, write_prereg
 from hypertrain.sim.study.summary import CSV_FILE, SUMMARY_FILE, summarize
@@ -248,3 +252,78 @@ def test_plots_of_every_committed_grid(tmp_path: Path) -> None:
         summary = json.loads(path.read_text())
         for png in make_plots(summary, read_rows(path.parent), out):
             assert png.stat().st_size > 10_000, png
+
+
+# -- the grid in shards ------------------------------------------------------------------------
+
+
+def test_shards_split_the_plan_into_disjoint_interleaved_shares() -> None:
+    jobs = plan_jobs(registered_design(), "smoke")
+    for n in (1, 2, 3, 5, len(jobs) + 2):
+        parts = [shard_jobs(jobs, (i, n)) for i in range(n)]
+        ids = [j.job_id for part in parts for j in part]
+        assert sorted(ids) == sorted(j.job_id for j in jobs)  # every job, each once
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert parse_shard("2/3") == (2, 3)
+    for bad in ("3/3", "-1/3", "1", "a/b", "1/0"):
+        with pytest.raises(ConfigError, match="--shard takes I/N with 0 <= I < N"):
+            parse_shard(bad)
+    cli = subprocess.run(
+        [sys.executable, "-m", "hypertrain", "sim", "grid", "--scale", "smoke", "--shard", "3/3"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert cli.returncode == 2 and "--shard takes I/N with 0 <= I < N" in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+
+
+RESULT_FIELDS = ("key", "status", "final_loss", "final_loss_raw", "initial_loss", "curve",
+                 "steps_done", "diverged_at", "reason")  # fmt: skip
+TIMING = {"invocations", "job_seconds_total", "wall_s_total"}
+"""Summary fields that time the runs (they differ from run to run)."""
+
+
+def test_the_smoke_grid_in_three_concurrent_shards_is_the_unsharded_grid_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """The registered smoke grid run as shards 0, 1 and 2 of 3, three processes writing to
+    one folder at once, then summarized: every job's result and the summary (all but its
+    timings) equal the unsharded run's bit for bit; each shard wrote only its own files,
+    and a shard run again finds nothing left to do."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run_grid(None, "smoke", whole, processes=2, log=None)
+    summarize(None, "smoke", whole, plots=False)
+    argv = [sys.executable, "-m", "hypertrain", "sim", "grid", "--scale", "smoke", "--out",
+            str(split), "--processes", "1", "--no-plots"]  # fmt: skip
+    procs = [
+        subprocess.Popen([*argv, "--shard", f"{i}/3"], stdout=subprocess.PIPE, text=True)
+        for i in range(3)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert all(f"shard {i} of 3 done" in out for i, out in enumerate(outs))
+    assert sorted(p.name for p in split.iterdir()) == sorted(
+        [f"parity_runs.shard-{i}-of-3.jsonl" for i in range(3)]
+        + [f"grid_invocations.shard-{i}-of-3.jsonl" for i in range(3)]
+    )
+    jobs = plan_jobs(registered_design(), "smoke")
+    for i in range(3):  # each shard's file holds its own jobs
+        rows = [json.loads(x) for x in (split / f"parity_runs.shard-{i}-of-3.jsonl").open()]
+        assert [r["job_id"] for r in rows] == [j.job_id for j in shard_jobs(jobs, (i, 3))]
+    a = {r["job_id"]: r for r in read_rows(whole)}
+    b = {r["job_id"]: r for r in read_rows(split)}
+    assert a.keys() == b.keys() == {j.job_id for j in jobs}
+    for job in a:
+        assert {f: a[job].get(f) for f in RESULT_FIELDS} == {
+            f: b[job].get(f) for f in RESULT_FIELDS
+        }
+    assert _cli("sim", "summarize", "--scale", "smoke", "--out", str(split), "--no-plots") == 0
+    sa = json.loads((whole / SUMMARY_FILE).read_text())
+    sb = json.loads((split / SUMMARY_FILE).read_text())
+    assert {k: v for k, v in sa.items() if k not in TIMING} == {
+        k: v for k, v in sb.items() if k not in TIMING
+    }
+    assert sorted(inv["shard"] for inv in sb["invocations"]) == ["0/3", "1/3", "2/3"]
+    assert sb["counts"]["censored"] == 0
+    rep = run_grid(None, "smoke", split, shard=(1, 3), log=None)
+    assert rep.started == 0 and rep.stale_rows == 0
+    assert rep.total == len(shard_jobs(jobs, (1, 3)))

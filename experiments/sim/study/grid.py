@@ -26,6 +26,13 @@ Invariants:
   or an interruption stopped the runner before it ran.  Nothing is dropped:
   done + divergent + error + censored = the registered jobs.
 - Workers are ``spawn``ed (a forked torch can hang) with one torch thread each.
+- Sharded (``shard=(i, n)``, ``hypertrain sim grid --shard I/N``): shard i runs the
+  jobs at positions i, i + n, i + 2n, ... of the plan (``shard_jobs``), so every job
+  is in exactly one shard of n and each shard gets a share of every priority band.
+  Shard i of n appends only to its own files (``parity_runs.shard-<i>-of-<n>.jsonl``,
+  ``grid_invocations.shard-<i>-of-<n>.jsonl``), so n machines can write to one shared
+  folder at once with no lock; ``read_rows`` reads every runs file of the folder,
+  ordered by finish time, and ``hypertrain sim summarize`` merges them.
 - Jobs run in a fixed priority order (``plan_jobs``), so that a capped run
   completes whole comparisons first: churn cells with their controls and baseline (a
   churn registration), the controls and the negative control, then
@@ -69,6 +76,8 @@ from hypertrain.sim.study.prereg import (
 
 RUNS_FILE = "parity_runs.jsonl"
 INVOCATIONS_FILE = "grid_invocations.jsonl"
+Shard = tuple[int, int]
+"""(i, n): shard i (0-based) of n."""
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FINAL = ("done", "divergent")
 """Statuses that are never run again."""
@@ -205,24 +214,65 @@ def plan_jobs(
     return jobs
 
 
+def parse_shard(text: str) -> Shard:
+    """``I/N`` (``0 <= I < N``) as (I, N); a ConfigError naming the problem otherwise."""
+    i, sep, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        shard = (-1, 0)
+    if not sep or not 0 <= shard[0] < shard[1]:
+        raise ConfigError(
+            f"grid: --shard takes I/N with 0 <= I < N (a 0-based index), got {text!r}"
+        )
+    return shard
+
+
+def shard_jobs(jobs: list[GridJob], shard: Shard | None) -> list[GridJob]:
+    """Shard i of n's jobs: positions i, i + n, ... of the plan (all of them for None)."""
+    if shard is None:
+        return jobs
+    i, n = shard
+    return jobs[i::n]
+
+
+def _file_of(name: str, shard: Shard | None) -> str:
+    """``name``, or for a shard ``<stem>.shard-<i>-of-<n>.jsonl``."""
+    if shard is None:
+        return name
+    stem = name.removesuffix(".jsonl")
+    return f"{stem}.shard-{shard[0]}-of-{shard[1]}.jsonl"
+
+
+def runs_files(out: Path, name: str = RUNS_FILE) -> list[Path]:
+    """The folder's files of ``name``: the unsharded one, then every shard's, in name order."""
+    stem = name.removesuffix(".jsonl")
+    files = [out / name] if (out / name).exists() else []
+    return files + sorted(out.glob(f"{stem}.shard-*-of-*.jsonl"))
+
+
 # -- the results folder ---------------------------------------------------------------
 
 
-def read_rows(out: Path) -> list[dict[str, Any]]:
-    """Every row of ``parity_runs.jsonl`` in file order (a torn last line is skipped)."""
-    f = out / RUNS_FILE
-    if not f.exists():
-        return []
+def read_rows(out: Path, name: str = RUNS_FILE) -> list[dict[str, Any]]:
+    """Every row of the folder's runs files (``runs_files``: the unsharded file and every
+    shard's), each file in its order (a torn last line is skipped); with shard files, all
+    merged by finish time (a stable sort: rows of one file keep their order), so the newest
+    row of a job is last wherever it was written."""
+    files = runs_files(out, name)
     rows = []
-    lines = f.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            if i != len(lines) - 1:
-                raise PreregError(f"{f}: line {i + 1} is not JSON") from None
+    for f in files:
+        lines = f.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                if i != len(lines) - 1:
+                    raise PreregError(f"{f}: line {i + 1} is not JSON") from None
+    if len(files) > 1:
+        rows.sort(key=lambda r: str(r.get("finished_utc") or r.get("end_utc") or ""))
     return rows
 
 
@@ -360,8 +410,10 @@ def run_grid(
     path: ExecPath = "batched",
     inject_errors: Collection[str] = (),
     log: Callable[[str], None] | None = print,
+    shard: Shard | None = None,
 ) -> GridReport:
-    """Run the jobs of ``scale`` not yet final in ``out``; caps may only be lowered."""
+    """Run the jobs of ``scale`` (of its ``shard``, see the module docstring) not yet final
+    in ``out``; caps may only be lowered."""
     t_start = time.monotonic()
     pre = load_checked(prereg)
     sc = pre.design.scale(scale)
@@ -371,24 +423,30 @@ def run_grid(
         raise ConfigError("grid: processes and the wall-clock cap must be positive")
     out = Path(out) if out is not None else default_out(scale, prereg)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = plan_jobs(pre.design, scale, device=device, path=path)
+    if shard is not None:
+        parse_shard(f"{shard[0]}/{shard[1]}")
+    plan = plan_jobs(pre.design, scale, device=device, path=path)
+    jobs = shard_jobs(plan, shard)
     rows = read_rows(out)
     check_folder(rows, pre, scale, out)
-    latest, stale = latest_rows(rows, jobs)
+    latest, stale = latest_rows(rows, plan)  # (rows of other shards are not stale)
+    mine = {j.job_id for j in jobs}
+    latest = {k: r for k, r in latest.items() if k in mine}
     todo = [j for j in jobs if latest.get(j.job_id, {}).get("status") not in FINAL]
     skipped = len(jobs) - len(todo)
     if max_jobs is not None:
         todo = todo[:max_jobs]
     say = log or (lambda _m: None)
+    part = "" if shard is None else f" (shard {shard[0]} of {shard[1]})"
     say(
-        f"grid {scale}: {len(jobs)} registered jobs, {skipped} already final, running "
+        f"grid {scale}{part}: {len(jobs)} registered jobs, {skipped} already final, running "
         f"{len(todo)} with {procs} processes, wall-clock cap {_fmt_s(cap)}, design "
         f"{pre.design_sha256[:12]}" + (f" ({stale} stale rows ignored)" if stale else "")
     )
     counts = {s: 0 for s in ("done", "divergent", "error")}
     for r in latest.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    runs_file, started, finished, busy = out / RUNS_FILE, 0, 0, 0.0
+    runs_file, started, finished, busy = out / _file_of(RUNS_FILE, shard), 0, 0, 0.0
     queue = list(todo)
     ctx = multiprocessing.get_context("spawn")
 
@@ -443,8 +501,9 @@ def run_grid(
     wall = time.monotonic() - t_start
     final = dict(counts, censored=len(jobs) - sum(counts.values()))
     _append(
-        out / INVOCATIONS_FILE,
+        out / _file_of(INVOCATIONS_FILE, shard),
         {
+            **({} if shard is None else {"shard": f"{shard[0]}/{shard[1]}"}),
             "end_utc": utc_now(), "wall_s": wall, "scale": scale, "processes": procs,
             "wall_clock_cap_s": cap, "max_jobs": max_jobs, "started": started,
             "finished": finished, "skipped": skipped, "counts": final,
@@ -453,7 +512,7 @@ def run_grid(
         },
     )  # fmt: skip
     say(
-        f"grid {scale}: {finished} jobs run in {_fmt_s(wall)}; grid now done {final['done']}, "
+        f"grid {scale}{part}: {finished} jobs run in {_fmt_s(wall)}; now done {final['done']}, "
         f"divergent {final['divergent']}, error {final['error']}, censored {final['censored']} "
         f"of {len(jobs)}"
     )

@@ -43,7 +43,6 @@ from typing import Any
 
 from hypertrain.sim.study.grid import (
     INVOCATIONS_FILE,
-    RUNS_FILE,
     GridJob,
     check_folder,
     default_out,
@@ -51,6 +50,7 @@ from hypertrain.sim.study.grid import (
     load_checked,
     plan_jobs,
     read_rows,
+    runs_files,
 )
 from hypertrain.sim.study.prereg import Cell, Design, Prereg
 from hypertrain.sim.study.stats import (
@@ -331,10 +331,7 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
                           "seeds_for_power": p.seeds_for_power, "power_at_half_width_seeds":
                           p.power_at_half_width_seeds}  # fmt: skip
     counts = _job_counts(jobs, latest)
-    invocations = []
-    inv = out / INVOCATIONS_FILE
-    if inv.exists():
-        invocations = [json.loads(x) for x in inv.read_text().splitlines() if x.strip()]
+    invocations = read_rows(out, INVOCATIONS_FILE)  # every shard's too, by end time
     summary = {
         "protocol": design.protocol,
         "prereg": {
@@ -376,7 +373,7 @@ def summarize(
     """Write ``parity_grid.csv``, ``summary.json`` (and the plots) into ``out``; return the summary."""
     pre = load_checked(prereg)
     out = Path(out) if out is not None else default_out(scale, prereg)
-    if not (out / RUNS_FILE).exists():
+    if not runs_files(out):
         out.mkdir(parents=True, exist_ok=True)
     summary, csv_rows = build_summary(pre, scale, out)
     tmp = out / (CSV_FILE + ".tmp")
