@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_sim.py --quick            # < 3 minutes on 2 cores
     .venv/bin/python bench/bench_sim.py --json out.json    # the full run (more repeats)
     .venv/bin/python bench/bench_sim.py --threads 2        # both cores per job, wall clock
+    .venv/bin/python bench/bench_sim.py --sweep-only --device cuda   # the GPU's M sweep alone
 
 Timing: by default one intra-op thread and process CPU time, so the numbers are
 the work each path does even when other processes share the cores (this
@@ -83,9 +84,18 @@ CLOCK: Callable[[], float] = time.process_time
 done, whatever else shares the cores), wall time with ``--clock wall``."""
 
 
+DEVICE = torch.device("cpu")
+"""Where the replicas train (``--device``); on CUDA every timing is wall time between two
+synchronizations."""
+
+
 def _timed(fn: Callable[[], object]) -> float:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
     t0 = CLOCK()
     fn()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
     return CLOCK() - t0
 
 
@@ -103,7 +113,7 @@ def _setup(m: int, path: str, inner: InnerConfig) -> tuple[SimJob, ReplicaSet, F
     template = build_model("proxy", seed=0)
     layout = ParamLayout.of(template)
     theta0 = layout.flatten(template)
-    reps = make_replicas(job, template, layout, theta0, torch.device("cpu"))
+    reps = make_replicas(job, template, layout, theta0, DEVICE)
     sync = FragmentSync(job, partition(layout, 1, H, job.fragment_cut)[0], theta0)
     return job, reps, sync
 
@@ -240,6 +250,34 @@ def _str_keys(v: Any) -> Any:
     return {str(a): b for a, b in v.items()} if isinstance(v, dict) else v
 
 
+def sweep_only(args: argparse.Namespace, ms: tuple[int, ...], steps: int, clock: str) -> int:
+    """The M sweep on ``DEVICE`` alone: steps/s of both paths and the batched speedup at each
+    M (the GPU target: >= 3x at M = 32, where one stacked model replaces 32 small ones)."""
+    t_start = time.perf_counter()
+    name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else platform.machine()
+    print(f"bench_sim --sweep-only on {DEVICE} ({name}), torch {torch.__version__}, {clock} clock")
+    rows = {}
+    for m in ms:
+        r = measure_m(m, steps, InnerConfig())
+        rows[m] = r
+        print(f"M={m:2d}: per-replica {r['per_replica']['train_steps_per_s']:.3f} steps/s, "
+              f"batched {r['batched']['train_steps_per_s']:.3f}: {r['speedup_train']:.2f}x "
+              f"(A/A {r['aa_ratio']:.3f})")  # fmt: skip
+    top = max(ms)
+    targets = {f"speedup_m{top}_ge_3": rows[top]["speedup_train"] >= 3.0}
+    out = {
+        "device": str(DEVICE), "device_name": name, "torch": torch.__version__, "clock": clock,
+        "steps": steps, "per_m": {str(m): r for m, r in rows.items()},
+        "speedup_by_m": {str(m): r["speedup_train"] for m, r in rows.items()},
+        "targets": targets, "seconds": time.perf_counter() - t_start,
+    }  # fmt: skip
+    print("targets:", ", ".join(f"{k} {'MET' if v else 'NOT MET'}" for k, v in targets.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (< 3 minutes)")
@@ -251,11 +289,27 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="cpu: process time (default with 1 thread); wall: elapsed time (default otherwise)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (cuda: --sweep-only)")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only the M sweep of both paths and its speedups (the device check's "
+                         "part; target on a GPU: batched >= 3x per-replica at M = 32)")  # fmt: skip
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="the Ms of the sweep (1,2,...)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps per M (default 10; 2 quick)"
+    )
     args = ap.parse_args(argv)
-    global CLOCK
+    global CLOCK, DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device is visible")
     torch.set_num_threads(args.threads)
-    clock = args.clock or ("cpu" if args.threads == 1 else "wall")
+    clock = args.clock or ("cpu" if args.threads == 1 and DEVICE.type == "cpu" else "wall")
     CLOCK = time.process_time if clock == "cpu" else time.perf_counter
+    ms = tuple(int(m) for m in args.ms.split(","))
+    if any(GLOBAL_BATCH % m for m in ms):
+        ap.error(f"--ms: each M must divide the global batch {GLOBAL_BATCH}")
+    if DEVICE.type != "cpu" or args.sweep_only:
+        return sweep_only(args, ms, args.steps or (2 if args.quick else 10), clock)
     workers = max(1, (os.cpu_count() or 1) // args.threads)
     steps = 2 if args.quick else 10
     adamw, muon = InnerConfig(), InnerConfig(name="muon")

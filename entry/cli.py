@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run each island as K data-parallel ranks under torchrun (gloo; default 1)",
     )
     up.add_argument(
+        "--island-device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the islands train (cuda: rank r on cuda:r, NCCL between the ranks)",
+    )
+    up.add_argument(
         "--chaos",
         type=int,
         metavar="SEED",

@@ -166,6 +166,7 @@ def start_island(
     *,
     label: str | None = None,
     ranks: int = 1,
+    device: str = "cpu",
 ) -> Child:
     """Start island ``island`` (``eu-1``) of the run in ``run_dir`` against ``relay`` (its
     region's relay addresses, comma-separated), with its state in ``island-<id>/``: a
@@ -181,6 +182,7 @@ def start_island(
         (
             *("--region", region, "--index", index, "--relay", relay),
             *("--state-dir", str(run_dir / f"island-{island}")),
+            *(("--device", device) if device != "cpu" else ()),
         ),
         progress,
         env if env is not None else child_env(),
@@ -209,6 +211,7 @@ def start_cluster(
     island_ranks: Mapping[str, int] | None = None,
     env_of: Mapping[str, dict[str, str]] | None = None,
     hold: Collection[str] = (),
+    island_device: str = "cpu",
 ) -> list[Child]:
     """Start aggregator, relays and islands; returns them in start order.
 
@@ -219,6 +222,7 @@ def start_cluster(
     islands run under ``torchrun --standalone --nproc-per-node K`` (gloo on the CPU).
 
     ``hold``: islands not started (``start_island`` starts them later: ``--chaos``).
+    ``island_device``: where the islands train (``cuda``: NCCL between an island's ranks).
     """
     keys = run_dir / "keys"
     names = daemon_key_names(cfg.topology)
@@ -268,6 +272,7 @@ def start_cluster(
                 addrs[region],
                 own(f"island-{island}"),
                 ranks=(island_ranks or {}).get(island, 1),
+                device=island_device,
             )
         )
     return children
@@ -419,7 +424,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         ranks = dict.fromkeys(topo.island_ids(), args.island_ranks)
         hold = () if plan is None else (plan.standby,)
-        children = start_cluster(cfg, run_dir, progress, island_ranks=ranks, hold=hold)
+        children = start_cluster(cfg, run_dir, progress, island_ranks=ranks, hold=hold,
+                                 island_device=args.island_device)  # fmt: skip
         (run_dir / "processes.txt").write_text(
             "".join(f"{c.name} {c.proc.pid}\n" for c in children)
         )
