@@ -22,7 +22,7 @@ from typing import Any
 from hypertrain.common.codec import parse_codec_spec
 from hypertrain.common.data.sampling import HOLDOUT_WINDOWS
 from hypertrain.common.errors import ConfigError, HypertrainError
-from hypertrain.common.fragments import CUTS, fragment_offset
+from hypertrain.common.fragments import cut_problem, fragment_offset
 from hypertrain.common.model import ModelConfig, preset
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
@@ -391,10 +391,8 @@ class RunConfig:
                 f"run: fragments must be in [1, h_g = {self.topology.h_g}] (their syncs are "
                 f"staggered over a global interval), got {self.fragments}"
             )
-        if self.fragment_cut not in CUTS:
-            raise ConfigError(
-                f"run: fragment_cut must be one of {', '.join(CUTS)}, got {self.fragment_cut!r}"
-            )
+        if (problem := cut_problem(self.fragment_cut)) is not None:
+            raise ConfigError(f"run: fragment_cut {problem}")
         if self.fragments > 1:
             unsupported = [
                 name

@@ -56,6 +56,12 @@ CUTS = ("values", "params")
 """The cut rules, by name; ``values`` first: the run configuration's default."""
 
 
+def cut_problem(cut: str) -> str | None:
+    """What is wrong with ``cut`` as a cut rule's name (None: it is one of ``CUTS``), for
+    every place that takes one to say in its own words."""
+    return None if cut in CUTS else f"must be one of {', '.join(CUTS)}, got {cut!r}"
+
+
 def fragment_offset(index: int, n_fragments: int, h_g: int) -> int:
     """Fragment ``index``'s stagger: ``index * h_g // n_fragments`` steps."""
     return (index * h_g) // n_fragments
@@ -108,8 +114,8 @@ def run_fragments(cfg: RunConfig, layout: ParamLayout) -> list[Fragment]:
 def partition(layout: ParamLayout, n_fragments: int, h_g: int, cut: str) -> list[Fragment]:
     """Split ``layout`` into ``n_fragments`` fragments of near-equal size by ``cut``
     (``CUTS``), staggered over h_g."""
-    if cut not in CUTS:
-        raise ConfigError(f"streaming: fragment cut must be one of {', '.join(CUTS)}, got {cut!r}")
+    if (problem := cut_problem(cut)) is not None:
+        raise ConfigError(f"streaming: fragment cut {problem}")
     limit = layout.numel if cut == "values" else len(layout.names)
     if not 1 <= n_fragments <= limit:
         what = "values" if cut == "values" else "parameters"

@@ -14,8 +14,8 @@ the device check; and ``chaos``, the fault simulation (chaos_cmd.py).
 ``grid`` resumes from its results folder (default experiments/results/<study>-<scale>,
 the study named by the registration file: parity, or churn for churn_prereg.json):
 jobs already done or divergent there are not run again; it writes the summary and
-the plots at the end (a shard does not: the others may still be writing).  Caps (processes, wall clock) are the registered ones and may
-only be lowered.  The device ($HYPERTRAIN_SIM_DEVICE or --device) is outside the
+the plots at the end (a shard does not: the others may still be writing).  Caps
+(processes, wall clock) are the registered ones and may only be lowered.  The device ($HYPERTRAIN_SIM_DEVICE or --device) is outside the
 design hash; ``device-check`` runs real grid jobs of the scale, shortened, on CPU
 and on the device and refuses a device that disagrees beyond 0.05% relative.
 """

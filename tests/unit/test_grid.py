@@ -257,7 +257,7 @@ def test_plots_of_every_committed_grid(tmp_path: Path) -> None:
 # -- the grid in shards ------------------------------------------------------------------------
 
 
-def test_shards_split_the_plan_into_disjoint_interleaved_shares() -> None:
+def test_shards_split_the_plan_into_disjoint_interleaved_shares(tmp_path: Path) -> None:
     jobs = plan_jobs(registered_design(), "smoke")
     for n in (1, 2, 3, 5, len(jobs) + 2):
         parts = [shard_jobs(jobs, (i, n)) for i in range(n)]
@@ -265,6 +265,9 @@ def test_shards_split_the_plan_into_disjoint_interleaved_shares() -> None:
         assert sorted(ids) == sorted(j.job_id for j in jobs)  # every job, each once
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
     assert parse_shard("2/3") == (2, 3)
+    with pytest.raises(ConfigError, match="got '3/3'"):  # refused before anything is written
+        run_grid(None, "smoke", tmp_path / "never", shard=(3, 3), log=None)
+    assert not (tmp_path / "never").exists()
     for bad in ("3/3", "-1/3", "1", "a/b", "1/0"):
         with pytest.raises(ConfigError, match="--shard takes I/N with 0 <= I < N"):
             parse_shard(bad)

@@ -63,7 +63,7 @@ import torch
 
 from hypertrain.common.config import CUSTOM_MODEL, RunConfig, TopologyConfig, anneal_islands
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.fragments import CUTS, fragment_offset
+from hypertrain.common.fragments import cut_problem, fragment_offset
 from hypertrain.common.model import ModelConfig
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.outer import OuterConfig
@@ -248,8 +248,8 @@ class SimJob:
                         f"before the decay's start (its first is step "
                         f"{fragment_offset(f, self.fragments, self.h_g)})"
                     )
-        if self.fragment_cut not in CUTS:
-            raise bad(f"fragment_cut must be one of {', '.join(CUTS)}, got {self.fragment_cut!r}")
+        if (problem := cut_problem(self.fragment_cut)) is not None:
+            raise bad(f"fragment_cut {problem}")
         if self.fragments == 1 and self.fragment_cut != _SIM_DEFAULTS["fragment_cut"]:
             raise bad("fragment_cut is only set with fragments > 1 (one fragment is not cut)")
         if self.fragments > 1 and self.steps < self.h_g:

@@ -218,12 +218,19 @@ def parse_shard(text: str) -> Shard:
     """``I/N`` (``0 <= I < N``) as (I, N); a ConfigError naming the problem otherwise."""
     i, sep, n = text.partition("/")
     try:
-        shard = (int(i), int(n))
+        shard = (int(i), int(n)) if sep else (-1, 0)
     except ValueError:
         shard = (-1, 0)
-    if not sep or not 0 <= shard[0] < shard[1]:
+    return check_shard(shard, text)
+
+
+def check_shard(shard: Shard, given: str | None = None) -> Shard:
+    """``shard`` if it is shard I of N with 0 <= I < N, else a ConfigError naming it
+    (``given``: as the user wrote it)."""
+    if not 0 <= shard[0] < shard[1]:
+        shown = given if given is not None else f"{shard[0]}/{shard[1]}"
         raise ConfigError(
-            f"grid: --shard takes I/N with 0 <= I < N (a 0-based index), got {text!r}"
+            f"grid: --shard takes I/N with 0 <= I < N (a 0-based index), got {shown!r}"
         )
     return shard
 
@@ -421,10 +428,10 @@ def run_grid(
     cap = min(float(sc.wall_clock_cap_s), wall_cap_s if wall_cap_s is not None else math.inf)
     if procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0):
         raise ConfigError("grid: processes and the wall-clock cap must be positive")
+    if shard is not None:
+        check_shard(shard)  # before anything is written
     out = Path(out) if out is not None else default_out(scale, prereg)
     out.mkdir(parents=True, exist_ok=True)
-    if shard is not None:
-        parse_shard(f"{shard[0]}/{shard[1]}")
     plan = plan_jobs(pre.design, scale, device=device, path=path)
     jobs = shard_jobs(plan, shard)
     rows = read_rows(out)
