@@ -8,12 +8,15 @@ the device check; and ``chaos``, the fault simulation (chaos_cmd.py).
     hypertrain sim summarize --scale cpu-tiny [--out DIR] [--no-plots]   # alias: summary
     hypertrain sim grid --scale full --shard I/N --out SHARED   # one of N machines; then summarize
     hypertrain sim grid --prereg experiments/sim/churn_prereg.json --scale cpu-tiny
+    hypertrain sim grid --prereg experiments/sim/parity2_prereg.json --scale cpu-tiny
     hypertrain sim device-check --device cuda [--scale cpu-tiny] [--steps 60]
     hypertrain sim cross-check --scale cpu-tiny --with DIR   # shared jobs, bit for bit
 
 ``grid`` resumes from its results folder (default experiments/results/<study>-<scale>,
 the study named by the registration file: parity, or churn for churn_prereg.json):
-jobs already done or divergent there are not run again; it writes the summary and
+jobs already done or divergent there are not run again; a design with verdict seeds
+(parity2_prereg.json) runs each arm's verdict jobs once its eta is chosen, in the same
+invocation; it writes the summary and
 the plots at the end (a shard does not: the others may still be writing).  Caps
 (processes, wall clock) are the registered ones and may only be lowered.  The device ($HYPERTRAIN_SIM_DEVICE or --device) is outside the
 design hash; ``device-check`` runs real grid jobs of the scale, shortened, on CPU
@@ -51,6 +54,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
     rep = run_grid(
         args.prereg, args.scale, args.out, processes=args.processes, wall_cap_s=args.wall_cap,
         max_jobs=args.max_jobs, device=args.device, path=args.path, shard=shard,
+        poll_s=args.poll,
     )  # fmt: skip
     if shard is not None:  # the other shards may still be writing: summarize once all are done
         print(f"shard {shard[0]} of {shard[1]} done; when every shard is, run "
@@ -187,6 +191,9 @@ def register(sub: Any) -> None:
     g.add_argument("--shard", metavar="I/N",
                    help="run shard I (0-based) of N: every N-th job of the plan from the I-th, "
                         "writing files of its own, so N machines can share one --out")  # fmt: skip
+    g.add_argument("--poll", type=float, default=30.0, metavar="S",
+                   help="a shard whose verdict jobs wait for another shard's selection jobs "
+                        "looks at --out every S seconds (default 30)")  # fmt: skip
     g.add_argument("--no-plots", action="store_true")
     g.set_defaults(func=cmd_grid)
 

@@ -155,6 +155,7 @@ def _variants(design: Design) -> Iterator[tuple[str, Design]]:
     changes: dict[str, Any] = {
         "protocol": "S6b",
         "seeds": (0, 1, 2, 3),
+        "verdict_seeds": (100, 101),
         "primary_metric": "heldout_ce_last",
         "gap": "other",
         "alpha": 0.025,

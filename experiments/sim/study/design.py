@@ -33,9 +33,11 @@ from hypertrain.common.errors import ConfigError
 
 CellKind = Literal["control", "negative_control", "flat", "hier", "mechanism", "churn"]
 _KINDS = ("control", "negative_control", "flat", "hier", "mechanism", "churn")
-_OMITTED_AT_DEFAULT: dict[str, Any] = {"drop": 0.0}
+_OMITTED_AT_DEFAULT: dict[str, Any] = {"drop": 0.0, "control_sweep": ()}
 """Cell fields left out of the design's JSON (so out of its hash) while at their default:
 a design registered before such a field existed keeps its canonical form and hash."""
+_DESIGN_OMITTED_AT_DEFAULT: dict[str, Any] = {"verdict_seeds": ()}
+"""The same for the design's own fields."""
 _ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -196,6 +198,10 @@ class Cell:
     """Churn: the probability that an island is absent from a sync step (SimJob.drop); > 0
     exactly for ``churn`` cells, whose baseline is the same arm without churn.  Left out of
     the JSON (and the hash) at 0."""
+    control_sweep: tuple[str, ...] = ()
+    """The data-parallel controls (one per inner lr) the sensitivity comparison takes the
+    best of; () = ``control`` and ``control_alt``.  Left out of the JSON (and the hash) at
+    ()."""
 
     def __post_init__(self) -> None:
         where = f"cell {self.id!r}"
@@ -242,11 +248,29 @@ class Cell:
             raise PreregError(f"{where}: the sparseloco outer needs a sparseloco global_codec")
         if self.control is None:
             raise PreregError(f"{where}: every arm names its data-parallel control")
+        if self.control_sweep and (
+            self.control_alt is not None
+            or self.control not in self.control_sweep
+            or len(set(self.control_sweep)) != len(self.control_sweep)
+        ):
+            raise PreregError(
+                f"{where}: a control_sweep lists distinct controls, its control among them, "
+                "and replaces control_alt (None)"
+            )
 
     def refs(self) -> dict[str, str]:
-        """The cells this one is compared with, by role."""
+        """The cells this one is compared with, by role (a control sweep's as
+        ``control_sweep[i]``)."""
         roles = ("control", "control_alt", "baseline", "baseline_full")
-        return {r: v for r in roles if (v := getattr(self, r)) is not None}
+        out = {r: v for r in roles if (v := getattr(self, r)) is not None}
+        out.update({f"control_sweep[{i}]": c for i, c in enumerate(self.control_sweep)})
+        return out
+
+    def sensitivity_controls(self) -> tuple[str, ...]:
+        """The controls the sensitivity comparison takes the best of."""
+        if self.control_sweep:
+            return self.control_sweep
+        return tuple(c for c in (self.control, self.control_alt) if c is not None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,6 +279,13 @@ class Design:
 
     protocol: str = "S6"
     seeds: tuple[int, ...] = (0, 1, 2)
+    """Every job's seeds; with ``verdict_seeds``, the selection seeds: the eta sweep (and
+    the best control lr) is chosen on these alone."""
+    verdict_seeds: tuple[int, ...] = ()
+    """Fresh seeds the verdicts are computed on: each arm runs them at the eta chosen on
+    ``seeds``, every control runs them too.  () = the verdicts use ``seeds`` (the eta is
+    chosen on the verdict's own seeds: the winner's curse).  Left out of the JSON (and the
+    hash) at ()."""
     primary_metric: str = "heldout_ce"
     """Held-out cross-entropy on the fixed holdout windows."""
     gap: str = "(L_cell - L_dp) / L_dp per seed"
@@ -281,6 +312,12 @@ class Design:
     def __post_init__(self) -> None:
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise PreregError("design: seeds must be distinct and non-empty")
+        if len(set(self.verdict_seeds)) != len(self.verdict_seeds) or set(self.verdict_seeds) & set(
+            self.seeds
+        ):
+            raise PreregError("design: verdict_seeds must be distinct and not selection seeds")
+        if self.verdict_seeds and len(self.verdict_seeds) < 2:
+            raise PreregError("design: a verdict needs at least 2 verdict_seeds")
         if not 0 < self.alpha < 0.5 or abs(self.ci_level - (1 - 2 * self.alpha)) > 1e-12:
             raise PreregError("design: need 0 < alpha < 0.5 and ci_level = 1 - 2 * alpha")
         if not self.promotion_sd > 0 or self.lawa_checkpoints < 1:
@@ -324,9 +361,8 @@ class Design:
                 raise PreregError(f"scale {s.name!r}: steps {s.steps} not a multiple of {cid} h_g")
             if s.global_batch % c.m:
                 raise PreregError(f"scale {s.name!r}: global_batch not divisible by {cid} m")
-            for role in ("control", "baseline", "baseline_full"):
-                ref = getattr(c, role)
-                if ref is not None and ref not in ids:
+            for role, ref in c.refs().items():
+                if role != "control_alt" and ref not in ids:
                     raise PreregError(f"scale {s.name!r}: {cid} needs its {role} {ref!r}")
 
     def scale(self, name: str) -> Scale:
@@ -354,18 +390,26 @@ class Design:
                 return c
         raise PreregError(f"no cell {cell_id!r}")
 
+    @property
+    def verdict_seeds_or_seeds(self) -> tuple[int, ...]:
+        """The seeds the verdicts are computed on."""
+        return self.verdict_seeds or self.seeds
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = _plain(dataclasses.asdict(self))
+        for name, default in _DESIGN_OMITTED_AT_DEFAULT.items():
+            if out[name] == _plain(default):
+                del out[name]
         for cell in out["cells"]:
             for name, default in _OMITTED_AT_DEFAULT.items():
-                if cell[name] == default:
+                if cell[name] == _plain(default):
                     del cell[name]
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Design:
         nested = {"margins": Margins, "inner": InnerSettings, "divergence": Divergence}
-        _expect_keys(cls, d, "design")
+        _expect_keys(cls, d, "design", optional=set(_DESIGN_OMITTED_AT_DEFAULT))
         kwargs: dict[str, Any] = {k: _leaf(nested[k], v, k) for k, v in d.items() if k in nested}
         kwargs["scales"] = tuple(_leaf(Scale, s, f"scales[{i}]") for i, s in enumerate(d["scales"]))
         kwargs["cells"] = tuple(
@@ -373,6 +417,7 @@ class Design:
             for i, c in enumerate(d["cells"])
         )
         kwargs["seeds"] = tuple(d["seeds"])
+        kwargs["verdict_seeds"] = tuple(d.get("verdict_seeds", ()))
         rest = {k: v for k, v in d.items() if k not in kwargs}
         return cls(**kwargs, **rest)
 

@@ -27,12 +27,22 @@ Invariants:
   done + divergent + error + censored = the registered jobs.
 - Workers are ``spawn``ed (a forked torch can hang) with one torch thread each.
 - Sharded (``shard=(i, n)``, ``hypertrain sim grid --shard I/N``): shard i runs the
-  jobs at positions i, i + n, i + 2n, ... of the plan (``shard_jobs``), so every job
+  jobs at slots i, i + n, i + 2n, ... of the plan (``shard_jobs``), so every job
   is in exactly one shard of n and each shard gets a share of every priority band.
   Shard i of n appends only to its own files (``parity_runs.shard-<i>-of-<n>.jsonl``,
   ``grid_invocations.shard-<i>-of-<n>.jsonl``), so n machines can write to one shared
   folder at once with no lock; ``read_rows`` reads every runs file of the folder,
   ordered by finish time, and ``hypertrain sim summarize`` merges them.
+- Verdict seeds (``Design.verdict_seeds``, the second parity registration): the plan
+  is the selection jobs (every eta on ``Design.seeds``), then the verdict jobs, each with
+  a fixed slot. A control's verdict jobs are planned at once; an arm's once all of its
+  selection jobs are final (done or divergent), at the eta the registered rule chose
+  (``eta_choices``), so a choice never changes and no verdict row goes stale. One
+  invocation runs both: after every finished job it plans again. Shards split on slots,
+  so a verdict job's shard does not depend on its eta; a shard whose verdict jobs wait for
+  another shard's selection jobs re-reads the shared folder every ``poll_s`` seconds
+  until they are final or its wall-clock cap. A selection job that errors leaves its arm's
+  verdict jobs waiting (counted as censored) until a later invocation reruns it.
 - Jobs run in a fixed priority order (``plan_jobs``), so that a capped run
   completes whole comparisons first: churn cells with their controls and baseline (a
   churn registration), the controls and the negative control, then
@@ -49,7 +59,7 @@ import multiprocessing
 import os
 import time
 import traceback
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -73,6 +83,7 @@ from hypertrain.sim.study.prereg import (
     load_prereg,
     verify_registered,
 )
+from hypertrain.sim.study.stats import EtaChoice, select_outer_lr
 
 RUNS_FILE = "parity_runs.jsonl"
 INVOCATIONS_FILE = "grid_invocations.jsonl"
@@ -115,6 +126,11 @@ class GridJob:
     seed: int
     eta: float | None
     sim: SimJob
+    slot: int = -1
+    """Its position in the design's whole plan, where every verdict job has its (cell,
+    seed) slot whether its eta is chosen yet or not: what shards split on."""
+    verdict: bool = False
+    """A job on a verdict seed (``Design.verdict_seeds``)."""
 
 
 def job_id(cell_id: str, seed: int, eta: float | None) -> str:
@@ -199,19 +215,101 @@ def cell_priority(design: Design, scale: str) -> list[Cell]:
 
 
 def plan_jobs(
-    design: Design, scale: str, *, device: str | None = None, path: ExecPath = "batched"
+    design: Design,
+    scale: str,
+    *,
+    device: str | None = None,
+    path: ExecPath = "batched",
+    latest: Mapping[str, dict[str, Any]] | None = None,
 ) -> list[GridJob]:
-    """Every registered job of ``scale`` in priority order (cell, then eta, then seed)."""
+    """Every registered job of ``scale`` in priority order (cell, then eta, then seed).
+
+    With verdict seeds (``Design.verdict_seeds``) the plan continues with every cell's
+    verdict jobs: a control's on each verdict seed; an arm's on each verdict seed at the
+    eta its selection jobs chose (``eta_choices`` over the ``latest`` rows), planned only
+    once every selection job of the arm is final (so the choice can never change), and
+    never where every eta diverged."""
     sc = design.scale(scale)
-    jobs = []
-    for cell in cell_priority(design, scale):
+    jobs: list[GridJob] = []
+    cells = cell_priority(design, scale)
+    for cell in cells:
         sweep = design.sweep(cell, scale)
         etas: Iterable[float | None] = sweep if cell.kind != "control" else (None,)
         for eta in etas:
             for seed in design.seeds:
                 sim = job_for(design, sc, cell, seed, eta, device=device, path=path)
-                jobs.append(GridJob(job_id(cell.id, seed, eta), cell, seed, eta, sim))
+                jobs.append(GridJob(job_id(cell.id, seed, eta), cell, seed, eta, sim, len(jobs)))
+    if not design.verdict_seeds:
+        return jobs
+    chosen = eta_choices(design, scale, jobs, latest or {}, complete=True)
+    for slot, cell, seed in verdict_slots(design, scale):
+        at: float | None = None
+        if cell.kind != "control":
+            choice = chosen.get(cell.id)
+            if choice is None or choice.eta is None:
+                continue  # not chosen yet, or every eta diverged
+            at = choice.eta
+        sim = job_for(design, sc, cell, seed, at, device=device, path=path)
+        jobs.append(GridJob(job_id(cell.id, seed, at), cell, seed, at, sim, slot, True))
     return jobs
+
+
+def verdict_slots(design: Design, scale: str) -> list[tuple[int, Cell, int]]:
+    """(slot, cell, seed) of every verdict job of ``scale``, in plan order (after every
+    selection job's slot)."""
+    cells = cell_priority(design, scale)
+    base = sum(len(design.seeds) * (len(design.sweep(c, scale)) if c.kind != "control" else 1)
+               for c in cells)  # fmt: skip
+    return [(base + k * len(design.verdict_seeds) + t, c, seed)
+            for k, c in enumerate(cells) for t, seed in enumerate(design.verdict_seeds)]  # fmt: skip
+
+
+def eta_choices(
+    design: Design,
+    scale: str,
+    jobs: Iterable[GridJob],
+    latest: Mapping[str, dict[str, Any]],
+    *,
+    complete: bool = False,
+) -> dict[str, EtaChoice]:
+    """Per arm of ``scale``, its outer lr chosen by the registered rule (``select_outer_lr``)
+    on its jobs on the selection seeds (``Design.seeds``) that are final in ``latest``.
+    ``complete``: only arms whose selection jobs are all final."""
+    runs: dict[str, dict[float, dict[int, float | None]]] = {}
+    pending: set[str] = set()
+    for j in jobs:
+        if j.eta is None or j.verdict:
+            continue
+        r = latest.get(j.job_id)
+        if r is None or r["status"] not in FINAL:
+            pending.add(j.cell.id)
+            continue
+        loss = r.get("final_loss") if r["status"] == "done" else None
+        runs.setdefault(j.cell.id, {}).setdefault(j.eta, {})[j.seed] = loss
+    out = {}
+    for c in design.cells_of(scale):
+        if c.kind != "control" and not (complete and c.id in pending):
+            out[c.id] = select_outer_lr(runs.get(c.id, {}), design.seeds, design.sweep(c, scale))
+    return out
+
+
+def plan_with_rows(
+    design: Design,
+    scale: str,
+    rows: Iterable[dict[str, Any]],
+    *,
+    device: str | None = None,
+    path: ExecPath = "batched",
+) -> tuple[list[GridJob], dict[str, dict[str, Any]], int]:
+    """(the plan, job id -> its newest matching row, stale rows ignored) given the folder's
+    rows: the verdict jobs the rows' selections make ready are in the plan."""
+    rows = list(rows)
+    plan = plan_jobs(design, scale, device=device, path=path)
+    if design.verdict_seeds:
+        latest, _ = latest_rows(rows, plan)
+        plan = plan_jobs(design, scale, device=device, path=path, latest=latest)
+    latest, stale = latest_rows(rows, plan)
+    return plan, latest, stale
 
 
 def parse_shard(text: str) -> Shard:
@@ -236,11 +334,11 @@ def check_shard(shard: Shard, given: str | None = None) -> Shard:
 
 
 def shard_jobs(jobs: list[GridJob], shard: Shard | None) -> list[GridJob]:
-    """Shard i of n's jobs: positions i, i + n, ... of the plan (all of them for None)."""
+    """Shard i of n's jobs: those at slots i, i + n, ... of the plan (all of them for None)."""
     if shard is None:
         return jobs
     i, n = shard
-    return jobs[i::n]
+    return [j for j in jobs if j.slot % n == i]
 
 
 def _file_of(name: str, shard: Shard | None) -> str:
@@ -418,6 +516,7 @@ def run_grid(
     inject_errors: Collection[str] = (),
     log: Callable[[str], None] | None = print,
     shard: Shard | None = None,
+    poll_s: float = 30.0,
 ) -> GridReport:
     """Run the jobs of ``scale`` (of its ``shard``, see the module docstring) not yet final
     in ``out``; caps may only be lowered."""
@@ -426,46 +525,69 @@ def run_grid(
     sc = pre.design.scale(scale)
     procs = min(sc.process_cap, processes or sc.process_cap)
     cap = min(float(sc.wall_clock_cap_s), wall_cap_s if wall_cap_s is not None else math.inf)
-    if procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0):
-        raise ConfigError("grid: processes and the wall-clock cap must be positive")
+    if procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0) or not poll_s > 0:
+        raise ConfigError("grid: processes, the wall-clock cap and the poll must be positive")
     if shard is not None:
         check_shard(shard)  # before anything is written
     out = Path(out) if out is not None else default_out(scale, prereg)
     out.mkdir(parents=True, exist_ok=True)
-    plan = plan_jobs(pre.design, scale, device=device, path=path)
-    jobs = shard_jobs(plan, shard)
+    design = pre.design
     rows = read_rows(out)
     check_folder(rows, pre, scale, out)
-    latest, stale = latest_rows(rows, plan)  # (rows of other shards are not stale)
+    plan, latest, stale = plan_with_rows(design, scale, rows, device=device, path=path)
+    # (rows of other shards are not stale)
+    jobs = shard_jobs(plan, shard)
     mine = {j.job_id for j in jobs}
     latest = {k: r for k, r in latest.items() if k in mine}
     todo = [j for j in jobs if latest.get(j.job_id, {}).get("status") not in FINAL]
     skipped = len(jobs) - len(todo)
-    if max_jobs is not None:
-        todo = todo[:max_jobs]
+    waiting, blocked = verdict_waiting(design, scale, plan, latest, shard)
     say = log or (lambda _m: None)
     part = "" if shard is None else f" (shard {shard[0]} of {shard[1]})"
+    later = f" (and {waiting} verdict jobs once their eta is chosen)" if waiting else ""
     say(
-        f"grid {scale}{part}: {len(jobs)} registered jobs, {skipped} already final, running "
-        f"{len(todo)} with {procs} processes, wall-clock cap {_fmt_s(cap)}, design "
-        f"{pre.design_sha256[:12]}" + (f" ({stale} stale rows ignored)" if stale else "")
+        f"grid {scale}{part}: {len(jobs) + waiting} registered jobs, {skipped} already final, "
+        f"running {len(todo)}{later} with {procs} processes, wall-clock cap {_fmt_s(cap)}, "
+        f"design {pre.design_sha256[:12]}" + (f" ({stale} stale rows ignored)" if stale else "")
     )
     counts = {s: 0 for s in ("done", "divergent", "error")}
     for r in latest.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     runs_file, started, finished, busy = out / _file_of(RUNS_FILE, shard), 0, 0, 0.0
     queue = list(todo)
+    queued = {j.job_id for j in queue} | set(latest)
+    budget = math.inf if max_jobs is None else max_jobs
     ctx = multiprocessing.get_context("spawn")
+
+    def replan() -> bool:
+        """Queue the verdict jobs the rows now make ready (this shard's and, in a shared
+        folder, the other shards'); True while some wait for another shard's selection."""
+        nonlocal jobs, waiting
+        if not design.verdict_seeds:
+            return False
+        everyone = read_rows(out)
+        check_folder(everyone, pre, scale, out)
+        new_plan, new_latest, _ = plan_with_rows(design, scale, everyone, device=device,
+                                                 path=path)  # fmt: skip
+        jobs = shard_jobs(new_plan, shard)
+        for j in jobs:
+            if j.job_id not in queued and new_latest.get(j.job_id, {}).get("status") not in FINAL:
+                queue.append(j)
+                queued.add(j.job_id)
+        waiting, others = verdict_waiting(design, scale, new_plan, new_latest, shard)
+        return others
 
     def new_pool() -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init_worker)
 
     inflight: dict[cf.Future[dict[str, Any]], GridJob] = {}
     pool, broken_pools = new_pool(), 0
+    blocked = replan()
     try:
-        while queue or inflight:
+        while queue or inflight or blocked:
             try:
-                while queue and len(inflight) < procs and time.monotonic() - t_start < cap:
+                while (queue and len(inflight) < procs and started < budget
+                       and time.monotonic() - t_start < cap):  # fmt: skip
                     task = _task(queue[0], pre, scale, queue[0].job_id in inject_errors)
                     inflight[pool.submit(run_one, task)] = queue[0]
                     queue.pop(0)
@@ -473,7 +595,12 @@ def run_grid(
             except BrokenProcessPool:
                 pass  # the in-flight futures report it below
             if not inflight:
-                break  # the cap: nothing more is started
+                if queue or not blocked or started >= budget or time.monotonic() - t_start >= cap:
+                    break  # a cap: nothing more is started
+                # verdict jobs wait for selection jobs another shard runs: poll the folder
+                time.sleep(poll_s)
+                blocked = replan()
+                continue
             ready, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
             broken = False
             for fut in ready:
@@ -493,8 +620,9 @@ def run_grid(
                 counts[row["status"]] += 1
                 finished += 1
                 busy += row.get("wall_s") or 0.0
-                say(_progress(row, counts, len(jobs), time.monotonic() - t_start,
+                say(_progress(row, counts, len(jobs) + waiting, time.monotonic() - t_start,
                               busy / finished * (len(queue) + len(inflight)) / procs))  # fmt: skip
+            blocked = replan()
             if broken:  # a fresh pool for the rest; give up if workers keep dying
                 broken_pools += 1
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -506,7 +634,8 @@ def run_grid(
             fut.cancel()
         pool.shutdown(wait=not inflight, cancel_futures=True)
     wall = time.monotonic() - t_start
-    final = dict(counts, censored=len(jobs) - sum(counts.values()))
+    total = len(jobs) + waiting
+    final = dict(counts, censored=total - sum(counts.values()))
     _append(
         out / _file_of(INVOCATIONS_FILE, shard),
         {
@@ -521,6 +650,29 @@ def run_grid(
     say(
         f"grid {scale}{part}: {finished} jobs run in {_fmt_s(wall)}; now done {final['done']}, "
         f"divergent {final['divergent']}, error {final['error']}, censored {final['censored']} "
-        f"of {len(jobs)}"
+        f"of {total}"
     )
-    return GridReport(len(jobs), skipped, started, final, wall, stale)
+    return GridReport(total, skipped, started, final, wall, stale)
+
+
+def verdict_waiting(
+    design: Design,
+    scale: str,
+    plan: list[GridJob],
+    latest: Mapping[str, dict[str, Any]],
+    shard: Shard | None,
+) -> tuple[int, bool]:
+    """(how many of ``shard``'s verdict jobs wait for their arm's eta, whether any waits
+    for a selection job of another shard: one this shard can neither run nor retry)."""
+    if not design.verdict_seeds:
+        return 0, False
+    chosen = eta_choices(design, scale, plan, latest, complete=True)
+    mine = shard_jobs(plan, shard)
+    mine_ids = {j.job_id for j in mine}
+    waiting_cells = {c.id for _, c, _ in verdict_slots(design, scale)
+                     if c.kind != "control" and c.id not in chosen}  # fmt: skip
+    n = sum(1 for slot, c, _ in verdict_slots(design, scale)
+            if c.id in waiting_cells and (shard is None or slot % shard[1] == shard[0]))  # fmt: skip
+    others = any(j.cell.id in waiting_cells and not j.verdict and j.job_id not in mine_ids
+                 and latest.get(j.job_id, {}).get("status") not in FINAL for j in plan)  # fmt: skip
+    return n, n > 0 and others

@@ -7,11 +7,14 @@ Write a registration (once per design; the file is committed)::
     python -m hypertrain.sim.study.prereg --check experiments/sim/parity_prereg.json
     python -m hypertrain.sim.study.prereg --check      # every registration of the repository
 
-The repository registers two designs, each in its own file (``REGISTRATIONS``): the
-parity grid (``registered_design``, ``parity_prereg.json``) and the cost of churn
+The repository registers four designs, each in its own file (``REGISTRATIONS``): the
+parity grid (``registered_design``, ``parity_prereg.json``), its second registration
+(``parity2_design``, ``parity2_prereg.json``: eta chosen on selection seeds, verdicts on
+fresh seeds, the DP lr swept on both sides, H1 at three H_r, an H_g = 100 arm), the cost of churn
 (``churn_design``, ``churn_prereg.json``: flat DiLoCo at M = 8, H_g = 10 with islands
 dropped from each round at a registered probability, its paired no-churn arm and its
-data-parallel controls).  A file is checked against the design registered at its path;
+data-parallel controls) and H2 at proxy scale (``h2_design``, ``h2_prereg.json``: flat
+M = 1 and 32 at H_g = 30 on the full scale's model, one seed, exploratory).  A file is checked against the design registered at its path;
 any other path against the parity design.
 
 The design is one frozen dataclass tree (``Design``: seeds, scales, margins,
@@ -64,6 +67,8 @@ from hypertrain.sim.study.design import (
 
 __all__ = [
     "CHURN_PATH",
+    "H2_PATH",
+    "PARITY2_PATH",
     "REGISTRATIONS",
     "Cell",
     "Design",
@@ -79,8 +84,14 @@ __all__ = [
     "churn_scales",
     "design_for",
     "design_hash",
+    "h2_cells",
+    "h2_design",
+    "h2_scales",
     "load_prereg",
     "main",
+    "parity2_cells",
+    "parity2_design",
+    "parity2_scales",
     "registered_cells",
     "registered_design",
     "registered_scales",
@@ -320,7 +331,154 @@ def churn_design() -> Design:
     return Design(protocol="S6-churn", gap=gap, scales=churn_scales(), cells=churn_cells())
 
 
-REGISTRATIONS = {DEFAULT_PATH: registered_design, CHURN_PATH: churn_design}
+# -- H2 at proxy scale (a registration of its own) -------------------------------------
+
+H2_PATH = DEFAULT_PATH.with_name("h2_prereg.json")
+H2_M = (1, 32)
+H2_H_G = 30
+"""Flat DiLoCo at the ends of the parity grid's M range, at H_g = 30 (100 outer steps in
+the full scale's 3000): at cpu-tiny the best eta fell with M (docs/parity.md, H2), against
+what proxy-scale studies report; this asks whether the model and the run length of the
+``full`` scale turn it around."""
+
+
+def h2_cells() -> tuple[Cell, ...]:
+    """The AdamW DP control and flat DiLoCo at M = 1 and 32, H_g = 30, with the starting eta
+    grid of docs/design.md §5.4 (0.4-1.0).  Only the matched-lr control: its gap is context
+    here, the question is the best eta's direction."""
+    parity = {c.id: c for c in registered_cells()}
+    cells = [parity["dp-adamw"]]
+    cells += [
+        dataclasses.replace(parity[f"flat-M{m}-Hg{H2_H_G}"], control_alt=None, hypotheses=("H2",))
+        for m in H2_M
+    ]
+    return tuple(cells)
+
+
+def h2_scales() -> tuple[Scale, ...]:
+    """proxy: the ``full`` scale's model, steps, batch and holdout for these three cells;
+    smoke: the same cells for the tests."""
+    full = next(s for s in registered_scales() if s.name == "full")
+    smoke = next(s for s in registered_scales() if s.name == "smoke")
+    ids = tuple(c.id for c in h2_cells())
+    return (
+        dataclasses.replace(
+            full,
+            name="proxy",
+            note="H2 at proxy scale, exploratory: the full scale's model (4 layers, d_model "
+            "128, seq 256), 3000 steps, global batch 32 and 512 held-out windows; flat M 1 and "
+            "32 at H_g 30, eta 0.4-1.0, one seed; about 7 CPU-hours, run across sessions",
+            cells=ids,
+            wall_clock_cap_s=12 * 3600,
+            process_cap=2,
+        ),
+        dataclasses.replace(
+            smoke,
+            note="a few steps of the three cells, for the tests",
+            steps=30,
+            global_batch=32,
+            cells=ids,
+            nesterov_outer_lrs=(0.4, 1.0),
+        ),
+    )
+
+
+def h2_design() -> Design:
+    """The design registered in experiments/sim/h2_prereg.json: one seed, so no verdict;
+    the report is each M's loss over eta and its best eta (exploratory)."""
+    return Design(protocol="S6-h2-proxy", seeds=(0,), scales=h2_scales(), cells=h2_cells())
+
+
+# -- the second parity registration: fresh verdict seeds, the DP lr on both sides --------
+
+PARITY2_PATH = DEFAULT_PATH.with_name("parity2_prereg.json")
+PARITY2_DP_LRS = (1e-3, 2e-3, INNER_LR, 6e-3)
+"""The DP control's learning rates: both sides of the matched 3e-3 (the first registration
+tried only 3e-3 and 6e-3).  The primary verdict is against the matched rate; the
+sensitivity verdict against the best of these on the selection seeds."""
+PARITY2_SELECTION_SEEDS = (0, 1, 2)
+PARITY2_VERDICT_SEEDS = tuple(range(100, 120))
+"""20 fresh seeds.  80% TOST power at the cpu-tiny spreads needs 97-300 (docs/parity.md,
+Power): the registered cap, what 2 cores finish in a few hours, falls short of that, and
+the report says by how much."""
+PARITY2_H_G = (10, 30)
+PARITY2_H100_M = 8
+"""The H = 100 arm: flat M = 8, three outer steps in 300."""
+
+
+def _dp_id(lr: float) -> str:
+    return "dp-adamw" if lr == INNER_LR else f"dp-adamw-lr{lr:g}"
+
+
+def parity2_cells() -> tuple[Cell, ...]:
+    """AdamW DP at four lrs, the negative control, flat M 1-32 at H_g 10 and 30, flat M 8 at
+    H_g 100, and the three hierarchies at H_r 1, 5 and 10 (H_g 30); every arm's primary
+    control is DP at the matched lr and its sensitivity control the best of the four."""
+    sweep = tuple(_dp_id(lr) for lr in PARITY2_DP_LRS)
+    dp = [_cell(_dp_id(lr), "control", 1, 1, None, inner_lr=lr) for lr in PARITY2_DP_LRS]
+    arm: dict[str, Any] = dict(control="dp-adamw", control_alt=None, control_sweep=sweep)
+    negctl = dict(outer="average", outer_lrs=(1.0,), outer_momentum=0.0, hypotheses=("NC",))
+    cells = [*dp, _cell("negctl-M1-H1-average", "negative_control", 1, 1, (1, 1), **negctl, **arm)]
+    flat = [(m, hg) for hg in PARITY2_H_G for m in FLAT_M] + [(PARITY2_H100_M, 100)]
+    cells += [
+        _cell(f"flat-M{m}-Hg{hg}", "flat", m, 1, (hg, hg), hypotheses=("H2", "H4"), **arm)
+        for m, hg in flat
+    ]
+    hg = MECHANISM_H_G
+    cells += [
+        _cell(f"hier-{r}x{n}-Hr{hr}-Hg{hg}", "hier", r, n, (hg, hr), hypotheses=("H1",),
+              baseline=f"flat-M{r}-Hg{hg}", baseline_full=f"flat-M{r * n}-Hg{hg}", **arm)
+        for r, n in HIERARCHIES
+        for hr in H_R
+    ]  # fmt: skip
+    return tuple(cells)
+
+
+def parity2_scales() -> tuple[Scale, ...]:
+    """cpu-tiny as the first registration has it (model, steps, batch, holdout, eta sweep)
+    with this design's cells; smoke: a few steps of the controls and two flat arms."""
+    tiny = next(s for s in registered_scales() if s.name == "cpu-tiny")
+    smoke = next(s for s in registered_scales() if s.name == "smoke")
+    controls = tuple(_dp_id(lr) for lr in PARITY2_DP_LRS)
+    return (
+        dataclasses.replace(
+            tiny,
+            note="the second registration: cpu-tiny's model, steps, batch, holdout and eta "
+            "sweep; eta (and the best DP lr) chosen on 3 selection seeds, verdicts on 20 fresh "
+            "seeds; DP lr 1e-3 to 6e-3; H1 at H_r 1, 5 and 10; an H_g = 100 arm; about 4 "
+            "CPU-hours",
+            cells=None,
+            wall_clock_cap_s=6 * 3600,
+        ),
+        dataclasses.replace(
+            smoke,
+            note="a few steps of the four DP controls, the negative control and flat M 2 at "
+            "H_g 10, for the tests",
+            cells=(*controls, "negctl-M1-H1-average", "flat-M2-Hg10"),
+            nesterov_outer_lrs=(0.2, 0.4),
+        ),
+    )
+
+
+def parity2_design() -> Design:
+    """The design registered in experiments/sim/parity2_prereg.json."""
+    return Design(
+        seeds=PARITY2_SELECTION_SEEDS,
+        verdict_seeds=PARITY2_VERDICT_SEEDS,
+        selection_rule="per arm, the outer lr with the lowest mean held-out loss over the "
+        "selection seeds among etas with no divergent run, ties to the smaller eta; the "
+        "sensitivity control is the DP lr with the lowest mean over the selection seeds",
+        scales=parity2_scales(),
+        cells=parity2_cells(),
+    )
+
+
+REGISTRATIONS = {
+    DEFAULT_PATH: registered_design,
+    CHURN_PATH: churn_design,
+    H2_PATH: h2_design,
+    PARITY2_PATH: parity2_design,
+}
 """The repository's registration files and the design each must register."""
 
 

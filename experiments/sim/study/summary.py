@@ -46,11 +46,12 @@ from hypertrain.sim.study.grid import (
     GridJob,
     check_folder,
     default_out,
-    latest_rows,
+    eta_choices,
     load_checked,
-    plan_jobs,
+    plan_with_rows,
     read_rows,
     runs_files,
+    verdict_waiting,
 )
 from hypertrain.sim.study.prereg import Cell, Design, Prereg
 from hypertrain.sim.study.stats import (
@@ -63,7 +64,6 @@ from hypertrain.sim.study.stats import (
     h4_gap_trend,
     paired_ci,
     rank_mechanisms,
-    select_outer_lr,
     to_jsonable,
 )
 
@@ -76,6 +76,13 @@ WINNERS_CURSE = (
     "downward (the winner's curse): its gap to the unswept DP control is optimistic, "
     "by up to the spread of the eta means; docs/design.md §7.6 accepts this bias and requires "
     "saying so."
+)
+WINNERS_CURSE_FRESH = (
+    "The outer lr of each arm (and the best DP learning rate of the sensitivity comparison) "
+    "is chosen on the selection seeds alone; every verdict is computed on the fresh verdict "
+    "seeds, run after the choice at the chosen eta, so the reported gaps carry no winner's "
+    "curse.  Each arm's winners_curse entry gives its gap on the selection seeds beside "
+    "its gap on the verdict seeds: the bias the choice would have added."
 )
 CSV_COLUMNS = (
     "job_id", "cell", "kind", "seed", "eta", "status", "final_loss", "final_loss_raw",
@@ -114,54 +121,72 @@ def _job_counts(jobs: list[GridJob], latest: Mapping[str, dict[str, Any]]) -> di
 
 def _losses_of(
     design: Design, scale: str, jobs: list[GridJob], latest: Mapping[str, dict[str, Any]]
-) -> tuple[dict[str, dict[int, float]], dict[str, EtaChoice]]:
-    """Per cell, the per-seed held-out losses it is reported at (arms: at the chosen eta)."""
-    runs: dict[str, dict[float, dict[int, float | None]]] = {}
-    losses: dict[str, dict[int, float]] = {}
+) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]], dict[str, EtaChoice]]:
+    """(per cell, the per-seed held-out losses its verdicts use (arms: at the chosen eta);
+    the same on the selection seeds; the eta choices).  Without verdict seeds the two are
+    the same seeds."""
+    choices = eta_choices(design, scale, jobs, latest)
+    selection: dict[str, dict[int, float]] = {c: ch.losses for c, ch in choices.items()}
+    verdict: dict[str, dict[int, float]] = {}
     for j in jobs:
         r = latest.get(j.job_id)
-        if r is None or r["status"] not in ("done", "divergent"):
-            continue  # error / censored: missing
-        loss = r.get("final_loss") if r["status"] == "done" else None
-        if j.eta is None:
-            if loss is not None:
-                losses.setdefault(j.cell.id, {})[j.seed] = float(loss)
-        else:
-            runs.setdefault(j.cell.id, {}).setdefault(j.eta, {})[j.seed] = loss
-    choices: dict[str, EtaChoice] = {}
+        if r is None or r["status"] != "done" or r.get("final_loss") is None:
+            continue  # divergent (arms: only at an eta not chosen), error, censored: missing
+        if j.verdict:
+            verdict.setdefault(j.cell.id, {})[j.seed] = float(r["final_loss"])
+        elif j.eta is None:
+            selection.setdefault(j.cell.id, {})[j.seed] = float(r["final_loss"])
+    if not design.verdict_seeds:
+        return selection, selection, choices
     for c in design.cells_of(scale):
-        if c.kind != "control":
-            sweep = design.sweep(c, scale)
-            choices[c.id] = select_outer_lr(runs.get(c.id, {}), design.seeds, sweep)
-            losses[c.id] = choices[c.id].losses
-    return losses, choices
+        verdict.setdefault(c.id, {})
+    return verdict, selection, choices
 
 
 def _comparisons(
-    design: Design, scale: str, losses: Mapping[str, Losses], choices: Mapping[str, EtaChoice]
+    design: Design,
+    scale: str,
+    losses: Mapping[str, Losses],
+    selection: Mapping[str, Losses],
+    choices: Mapping[str, EtaChoice],
 ) -> dict[str, Any]:
+    """Per cell, its verdicts on ``losses``; the best control (sensitivity) is chosen on
+    ``selection`` (with verdict seeds, the selection seeds' losses)."""
     delta, alpha = design.margins.heldout_rel, design.alpha
     in_scale = {c.id for c in design.cells_of(scale)}
+    fresh = bool(design.verdict_seeds)
     cells: dict[str, Any] = {}
     for c in design.cells_of(scale):
         entry: dict[str, Any] = _cell_info(c)
         entry["losses"] = losses.get(c.id, {})
         vals = list(entry["losses"].values())
         entry["mean_loss"] = math.fsum(vals) / len(vals) if vals else None
+        if fresh:
+            entry["selection_losses"] = selection.get(c.id, {})
         if c.kind != "control" and c.control is not None:
             ch = choices[c.id]
             entry["chosen_eta"] = ch.eta
             entry["eta_selection"] = ch
             primary = compare(c.id, losses.get(c.id, {}), c.control, losses.get(c.control, {}),
                               delta, alpha)  # fmt: skip
-            ctrls = [x for x in (c.control, c.control_alt) if x is not None and x in in_scale]
-            best = best_control(losses, ctrls)
+            ctrls = [x for x in c.sensitivity_controls() if x in in_scale]
+            best = best_control(selection, ctrls)
             sens = compare(c.id, losses.get(c.id, {}), best, losses.get(best, {}), delta, alpha)
             entry.update(
                 vs_control=primary, verdict=primary.tost.verdict, best_control=best,
                 vs_best_control=sens, verdict_sensitivity=sens.tost.verdict,
                 power=primary.power,
             )  # fmt: skip
+            if fresh:  # the winner's curse, measured: the same gap on the seeds that chose
+                sel = compare(c.id, selection.get(c.id, {}), c.control,
+                              selection.get(c.control, {}), delta, alpha)  # fmt: skip
+                entry["selection_vs_control"] = sel
+                a, b = sel.tost.ci, primary.tost.ci
+                entry["winners_curse"] = {
+                    "selection_gap": a.mean if a.n else None, "selection_n": a.n,
+                    "verdict_gap": b.mean if b.n else None, "verdict_n": b.n,
+                    "verdict_minus_selection": b.mean - a.mean if a.n and b.n else None,
+                }  # fmt: skip
         cells[c.id] = entry
     return cells
 
@@ -268,12 +293,11 @@ def _churn(
 def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], list[Any]]:
     """(summary.json's content, the CSV rows) from the rows in ``out``."""
     design = pre.design
-    jobs = plan_jobs(design, scale)
     rows = read_rows(out)
     check_folder(rows, pre, scale, out)
-    latest, stale = latest_rows(rows, jobs)
-    losses, choices = _losses_of(design, scale, jobs, latest)
-    cells = _comparisons(design, scale, losses, choices)
+    jobs, latest, stale = plan_with_rows(design, scale, rows)
+    losses, selection, choices = _losses_of(design, scale, jobs, latest)
+    cells = _comparisons(design, scale, losses, selection, choices)
     for cid, entry in cells.items():
         entry["jobs"] = _job_counts([j for j in jobs if j.cell.id == cid], latest)
     coverage = {
@@ -331,6 +355,8 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
                           "seeds_for_power": p.seeds_for_power, "power_at_half_width_seeds":
                           p.power_at_half_width_seeds}  # fmt: skip
     counts = _job_counts(jobs, latest)
+    waiting, _ = verdict_waiting(design, scale, jobs, latest, None)
+    counts.update(total=counts["total"] + waiting, censored=counts["censored"] + waiting)
     invocations = read_rows(out, INVOCATIONS_FILE)  # every shard's too, by end time
     summary = {
         "protocol": design.protocol,
@@ -341,6 +367,7 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
         },
         "scale": design.scale(scale),
         "seeds": design.seeds,
+        **({"verdict_seeds": design.verdict_seeds} if design.verdict_seeds else {}),
         "delta": delta,
         "alpha": alpha,
         "ci_level": design.ci_level,
@@ -351,7 +378,7 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
         "invocations": invocations,
         "wall_s_total": math.fsum(i.get("wall_s", 0.0) for i in invocations),
         "selection_rule": design.selection_rule,
-        "winners_curse": WINNERS_CURSE,
+        "winners_curse": WINNERS_CURSE_FRESH if design.verdict_seeds else WINNERS_CURSE,
         "eta_edges": eta_edges,
         "cells": cells,
         "negative_control": neg,
