@@ -440,6 +440,24 @@ class RegionCore:
         self._early: EarlySum | None = None
         """The open step's sum so far (``offer``), kept in the base's buffer."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickling (the simulator's job checkpoints): the base as a plain tensor, not
+        the mapping it lives in.  Only between steps: an open early sum is refused."""
+        if self._early is not None:
+            raise HypertrainError(f"region {self.region}: no checkpoint while a step is open")
+        state = self.__dict__.copy()
+        state["_frame"] = None
+        if self._base is not None:
+            state["_base"] = self._base.clone()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        base = state["_base"]
+        self.__dict__.update(state)
+        if base is not None and self._in_frame:  # back into a mapping with header room
+            self._base = None
+            self._buffer().copy_(base)
+
     def _buffer(self) -> torch.Tensor:
         """The base's own memory, allocated on first use: between a global sync (which
         spends the base) and the next regional merge the relay holds no base at all.
@@ -607,6 +625,17 @@ class GlobalCore:
         self.before_step: Callable[[], None] = lambda: None
         """Called before an outer step allocates the new parameters: the aggregator daemon
         lets its evaluator drop any state but ``theta`` there (its memory bound)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickling (the simulator's job checkpoints): without the ``before_step`` hook,
+        which a restored core starts without."""
+        state = self.__dict__.copy()
+        del state["before_step"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.before_step = lambda: None
 
     def step(
         self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None

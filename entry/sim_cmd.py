@@ -54,7 +54,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
     rep = run_grid(
         args.prereg, args.scale, args.out, processes=args.processes, wall_cap_s=args.wall_cap,
         max_jobs=args.max_jobs, device=args.device, path=args.path, shard=shard,
-        poll_s=args.poll,
+        poll_s=args.poll, checkpoint_every_s=args.checkpoint_every or None,
     )  # fmt: skip
     if shard is not None:  # the other shards may still be writing: summarize once all are done
         print(f"shard {shard[0]} of {shard[1]} done; when every shard is, run "
@@ -194,6 +194,9 @@ def register(sub: Any) -> None:
     g.add_argument("--poll", type=float, default=30.0, metavar="S",
                    help="a shard whose verdict jobs wait for another shard's selection jobs "
                         "looks at --out every S seconds (default 30)")  # fmt: skip
+    g.add_argument("--checkpoint-every", type=float, default=300.0, metavar="S",
+                   help="a job in flight saves its state to <out>/checkpoints every S seconds "
+                        "and resumes from it after an interruption (default 300; 0: never)")  # fmt: skip
     g.add_argument("--no-plots", action="store_true")
     g.set_defaults(func=cmd_grid)
 

@@ -307,7 +307,9 @@ def test_the_smoke_grid_in_three_concurrent_shards_is_the_unsharded_grid_bit_for
     assert sorted(p.name for p in split.iterdir()) == sorted(
         [f"parity_runs.shard-{i}-of-3.jsonl" for i in range(3)]
         + [f"grid_invocations.shard-{i}-of-3.jsonl" for i in range(3)]
+        + ["checkpoints"]
     )
+    assert list((split / "checkpoints").iterdir()) == []  # every job's removed with its row
     jobs = plan_jobs(registered_design(), "smoke")
     for i in range(3):  # each shard's file holds its own jobs
         rows = [json.loads(x) for x in (split / f"parity_runs.shard-{i}-of-3.jsonl").open()]

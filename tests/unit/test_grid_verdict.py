@@ -258,5 +258,5 @@ def test_a_shard_stops_waiting_at_its_wall_clock_cap(prereg: Path, tmp_path: Pat
                    poll_s=0.2, log=lines.append)  # fmt: skip
     assert rep.counts["error"] == 0 and rep.counts["censored"] > 0
     assert rep.counts["done"] == rep.started
-    with pytest.raises(Exception, match="poll must be positive"):
+    with pytest.raises(Exception, match="the poll and the checkpoint interval must be positive"):
         run_grid(prereg, SCALE, tmp_path / "res", poll_s=0, log=None)

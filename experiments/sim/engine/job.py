@@ -543,6 +543,9 @@ class JobResult:
     """Churn (``drop`` > 0): for every sync step the draw applies to, (step, the replicas
     absent from it, how many late islands the step waited for to reach its quorum); empty
     without churn (engine/churn.py)."""
+    resumed_from: list[int] = field(default_factory=list)
+    """The steps the run was resumed after, from its checkpoint (run_job); empty for a run
+    that never stopped.  Its result is the same either way."""
     final_params: torch.Tensor | None = None
     """The final global parameters (flat, CPU); not serialized by ``to_dict``."""
     lawa_params: torch.Tensor | None = None

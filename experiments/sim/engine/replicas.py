@@ -38,6 +38,7 @@ class ReplicaSet(Protocol):
     """N replicas with inner optimizers and data (see the module docstring)."""
 
     n: int
+    stream: SampleStream
 
     def train_step(self, step: int) -> torch.Tensor:
         """One inner step of every replica; returns the N training losses (CPU)."""

@@ -34,11 +34,15 @@ base (the two are updated by the same ops in the daemons, so one copy is kept).
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,7 +69,10 @@ from hypertrain.sim.engine.churn import Absence, Churn
 from hypertrain.sim.engine.job import JobResult, SimJob, dp_job, flat_job
 from hypertrain.sim.engine.replicas import PerReplica, ReplicaSet
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
+    "CHECKPOINT_FORMAT",
     "FragmentSync",
     "JobResult",
     "SimJob",
@@ -73,8 +80,10 @@ __all__ = [
     "dp_job",
     "eval_steps",
     "flat_job",
+    "load_checkpoint",
     "make_replicas",
     "run_job",
+    "save_checkpoint",
 ]
 
 
@@ -267,18 +276,71 @@ class _Anneal:
         replicas.write(self.frag, 0, len(self.island_ids), self.base)
 
 
+def _stream(job: SimJob, template: GPT) -> SampleStream:
+    return SampleStream(_dataset(job.data), template.cfg.seq_len, job.global_batch, job.seed)
+
+
 def make_replicas(
     job: SimJob, template: GPT, layout: ParamLayout, theta0: torch.Tensor, device: torch.device
 ) -> ReplicaSet:
     """The job's replicas on ``device``, all at ``theta0``: per-replica or batched (``job.path``)."""
-    mcfg = template.cfg
-    stream = SampleStream(_dataset(job.data), mcfg.seq_len, job.global_batch, job.seed)
+    stream = _stream(job, template)
     kind = Batched if job.path == "batched" else PerReplica
     return kind(template, layout, theta0, job.n_replicas, job.inner, job.steps, stream, device)
 
 
-def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) -> JobResult:
-    """Train ``job`` and report it (``on_eval(step, heldout)`` is called at each eval point)."""
+CHECKPOINT_FORMAT = "hypertrain-sim-checkpoint/1"
+
+
+def save_checkpoint(path: Path, state: dict[str, Any], replicas: ReplicaSet) -> None:
+    """Write a job's state atomically (a temporary file, fsynced, renamed over ``path``).
+    The replicas' data stream is left out: it is a function of the job, rebuilt on load."""
+    stream, replicas.stream = replicas.stream, None  # type: ignore[assignment]
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        replicas.stream = stream
+
+
+def load_checkpoint(path: Path | None, job: SimJob) -> dict[str, Any] | None:
+    """The state a run of ``job`` saved at ``path``; None where there is none, or where it
+    is unreadable or of another job (logged: the job then starts over, which is always
+    correct, only slower)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=False, map_location=resolve_device(job))
+    except Exception as e:  # a damaged file: never trusted, never fatal
+        _log.warning("sim job: checkpoint %s unreadable (%s); starting over", path, e)
+        return None
+    if (
+        not isinstance(state, dict)
+        or state.get("format") != CHECKPOINT_FORMAT
+        or state.get("key") != job.key()
+    ):
+        _log.warning("sim job: checkpoint %s is not this job's; starting over", path)
+        return None
+    return state
+
+
+def run_job(
+    job: SimJob,
+    on_eval: Callable[[int, float], None] | None = None,
+    *,
+    checkpoint: Path | None = None,
+    checkpoint_every_s: float = 300.0,
+) -> JobResult:
+    """Train ``job`` and report it (``on_eval(step, heldout)`` is called at each eval point).
+
+    ``checkpoint``: a file the run saves its whole state to, between two steps, at most
+    every ``checkpoint_every_s`` seconds, and resumes from when it exists: a resumed run
+    gives the uninterrupted run's result bit for bit (its timings aside).  The caller
+    removes the file once it has the result."""
     t_start = time.perf_counter()
     if job.threads is not None:
         torch.set_num_threads(job.threads)
@@ -287,7 +349,12 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
     template = build_model(mcfg, seed=job.seed)
     layout = ParamLayout.of(template)
     theta0 = layout.flatten(template)
-    replicas = make_replicas(job, template, layout, theta0, device)
+    saved = load_checkpoint(checkpoint, job)
+    if saved is None:
+        replicas = make_replicas(job, template, layout, theta0, device)
+    else:
+        replicas = saved["replicas"]
+        replicas.stream = _stream(job, template)
     eval_model = copy.deepcopy(template).to(device)
     windows = _holdout(job.data, mcfg.seq_len, job.holdout_seed)[: job.holdout].to(device)
 
@@ -301,14 +368,21 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
     if job.drop:
         churn = Churn(job.drop, job.seed, job.regions, job.islands_per_region,
                       job.run.membership)  # fmt: skip
-    syncs = [] if job.dp else [FragmentSync(job, f, theta0, churn) for f in frags]
     a_start = anneal_start(job)
     m1_start = a_start if job.anneal == "m1" else None  # h_r1 is the schedule's (FragmentSync)
-    anneal: _Anneal | None = None
-    if m1_start == 0:  # the whole run is the anneal
-        anneal = _Anneal(full, syncs[0].island_ids, theta0)
-    # LAWA: of the joined state every lawa_every steps, or each fragment's (FragmentSync.lawa)
-    lawa = LAWA(job.lawa_k) if job.lawa_k and not job.lawa_per_fragment else None
+    syncs: list[FragmentSync]
+    anneal: _Anneal | None
+    lawa: LAWA | None
+    if saved is None:
+        syncs = [] if job.dp else [FragmentSync(job, f, theta0, churn) for f in frags]
+        anneal = None
+        if m1_start == 0:  # the whole run is the anneal
+            anneal = _Anneal(full, syncs[0].island_ids, theta0)
+        # LAWA: of the joined state every lawa_every steps, or each fragment's
+        # (FragmentSync.lawa)
+        lawa = LAWA(job.lawa_k) if job.lawa_k and not job.lawa_per_fragment else None
+    else:
+        syncs, anneal, lawa = saved["syncs"], saved["anneal"], saved["lawa"]
     lawa_every = job.lawa_every or job.h_g
     evals = set(eval_steps(job))
     log_every = max(1, job.steps // 100)
@@ -320,22 +394,31 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
             return replicas.read(full)[0]
         return torch.cat([s.glob.theta for s in syncs])
 
-    res = JobResult(
-        key=job.key(),
-        final_loss=math.nan,
-        final_loss_raw=math.nan,
-        initial_loss=math.nan,
-        n_params=layout.numel,
-        path=job.path,
-        device=str(device),
-        anneal_start=a_start,
-    )
-    t0 = time.perf_counter()
-    res.initial_loss = held_out(theta0)
-    res.seconds_eval += time.perf_counter() - t0
-    loss_sum, loss_n = 0.0, 0
+    first, before = 1, 0.0
+    if saved is None:
+        res = JobResult(
+            key=job.key(),
+            final_loss=math.nan,
+            final_loss_raw=math.nan,
+            initial_loss=math.nan,
+            n_params=layout.numel,
+            path=job.path,
+            device=str(device),
+            anneal_start=a_start,
+        )
+        t0 = time.perf_counter()
+        res.initial_loss = held_out(theta0)
+        res.seconds_eval += time.perf_counter() - t0
+        loss_sum, loss_n = 0.0, 0
+    else:
+        res = saved["res"]
+        loss_sum, loss_n = saved["loss"]
+        first, before = saved["step"] + 1, saved["elapsed"]
+        torch.set_rng_state(saved["rng"])
+        res.resumed_from.append(saved["step"])
+    last_save = time.monotonic()
     try:
-        for step in range(1, job.steps + 1):
+        for step in range(first, job.steps + 1):
             t0 = time.perf_counter()
             losses = replicas.train_step(step - 1)
             t1 = time.perf_counter()
@@ -369,6 +452,16 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
                     on_eval(step, loss)
                 if not math.isfinite(loss) or loss > job.diverge_ratio * res.initial_loss:
                     raise Diverged(step, f"held-out loss {loss:.6g} at step {step}")
+            if (checkpoint is not None and step < job.steps
+                    and time.monotonic() - last_save >= checkpoint_every_s):  # fmt: skip
+                state = {
+                    "format": CHECKPOINT_FORMAT, "key": job.key(), "step": step,
+                    "replicas": replicas, "syncs": syncs, "anneal": anneal, "lawa": lawa,
+                    "res": res, "loss": (loss_sum, loss_n), "rng": torch.get_rng_state(),
+                    "elapsed": before + time.perf_counter() - t_start,
+                }  # fmt: skip
+                save_checkpoint(checkpoint, state, replicas)
+                last_save = time.monotonic()
         res.final_loss_raw = res.curve[-1][1]
         res.final_params = global_theta()
         res.final_loss = res.final_loss_raw
@@ -390,7 +483,7 @@ def run_job(job: SimJob, on_eval: Callable[[int, float], None] | None = None) ->
         res.final_loss = res.final_loss_raw = math.nan
     if churn is not None:
         res.absent = [(a.step, a.absent, a.waited) for a in syncs[0].absences]
-    res.seconds = time.perf_counter() - t_start
+    res.seconds = before + time.perf_counter() - t_start
     busy = res.seconds_train + res.seconds_sync
     res.steps_per_s = res.steps_done / busy if busy > 0 else 0.0
     return res

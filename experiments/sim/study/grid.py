@@ -26,6 +26,11 @@ Invariants:
   or an interruption stopped the runner before it ran.  Nothing is dropped:
   done + divergent + error + censored = the registered jobs.
 - Workers are ``spawn``ed (a forked torch can hang) with one torch thread each.
+- A job in flight saves its whole state to ``<out>/checkpoints/<hash of its key>.pt``
+  every ``checkpoint_every_s`` seconds (``run_job``'s checkpoint); a job started again
+  after its process died (a killed worker, a preempted machine, an interrupted run)
+  resumes there, with the same result bit for bit.  The file is removed once the job's
+  final row is written.
 - Sharded (``shard=(i, n)``, ``hypertrain sim grid --shard I/N``): shard i runs the
   jobs at slots i, i + n, i + 2n, ... of the plan (``shard_jobs``), so every job
   is in exactly one shard of n and each shard gets a share of every priority band.
@@ -53,6 +58,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
 import math
 import multiprocessing
@@ -439,7 +445,9 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
     try:
         if task.get("inject_error"):
             raise RuntimeError(f"injected failure (test hook) in {row['job_id']}")
-        res = run_job(SimJob.from_dict(task["job"]))
+        ck = task.get("checkpoint")
+        res = run_job(SimJob.from_dict(task["job"]), checkpoint=Path(ck) if ck else None,
+                      checkpoint_every_s=task.get("checkpoint_every_s") or 0.0)  # fmt: skip
         d = res.to_dict()
         row.update(
             status="divergent" if res.diverged else "done",
@@ -450,6 +458,8 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
         )  # fmt: skip
         if res.absent:  # churn: who missed which sync step (a row without churn is as before)
             row["absent"] = d["absent"]
+        if res.resumed_from:  # resumed from its checkpoint after these steps
+            row["resumed_from"] = res.resumed_from
     except Exception as e:  # recorded, never lost
         tb = traceback.format_exc(limit=6)
         row.update(status="error", error=f"{type(e).__name__}: {e}", traceback=tb[-4000:])
@@ -458,14 +468,34 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _task(job: GridJob, pre: Prereg, scale: str, inject: bool) -> dict[str, Any]:
+CHECKPOINTS = "checkpoints"
+"""The results folder's sub-folder of in-flight jobs' checkpoints (one file per job,
+removed once its row is written)."""
+
+
+def checkpoint_path(out: Path, job: GridJob) -> Path:
+    """Where ``job`` saves its state in ``out``: named by the hash of its design key."""
+    digest = hashlib.sha256(job.sim.key().encode()).hexdigest()[:24]
+    return out / CHECKPOINTS / f"{digest}.pt"
+
+
+def _task(
+    job: GridJob,
+    pre: Prereg,
+    scale: str,
+    inject: bool,
+    checkpoint: Path | None = None,
+    every_s: float | None = None,
+) -> dict[str, Any]:
     row = {
         "job_id": job.job_id, "cell": job.cell.id, "kind": job.cell.kind, "seed": job.seed,
         "eta": job.eta, "key": job.sim.key(), "scale": scale,
         "design_sha256": pre.design_sha256, "path": job.sim.path,
         "device": job.sim.resolved_device(),
     }  # fmt: skip
-    return {"job": job.sim.to_dict(), "row": row, "inject_error": inject}
+    return {"job": job.sim.to_dict(), "row": row, "inject_error": inject,
+            "checkpoint": None if checkpoint is None else str(checkpoint),
+            "checkpoint_every_s": every_s}  # fmt: skip
 
 
 # -- the runner -----------------------------------------------------------------------
@@ -517,6 +547,7 @@ def run_grid(
     log: Callable[[str], None] | None = print,
     shard: Shard | None = None,
     poll_s: float = 30.0,
+    checkpoint_every_s: float | None = 300.0,
 ) -> GridReport:
     """Run the jobs of ``scale`` (of its ``shard``, see the module docstring) not yet final
     in ``out``; caps may only be lowered."""
@@ -525,12 +556,18 @@ def run_grid(
     sc = pre.design.scale(scale)
     procs = min(sc.process_cap, processes or sc.process_cap)
     cap = min(float(sc.wall_clock_cap_s), wall_cap_s if wall_cap_s is not None else math.inf)
-    if procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0) or not poll_s > 0:
-        raise ConfigError("grid: processes, the wall-clock cap and the poll must be positive")
+    if (procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0) or not poll_s > 0
+            or (checkpoint_every_s is not None and not checkpoint_every_s > 0)):  # fmt: skip
+        raise ConfigError(
+            "grid: processes, the wall-clock cap, the poll and the checkpoint interval must "
+            "be positive"
+        )
     if shard is not None:
         check_shard(shard)  # before anything is written
     out = Path(out) if out is not None else default_out(scale, prereg)
     out.mkdir(parents=True, exist_ok=True)
+    if checkpoint_every_s:
+        (out / CHECKPOINTS).mkdir(exist_ok=True)
     design = pre.design
     rows = read_rows(out)
     check_folder(rows, pre, scale, out)
@@ -588,7 +625,9 @@ def run_grid(
             try:
                 while (queue and len(inflight) < procs and started < budget
                        and time.monotonic() - t_start < cap):  # fmt: skip
-                    task = _task(queue[0], pre, scale, queue[0].job_id in inject_errors)
+                    ck = checkpoint_path(out, queue[0]) if checkpoint_every_s else None
+                    task = _task(queue[0], pre, scale, queue[0].job_id in inject_errors, ck,
+                                 checkpoint_every_s)  # fmt: skip
                     inflight[pool.submit(run_one, task)] = queue[0]
                     queue.pop(0)
                     started += 1
@@ -613,6 +652,9 @@ def run_grid(
                     row.update(status="error", error=f"worker failed: {e!r}", wall_s=None)
                     row["finished_utc"] = utc_now()
                 _append(runs_file, row)
+                if row["status"] in FINAL:  # (an error or a dead worker resumes from it)
+                    for f in (ck := checkpoint_path(out, job), ck.with_name(ck.name + ".tmp")):
+                        f.unlink(missing_ok=True)
                 old = latest.get(job.job_id, {}).get("status")
                 if old in counts:
                     counts[old] -= 1
