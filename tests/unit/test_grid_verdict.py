@@ -30,6 +30,7 @@ from hypertrain.sim.study.grid import (
     verdict_waiting,
 )
 from hypertrain.sim.study.prereg import (
+    H2_PATH,
     PARITY2_PATH,
     REGISTRATIONS,
     load_prereg,
@@ -260,3 +261,72 @@ def test_a_shard_stops_waiting_at_its_wall_clock_cap(prereg: Path, tmp_path: Pat
     assert rep.counts["done"] == rep.started
     with pytest.raises(Exception, match="the poll and the checkpoint interval must be positive"):
         run_grid(prereg, SCALE, tmp_path / "res", poll_s=0, log=None)
+
+
+# -- divergence and errors on the verdict seeds -----------------------------------------------
+
+
+def _fabricated(prereg: Path, out: Path, loss: dict[str, float], diverged: set[str]) -> None:
+    """A results folder whose every job is done with ``loss[cell] + seed / 1e5`` (or
+    divergent where its job id is in ``diverged``), as if the grid had run."""
+    pre = load_prereg(prereg)
+    design = pre.design
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    while True:  # plan again until the verdict jobs of every arm are in
+        plan, latest, _ = plan_with_rows(design, SCALE, rows)
+        new = [j for j in plan if j.job_id not in latest]
+        if not new:
+            break
+        for j in new:
+            dead = j.job_id in diverged
+            rows.append({
+                **_row(j, None if dead else loss[j.cell.id] + j.seed / 1e5 + (j.eta or 0) / 1e3,
+                       "divergent" if dead else "done"),
+                "cell": j.cell.id, "seed": j.seed, "eta": j.eta, "scale": SCALE,
+                "design_sha256": pre.design_sha256, "finished_utc": "2026-12-04T00:00:00Z",
+            })  # fmt: skip
+    (out / "parity_runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_verdict_seed_that_diverged_makes_the_verdict_undefined_never_dropped(
+    prereg: Path, tmp_path: Path
+) -> None:
+    loss = {LOW: 3.01, HIGH: 3.0, FLAT: 3.0}
+    _fabricated(prereg, tmp_path / "ok", loss, set())
+    ok = summarize(prereg, SCALE, tmp_path / "ok", plots=False)["cells"][FLAT]
+    assert ok["chosen_eta"] == 0.4 and ok["verdict"] == "equivalent at delta = 0.005"
+    for dead in (f"{FLAT}/seed11/eta0.4", f"{HIGH}/seed11"):  # the arm's, the control's
+        _fabricated(prereg, tmp_path / "dead", loss, {dead})
+        cell = summarize(prereg, SCALE, tmp_path / "dead", plots=False)["cells"][FLAT]
+        assert cell["vs_control"]["seeds"] == list(VERDICT)  # seed 11 kept, as undefined
+        assert cell["vs_control"]["tost"]["classification"] == "undefined"
+        assert cell["verdict"] == "equivalence not demonstrated at delta = 0.005"
+
+
+def test_no_shard_waits_for_a_selection_job_that_errored(prereg: Path) -> None:
+    design = unit_design()
+    plan = plan_jobs(design, SCALE)
+    arm = [j for j in plan if j.cell.id == FLAT and not j.verdict]
+    theirs = next(j for j in arm if j.slot % 2 == 0)  # a selection job of shard 0
+    latest = {j.job_id: _row(j, 3.0) for j in plan if j is not theirs}
+    n, others = verdict_waiting(design, SCALE, plan, latest, (1, 2))
+    assert n > 0 and others  # shard 0 has not written its row yet: shard 1 waits
+    latest[theirs.job_id] = _row(theirs, None, "error")
+    n2, others = verdict_waiting(design, SCALE, plan, latest, (1, 2))
+    assert n2 == n and not others  # it errored: shard 1 stops, its verdict jobs censored
+    assert verdict_waiting(design, SCALE, plan, {}, None)[1] is False  # unsharded: never
+
+
+def test_the_h2_registration_runs_and_summarizes_with_one_seed(tmp_path: Path) -> None:
+    """h2_prereg.json's smoke scale end to end: one seed gives no verdict, but each M's
+    best eta and the direction of H2."""
+    out = tmp_path / "h2"
+    rep = run_grid(H2_PATH, "smoke", out, processes=2, log=None)
+    assert rep.counts == {"done": 5, "divergent": 0, "error": 0, "censored": 0}
+    summary = summarize(H2_PATH, "smoke", out, plots=False)
+    assert set(summary["h2"]["Hg30"]["eta_by_m"]) == {"1", "32"}
+    for m in (1, 32):
+        cell = summary["cells"][f"flat-M{m}-Hg30"]
+        assert set(cell["eta_selection"]["mean_by_eta"]) == {"0.4", "1.0"}
+        assert cell["vs_control"]["tost"]["classification"] == "undefined"  # n = 1

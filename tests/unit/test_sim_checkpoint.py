@@ -92,7 +92,7 @@ def test_a_run_stopped_and_resumed_is_the_uninterrupted_run_bit_for_bit(
         _dies_after_saving(m, step)
         with pytest.raises(Stop):
             run_job(job, checkpoint=ck, checkpoint_every_s=1e-9)
-    assert ck.exists() and not ck.with_name("job.pt.tmp").exists()
+    assert ck.exists() and [p.name for p in tmp_path.iterdir()] == ["job.pt"]  # no temp left
     resumed = run_job(job, checkpoint=ck, checkpoint_every_s=3600)
     _same(whole, resumed)
     assert resumed.resumed_from == [step] and whole.resumed_from == []
@@ -115,6 +115,41 @@ def test_a_damaged_or_foreign_checkpoint_is_never_trusted(
         with pytest.raises(Stop):
             run_job(_variant("churn"), checkpoint=ck, checkpoint_every_s=1e-9)
     assert ck.exists()
+    _same(whole, fresh := run_job(job, checkpoint=ck, checkpoint_every_s=3600))
+    assert fresh.resumed_from == []
+    # this job's state, but written on the other execution path, or by other code
+    ck.unlink()
+    per_replica = SimJob.from_dict({**job.to_dict(), "path": "per_replica"})
+    with monkeypatch.context() as m:
+        _dies_after_saving(m, 10)
+        with pytest.raises(Stop):
+            run_job(per_replica, checkpoint=ck, checkpoint_every_s=1e-9)
+    _same(whole, fresh := run_job(job, checkpoint=ck, checkpoint_every_s=3600))
+    assert fresh.resumed_from == []
+    monkeypatch.setattr(run_mod, "code_fingerprint", lambda: "other code")
+    _same(whole, fresh := run_job(per_replica, checkpoint=ck, checkpoint_every_s=3600))
+    assert fresh.resumed_from == []
+
+
+def test_a_checkpoint_whose_resumed_run_fails_is_set_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state that loads but fails to train on is never resumed from again: the retry
+    starts over (and still gives the uninterrupted result)."""
+    job = _variant("dp")
+    whole = run_job(job)
+    ck = tmp_path / "job.pt"
+    with monkeypatch.context() as m:
+        _dies_after_saving(m, 10)
+        with pytest.raises(Stop):
+            run_job(job, checkpoint=ck, checkpoint_every_s=1e-9)
+
+    def broken(step: int, loss: float) -> None:
+        raise RuntimeError("a step that fails after the resume")
+
+    with pytest.raises(RuntimeError, match="after the resume"):
+        run_job(job, broken, checkpoint=ck, checkpoint_every_s=3600)
+    assert not ck.exists() and ck.with_name("job.pt.failed").exists()
     _same(whole, fresh := run_job(job, checkpoint=ck, checkpoint_every_s=3600))
     assert fresh.resumed_from == []
 

@@ -34,6 +34,7 @@ base (the two are updated by the same ops in the daemons, so one copy is kept).
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import math
 import os
@@ -292,38 +293,63 @@ def make_replicas(
 CHECKPOINT_FORMAT = "hypertrain-sim-checkpoint/1"
 
 
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """sha256 of the source of the code a job's numbers come from (the core, common/, and
+    the simulator's engine): a checkpoint resumes only under the code that wrote it, since
+    a state written by other code would make a result that neither code computes."""
+    import hypertrain.common as common
+
+    h = hashlib.sha256()
+    for folder in (Path(common.__file__).parent, Path(__file__).parent):
+        for f in sorted(folder.rglob("*.py")):
+            h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def _identity(job: SimJob) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by ``job``: the design key, the execution
+    path and device (outside the key, but inside the saved objects) and the code."""
+    return {"format": CHECKPOINT_FORMAT, "key": job.key(), "path": job.path,
+            "device": job.resolved_device(), "code": code_fingerprint()}  # fmt: skip
+
+
 def save_checkpoint(path: Path, state: dict[str, Any], replicas: ReplicaSet) -> None:
-    """Write a job's state atomically (a temporary file, fsynced, renamed over ``path``).
-    The replicas' data stream is left out: it is a function of the job, rebuilt on load."""
+    """Write a job's state atomically (a temporary file of this process, fsynced, renamed
+    over ``path``).  The replicas' data stream is left out: it is a function of the job,
+    rebuilt on load.  A failed write (a full disk) is logged and the run goes on: a
+    checkpoint only saves time."""
     stream, replicas.stream = replicas.stream, None  # type: ignore[assignment]
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        _log.warning("sim job: checkpoint %s not written (%s); the run goes on", path, e)
     finally:
         replicas.stream = stream
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path | None, job: SimJob) -> dict[str, Any] | None:
     """The state a run of ``job`` saved at ``path``; None where there is none, or where it
-    is unreadable or of another job (logged: the job then starts over, which is always
-    correct, only slower)."""
+    is unreadable, of another job, path or device, or written by other code (logged: the job
+    then starts over, which is always correct, only slower).  Tensors come back on the
+    devices they were saved from (the replicas on the job's device, the cores on CPU)."""
     if path is None or not path.exists():
         return None
     try:
-        state = torch.load(path, weights_only=False, map_location=resolve_device(job))
+        state = torch.load(path, weights_only=False)
     except Exception as e:  # a damaged file: never trusted, never fatal
         _log.warning("sim job: checkpoint %s unreadable (%s); starting over", path, e)
         return None
-    if (
-        not isinstance(state, dict)
-        or state.get("format") != CHECKPOINT_FORMAT
-        or state.get("key") != job.key()
-    ):
-        _log.warning("sim job: checkpoint %s is not this job's; starting over", path)
+    want = _identity(job)
+    if not isinstance(state, dict) or {k: state.get(k) for k in want} != want:
+        _log.warning("sim job: checkpoint %s is not this job's, path's, device's or "
+                     "code's; starting over", path)  # fmt: skip
         return None
     return state
 
@@ -350,6 +376,30 @@ def run_job(
     layout = ParamLayout.of(template)
     theta0 = layout.flatten(template)
     saved = load_checkpoint(checkpoint, job)
+    try:
+        return _run(job, on_eval, checkpoint, checkpoint_every_s, saved, t_start, device,
+                    template, layout, theta0)  # fmt: skip
+    except Exception:
+        if saved is not None and checkpoint is not None:  # never resumed from twice if it fails
+            checkpoint.replace(checkpoint.with_name(checkpoint.name + ".failed"))
+            _log.warning("sim job: failed after resuming from %s; set aside", checkpoint)
+        raise
+
+
+def _run(
+    job: SimJob,
+    on_eval: Callable[[int, float], None] | None,
+    checkpoint: Path | None,
+    checkpoint_every_s: float,
+    saved: dict[str, Any] | None,
+    t_start: float,
+    device: torch.device,
+    template: GPT,
+    layout: ParamLayout,
+    theta0: torch.Tensor,
+) -> JobResult:
+    """``run_job`` once its model is built and its checkpoint (``saved``) read."""
+    mcfg = template.cfg
     if saved is None:
         replicas = make_replicas(job, template, layout, theta0, device)
     else:
@@ -414,7 +464,9 @@ def run_job(
         res = saved["res"]
         loss_sum, loss_n = saved["loss"]
         first, before = saved["step"] + 1, saved["elapsed"]
-        torch.set_rng_state(saved["rng"])
+        torch.set_rng_state(saved["rng"].cpu())
+        if saved["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(saved["cuda_rng"].cpu(), device)
         res.resumed_from.append(saved["step"])
     last_save = time.monotonic()
     try:
@@ -455,10 +507,10 @@ def run_job(
             if (checkpoint is not None and step < job.steps
                     and time.monotonic() - last_save >= checkpoint_every_s):  # fmt: skip
                 state = {
-                    "format": CHECKPOINT_FORMAT, "key": job.key(), "step": step,
-                    "replicas": replicas, "syncs": syncs, "anneal": anneal, "lawa": lawa,
-                    "res": res, "loss": (loss_sum, loss_n), "rng": torch.get_rng_state(),
-                    "elapsed": before + time.perf_counter() - t_start,
+                    **_identity(job), "step": step, "replicas": replicas, "syncs": syncs,
+                    "anneal": anneal, "lawa": lawa, "res": res, "loss": (loss_sum, loss_n),
+                    "rng": torch.get_rng_state(), "elapsed": before + time.perf_counter() - t_start,
+                    "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                 }  # fmt: skip
                 save_checkpoint(checkpoint, state, replicas)
                 last_save = time.monotonic()

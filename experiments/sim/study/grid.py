@@ -47,7 +47,8 @@ Invariants:
   so a verdict job's shard does not depend on its eta; a shard whose verdict jobs wait for
   another shard's selection jobs re-reads the shared folder every ``poll_s`` seconds
   until they are final or its wall-clock cap. A selection job that errors leaves its arm's
-  verdict jobs waiting (counted as censored) until a later invocation reruns it.
+  verdict jobs waiting (counted as censored) until a later invocation reruns it; no shard
+  waits for it (an error row is final for this invocation).
 - Jobs run in a fixed priority order (``plan_jobs``), so that a capped run
   completes whole comparisons first: churn cells with their controls and baseline (a
   churn registration), the controls and the negative control, then
@@ -571,14 +572,14 @@ def run_grid(
     design = pre.design
     rows = read_rows(out)
     check_folder(rows, pre, scale, out)
-    plan, latest, stale = plan_with_rows(design, scale, rows, device=device, path=path)
+    plan, everyone, stale = plan_with_rows(design, scale, rows, device=device, path=path)
     # (rows of other shards are not stale)
+    waiting, blocked = verdict_waiting(design, scale, plan, everyone, shard)
     jobs = shard_jobs(plan, shard)
     mine = {j.job_id for j in jobs}
-    latest = {k: r for k, r in latest.items() if k in mine}
+    latest = {k: r for k, r in everyone.items() if k in mine}
     todo = [j for j in jobs if latest.get(j.job_id, {}).get("status") not in FINAL]
     skipped = len(jobs) - len(todo)
-    waiting, blocked = verdict_waiting(design, scale, plan, latest, shard)
     say = log or (lambda _m: None)
     part = "" if shard is None else f" (shard {shard[0]} of {shard[1]})"
     later = f" (and {waiting} verdict jobs once their eta is chosen)" if waiting else ""
@@ -602,9 +603,9 @@ def run_grid(
         nonlocal jobs, waiting
         if not design.verdict_seeds:
             return False
-        everyone = read_rows(out)
-        check_folder(everyone, pre, scale, out)
-        new_plan, new_latest, _ = plan_with_rows(design, scale, everyone, device=device,
+        rows_now = read_rows(out)
+        check_folder(rows_now, pre, scale, out)
+        new_plan, new_latest, _ = plan_with_rows(design, scale, rows_now, device=device,
                                                  path=path)  # fmt: skip
         jobs = shard_jobs(new_plan, shard)
         for j in jobs:
@@ -697,6 +698,16 @@ def run_grid(
     return GridReport(total, skipped, started, final, wall, stale)
 
 
+def verdict_waiting_cells(
+    design: Design, scale: str, plan: list[GridJob], latest: Mapping[str, dict[str, Any]]
+) -> set[str]:
+    """The arms whose verdict jobs are not planned yet: their selection is not final."""
+    if not design.verdict_seeds:
+        return set()
+    chosen = eta_choices(design, scale, plan, latest, complete=True)
+    return {c.id for c in design.cells_of(scale) if c.kind != "control" and c.id not in chosen}
+
+
 def verdict_waiting(
     design: Design,
     scale: str,
@@ -705,16 +716,17 @@ def verdict_waiting(
     shard: Shard | None,
 ) -> tuple[int, bool]:
     """(how many of ``shard``'s verdict jobs wait for their arm's eta, whether any waits
-    for a selection job of another shard: one this shard can neither run nor retry)."""
-    if not design.verdict_seeds:
-        return 0, False
-    chosen = eta_choices(design, scale, plan, latest, complete=True)
-    mine = shard_jobs(plan, shard)
-    mine_ids = {j.job_id for j in mine}
-    waiting_cells = {c.id for _, c, _ in verdict_slots(design, scale)
-                     if c.kind != "control" and c.id not in chosen}  # fmt: skip
-    n = sum(1 for slot, c, _ in verdict_slots(design, scale)
-            if c.id in waiting_cells and (shard is None or slot % shard[1] == shard[0]))  # fmt: skip
-    others = any(j.cell.id in waiting_cells and not j.verdict and j.job_id not in mine_ids
-                 and latest.get(j.job_id, {}).get("status") not in FINAL for j in plan)  # fmt: skip
-    return n, n > 0 and others
+    for a selection job another shard may still finish: one in no final and no error row,
+    so not this shard's, which it either runs now or retries next time).  ``latest``: every
+    shard's rows."""
+    waiting = verdict_waiting_cells(design, scale, plan, latest)
+    mine_slot = (lambda slot: True) if shard is None else (lambda slot: slot % shard[1] == shard[0])
+    cells = {c.id for slot, c, _ in verdict_slots(design, scale)
+             if c.id in waiting and mine_slot(slot)}  # fmt: skip
+    n = sum(1 for slot, c, _ in verdict_slots(design, scale) if c.id in cells and mine_slot(slot))
+    others = any(
+        j.cell.id in cells and not j.verdict and not mine_slot(j.slot)
+        and latest.get(j.job_id, {}).get("status") not in (*FINAL, "error")
+        for j in plan
+    )  # fmt: skip
+    return n, others

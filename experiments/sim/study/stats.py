@@ -432,9 +432,10 @@ def select_outer_lr(
 ) -> EtaChoice:
     """Lowest mean held-out loss among non-divergent etas, ties to the smaller eta.
 
-    The choice is made on the same seeds the verdict is computed on, which
-    biases the reported loss downward (the winner's curse); docs/design.md §7.6
-    accepts this and the report must say so.
+    ``seeds`` are the seeds the choice is made on.  Where they are also the seeds the
+    verdict is computed on, the choice biases the reported loss downward (the winner's
+    curse; docs/design.md §7.6 accepts this and the report must say so); a design with
+    verdict seeds chooses on its selection seeds and computes the verdict on fresh ones.
 
     ``runs[eta][seed]`` is the held-out loss, or None when that run diverged.
     An eta is eligible only if every registered seed ran, finitely and without

@@ -52,6 +52,7 @@ from hypertrain.sim.study.grid import (
     read_rows,
     runs_files,
     verdict_waiting,
+    verdict_waiting_cells,
 )
 from hypertrain.sim.study.prereg import Cell, Design, Prereg
 from hypertrain.sim.study.stats import (
@@ -130,8 +131,13 @@ def _losses_of(
     verdict: dict[str, dict[int, float]] = {}
     for j in jobs:
         r = latest.get(j.job_id)
+        if j.verdict and r is not None and r["status"] == "divergent":
+            # A verdict seed that diverged is never dropped: its NaN makes every comparison
+            # with it undefined, so "equivalence not demonstrated" (docs/design.md §7.4).
+            verdict.setdefault(j.cell.id, {})[j.seed] = math.nan
+            continue
         if r is None or r["status"] != "done" or r.get("final_loss") is None:
-            continue  # divergent (arms: only at an eta not chosen), error, censored: missing
+            continue  # error, censored: missing; a selection seed that diverged: see select
         if j.verdict:
             verdict.setdefault(j.cell.id, {})[j.seed] = float(r["final_loss"])
         elif j.eta is None:
@@ -298,8 +304,12 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
     jobs, latest, stale = plan_with_rows(design, scale, rows)
     losses, selection, choices = _losses_of(design, scale, jobs, latest)
     cells = _comparisons(design, scale, losses, selection, choices)
+    waiting_cells = verdict_waiting_cells(design, scale, jobs, latest)
     for cid, entry in cells.items():
-        entry["jobs"] = _job_counts([j for j in jobs if j.cell.id == cid], latest)
+        entry["jobs"] = counts_ = _job_counts([j for j in jobs if j.cell.id == cid], latest)
+        if cid in waiting_cells:  # its verdict jobs, not planned before its eta is chosen
+            n = len(design.verdict_seeds)
+            counts_.update(total=counts_["total"] + n, censored=counts_["censored"] + n)
     coverage = {
         "complete": [c for c, e in cells.items()
                      if e["jobs"]["done"] + e["jobs"]["divergent"] == e["jobs"]["total"]],
