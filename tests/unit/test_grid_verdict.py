@@ -259,8 +259,20 @@ def test_a_shard_stops_waiting_at_its_wall_clock_cap(prereg: Path, tmp_path: Pat
                    poll_s=0.2, log=lines.append)  # fmt: skip
     assert rep.counts["error"] == 0 and rep.counts["censored"] > 0
     assert rep.counts["done"] == rep.started
-    with pytest.raises(Exception, match="the poll and the checkpoint interval must be positive"):
+    with pytest.raises(Exception, match="grid: --poll must be positive"):
         run_grid(prereg, SCALE, tmp_path / "res", poll_s=0, log=None)
+    for flag, value, said in (
+        ("--poll", "0", "--poll"),
+        ("--checkpoint-every", "-1", "--checkpoint-every (0: never)"),
+    ):
+        cli = subprocess.run(
+            [sys.executable, "-m", "hypertrain", "sim", "grid", "--scale", SCALE, "--prereg",
+             str(prereg), "--out", str(tmp_path / "never"), flag, value],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert cli.returncode == 2 and f"grid: {said} must be positive" in cli.stderr
+        assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert not (tmp_path / "never").exists()
 
 
 # -- divergence and errors on the verdict seeds -----------------------------------------------

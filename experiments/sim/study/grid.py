@@ -557,12 +557,13 @@ def run_grid(
     sc = pre.design.scale(scale)
     procs = min(sc.process_cap, processes or sc.process_cap)
     cap = min(float(sc.wall_clock_cap_s), wall_cap_s if wall_cap_s is not None else math.inf)
-    if (procs < 1 or cap <= 0 or (max_jobs is not None and max_jobs < 0) or not poll_s > 0
-            or (checkpoint_every_s is not None and not checkpoint_every_s > 0)):  # fmt: skip
-        raise ConfigError(
-            "grid: processes, the wall-clock cap, the poll and the checkpoint interval must "
-            "be positive"
-        )
+    bad = [name for name, ok in (
+        ("processes", procs >= 1), ("the wall-clock cap", cap > 0),
+        ("--max-jobs", max_jobs is None or max_jobs >= 0), ("--poll", poll_s > 0),
+        ("--checkpoint-every (0: never)", checkpoint_every_s is None or checkpoint_every_s > 0),
+    ) if not ok]  # fmt: skip
+    if bad:
+        raise ConfigError(f"grid: {', '.join(bad)} must be positive")
     if shard is not None:
         check_shard(shard)  # before anything is written
     out = Path(out) if out is not None else default_out(scale, prereg)
