@@ -30,7 +30,8 @@ on the proxy the params cut is that best, so the 0.3 target needs the values cut
 
 ``--daemons``: also the islands' blocked share (the part of an island's wall time spent
 waiting for its pushes and merges: ``blocked_share`` of its ``event=done`` line) with the
-real daemons (``hypertrain up``, 2 x 2 islands, the flat schedule, tau = 1) for each F,
+real daemons (``hypertrain up``, 2 x 2 islands or ``--topology RxN``, the flat schedule,
+tau = 1) for each F,
 one run after the other on this machine; the peak bytes of a push there too (its
 ``event=sync`` lines' ``bytes``, the step's pushes of every fragment).
 
@@ -181,10 +182,16 @@ def limited_loopback(rate: str | None) -> Iterator[list[str]]:
         subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
-def daemons(preset: str, fragments: int, rounds: int, rate: str | None = None) -> dict[str, Any]:
+REGIONS = ("eu", "us", "ap", "sa")
+
+
+def daemons(
+    preset: str, fragments: int, rounds: int, rate: str | None = None, topology: str = "2x2"
+) -> dict[str, Any]:
     """One ``hypertrain up`` run (flat schedule, tau = 1): the islands' blocked shares and
     the largest push before the last step, from their logs (``rate``: on a loopback
-    limited to it, ``limited_loopback``)."""
+    limited to it, ``limited_loopback``; ``topology``: regions x islands per region)."""
+    n_regions, per_region = (int(x) for x in topology.split("x"))
     h = 30
     with (
         tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp,
@@ -193,25 +200,31 @@ def daemons(preset: str, fragments: int, rounds: int, rate: str | None = None) -
         run_dir = Path(tmp) / "run"
         argv = [*prefix, sys.executable, "-m", "hypertrain", "up", "--preset", preset]
         argv += ["--steps", str(rounds * h), "--h-r", str(h), "--h-g", str(h), "--tau", "1"]
-        argv += ["--batch", "2", "--regions", "eu,us", "--islands-per-region", "2"]
+        argv += ["--batch", "2", "--regions", ",".join(REGIONS[:n_regions])]
+        argv += ["--islands-per-region", str(per_region)]
         argv += ["--fragments", str(fragments), "--run-dir", str(run_dir)]
         t0 = time.perf_counter()
         out = subprocess.run(argv, capture_output=True, text=True, check=False)
         seconds = time.perf_counter() - t0
         if out.returncode != 0:
             raise SystemExit(f"hypertrain up failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-        shares, pushes = [], []
+        shares, pushes, save_waits = [], [], []
         for log in sorted((run_dir / "logs").glob("island-*.log")):
             text = log.read_text()
             done = re.search(r"event=done .*?blocked_share=([0-9.e-]+)", text)
             assert done is not None, log
             shares.append(float(done.group(1)))
+            wait = re.search(r"event=done .*?save_wait_s=([0-9.e-]+)", text)
+            if wait is not None:
+                save_waits.append(float(wait.group(1)))
             for m in re.finditer(r"event=sync .*?step=(\d+) .*?bytes=(\d+)", text):
                 if int(m.group(1)) < rounds * h:
                     pushes.append(int(m.group(2)))
         digest = re.search(r"final state digest ([0-9a-f]+)", out.stdout)
     return {
         "fragments": fragments,
+        "topology": topology,
+        "save_wait_s_max": max(save_waits) if save_waits else None,
         "rate": rate or "",
         "blocked_share_max": max(shares),
         "blocked_share_mean": sum(shares) / len(shares),
@@ -231,8 +244,12 @@ def main() -> None:
         default=None,
         help="with --daemons: also on a loopback limited to RATE (tc tbf), e.g. 40mbit",
     )
+    ap.add_argument("--topology", default="2x2", help="with --daemons: REGIONSxISLANDS, "
+                    "e.g. 1x2 (one island per core here)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if not re.fullmatch(r"[1-4]x[1-9]", args.topology):
+        ap.error(f"--topology takes REGIONSxISLANDS (1-4 regions), got {args.topology!r}")
     if args.rounds < 2:
         ap.error("--rounds must be >= 2: the peak is taken over the steps before the last")
     res: dict[str, Any] = {
@@ -266,9 +283,10 @@ def main() -> None:
     for key, rate in (("daemons", None), ("daemons_limited", args.rate)):
         if not args.daemons or (key == "daemons_limited" and rate is None):
             continue
-        up = [daemons(args.preset, f, args.rounds, rate) for f in (1, 2, 4)]
+        up = [daemons(args.preset, f, args.rounds, rate, args.topology) for f in (1, 2, 4)]
         link = f"loopback limited to {rate}" if rate else "loopback"
-        print(f"daemons (hypertrain up, H_r = H_g = 30, tau = 1, {link}), {args.preset}")
+        print(f"daemons (hypertrain up {args.topology}, H_r = H_g = 30, tau = 1, {link}), "
+              f"{args.preset}")  # fmt: skip
         for r in up:
             r["blocked_share_ratio"] = r["blocked_share_max"] / up[0]["blocked_share_max"]
             r["push_peak_ratio"] = r["push_peak_bytes"] / up[0]["push_peak_bytes"]
