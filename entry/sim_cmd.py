@@ -38,12 +38,13 @@ _PROG = "hypertrain sim"
 
 def _common(p: argparse.ArgumentParser, scale_default: str | None = None) -> None:
     p.add_argument("--scale", required=scale_default is None, default=scale_default,
-                   help="registered scale: full | cpu-tiny | smoke")  # fmt: skip
+                   help="a scale the --prereg design registers (parity: full | cpu-tiny | "
+                        "smoke; parity2, churn: cpu-tiny | smoke; h2: proxy | smoke)")  # fmt: skip
     p.add_argument("--prereg", type=Path, default=None,
                    help="pre-registration file (default experiments/sim/parity_prereg.json)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None,
-                   help="results folder (default experiments/results/<study>-<scale>: "
-                        "parity, or churn for churn_prereg.json)")  # fmt: skip
+                   help="results folder (default experiments/results/<study>-<scale>, the "
+                        "study named by the registration file: parity, parity2, churn, h2)")  # fmt: skip
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
