@@ -722,9 +722,9 @@ def verdict_waiting(
     shard's rows."""
     waiting = verdict_waiting_cells(design, scale, plan, latest)
     mine_slot = (lambda slot: True) if shard is None else (lambda slot: slot % shard[1] == shard[0])
-    cells = {c.id for slot, c, _ in verdict_slots(design, scale)
-             if c.id in waiting and mine_slot(slot)}  # fmt: skip
-    n = sum(1 for slot, c, _ in verdict_slots(design, scale) if c.id in cells and mine_slot(slot))
+    mine = [c.id for slot, c, _ in verdict_slots(design, scale)
+            if c.id in waiting and mine_slot(slot)]  # fmt: skip
+    cells, n = set(mine), len(mine)
     others = any(
         j.cell.id in cells and not j.verdict and not mine_slot(j.slot)
         and latest.get(j.job_id, {}).get("status") not in (*FINAL, "error")
