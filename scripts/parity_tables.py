@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from check_doc_numbers import printed_text, resolve  # the checker beside this script
+from check_doc_numbers import Problem, printed_text, resolve  # the checker beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +47,14 @@ class Tags:
                 printed = repr(x)
         return f"<!--num {spec}-->{printed}<!--/num-->"
 
+    def opt(self, key: str, fmt: str | None = None, scale: float | None = None) -> str:
+        """The tag of ``key``, or blank where the file has no such key (a job not run yet)."""
+        try:
+            resolve(self.data, key)
+        except Problem:
+            return ""
+        return self(key, fmt, scale)
+
 
 def q(name: str) -> str:
     return f'["{name}"]'
@@ -57,18 +65,24 @@ def tables(t: Tags) -> str:
     cells: dict[str, Any] = d["cells"]
     out: list[str] = []
 
-    out.append("#### Negative control, per seed\n")
+    fresh = "verdict_seeds" in d  # verdicts on fresh seeds (a second-generation design)
+    # The seeds the verdicts (and the losses tabled per seed) are computed on.
+    vkey = "verdict_seeds" if fresh else "seeds"
     nc = d["negative_control"]
-    ctl = nc.get("control", "dp-adamw")
-    out.append(f"| seed | DP control `{ctl}` | negative control | DP at the second lr |")
-    out.append("|---|---|---|---|")
-    alt = cells[ctl].get("control_alt") or f"{ctl}-lr2"
-    ncell = nc["cell"]
-    for i, seed in enumerate(d["seeds"]):
-        s = q(str(seed))
-        row = [t(f"seeds[{i}]")]
-        row += [t(f"cells{q(c)}.losses{s}", "%.6f") for c in (ctl, ncell, alt)]
-        out.append("| " + " | ".join(row) + " |")
+    if nc:  # registrations without a negative control (the exploratory ones) skip it
+        out.append("#### Negative control, per seed\n")
+        ctl = nc.get("control", "dp-adamw")
+        alt = cells[ctl].get("control_alt") or f"{ctl}-lr2"
+        ncell = nc["cell"]
+        cols = [ctl, ncell] + ([alt] if alt in cells else [])
+        head = f"| seed | DP control `{ctl}` | negative control |"
+        out.append(head + (" DP at the second lr |" if alt in cells else ""))
+        out.append("|---|" + "---|" * len(cols))
+        for i, seed in enumerate(d[vkey]):
+            s = q(str(seed))
+            row = [t(f"{vkey}[{i}]")]
+            row += [t.opt(f"cells{q(c)}.losses{s}", "%.6f") for c in cols]
+            out.append("| " + " | ".join(row) + " |")
 
     out.append("\n#### Each arm against data-parallel (gap in %, paired by seed)\n")
     out.append(
@@ -88,8 +102,27 @@ def tables(t: Tags) -> str:
         out.append(
             f"| `{cid}` | {t(k + '.m')} | {t(k + '.chosen_eta')} | {t(ci + '.n')} | "
             f"{t(ci + '.mean', '%+.2f', 100.0)} | [{t(ci + '.lo', '%+.2f', 100.0)}, {t(ci + '.hi', '%+.2f', 100.0)}] | "
-            f"{t(k + '.verdict')} | {t(k + '.verdict_sensitivity')} |"
+            f"{t(k + '.verdict')} | {t(k + '.verdict_sensitivity')} (`{c.get('best_control')}`) |"
         )
+
+    if fresh:
+        out.append(
+            "\n#### The winner's curse, measured: each arm's gap to its DP control on the "
+            "selection seeds (where its eta was chosen) and on the fresh verdict seeds\n"
+        )
+        out.append("| cell | chosen eta | selection seeds | gap there | verdict seeds | gap there | "
+                   "verdict minus selection |")  # fmt: skip
+        out.append("|---|---|---|---|---|---|---|")
+        for cid, c in cells.items():
+            if "winners_curse" not in c:
+                continue
+            k = f"cells{q(cid)}.winners_curse"
+            out.append(
+                f"| `{cid}` | {t(f'cells{q(cid)}.chosen_eta')} | {t(k + '.selection_n')} | "
+                f"{t(k + '.selection_gap', '%+.2f', 100.0)} | {t(k + '.verdict_n')} | "
+                f"{t(k + '.verdict_gap', '%+.2f', 100.0)} | "
+                f"{t(k + '.verdict_minus_selection', '%+.2f', 100.0)} |"
+            )
 
     out.append("\n#### The eta sweep: mean held-out loss over the seeds at each eta\n")
     etas = sorted({float(e) for c in cells.values()
@@ -155,18 +188,27 @@ def tables(t: Tags) -> str:
         )
 
     out.append("\n#### Power\n")
+    # Summaries written before TOST power was computed have no power columns: blank.
+    has_power = all("power_at_n" in v for v in d["power"].values())
     out.append(
-        "| cell | seed spread (sd of the gaps), % | 90% half-width at n seeds, % | "
+        "| cell | seeds | seed spread (sd of the gaps), % | 90% half-width at n seeds, % | "
         "seeds for a half-width inside the margin | seeds to demonstrate equivalence "
-        "if mean and sd held |"
+        "if mean and sd held | TOST power at n seeds, % | seeds for 80% power | "
+        "power at the half-width count, % |"
     )
-    out.append("|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for cid in d["power"]:
         k = f"power{q(cid)}"
+        powers = (
+            f"{t(k + '.power_at_n', '%.1f', 100.0)} | {t(k + '.seeds_for_power')} | "
+            f"{t(k + '.power_at_half_width_seeds', '%.1f', 100.0)}"
+            if has_power
+            else " | "
+        )
         out.append(
-            f"| `{cid}` | {t(k + '.sd', '%.2f', 100.0)} | {t(k + '.half_width', '%.2f', 100.0)} | "
-            f"{t(k + '.seeds_for_half_width')} | "
-            f"{t(k + '.seeds_for_equivalence')} |"
+            f"| `{cid}` | {t(k + '.n')} | {t(k + '.sd', '%.2f', 100.0)} | "
+            f"{t(k + '.half_width', '%.2f', 100.0)} | {t(k + '.seeds_for_half_width')} | "
+            f"{t(k + '.seeds_for_equivalence')} | {powers} |"
         )
     return "\n".join(out) + "\n"
 

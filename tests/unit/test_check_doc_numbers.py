@@ -143,9 +143,10 @@ def test_the_repository_docs_pass() -> None:
 
 
 def test_generated_parity_tables_pass_and_a_changed_value_fails(tmp_path: Path) -> None:
-    """scripts/parity_tables.py prints tags the checker accepts, for every committed grid."""
-    summaries = sorted(ROOT.glob("experiments/results/parity-*/summary.json"))
-    assert summaries, "no committed parity grid summary"
+    """scripts/parity_tables.py prints tags the checker accepts, for every committed grid
+    (the parity registrations, the churn study and the exploratory ones)."""
+    summaries = sorted(ROOT.glob("experiments/results/*/summary.json"))
+    assert any(s.parent.name.startswith("parity-") for s in summaries), "no parity grid summary"
     (tmp_path / "docs").mkdir()
     for summary in summaries:
         rel = summary.relative_to(ROOT)
@@ -155,11 +156,12 @@ def test_generated_parity_tables_pass_and_a_changed_value_fails(tmp_path: Path) 
             [sys.executable, str(ROOT / "scripts" / "parity_tables.py"), str(rel)],
             capture_output=True, text=True, timeout=60, cwd=ROOT, check=True,
         ).stdout  # fmt: skip
-        assert tables.count("<!--num ") > 50
+        assert tables.count("<!--num ") > (50 if rel.parent.name.startswith("parity") else 5)
         (tmp_path / "docs" / f"{rel.parent.name}.md").write_text(tables)
     out = _run(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     # The same tables after the summary's numbers move: the checker notices.
+    rel = Path("experiments/results/parity-cpu-tiny/summary.json")
     data = json.loads((tmp_path / rel).read_text())
     seed0 = str(data["seeds"][0])
     data["cells"]["dp-adamw"]["losses"][seed0] += 0.01
