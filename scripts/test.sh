@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_prometheus.sh  # prometheus + promtool for tests/integration/test_prometheus.py
 . .venv/bin/activate
 echo "== ruff" && ruff check . && ruff format --check .
 echo "== mypy" && mypy

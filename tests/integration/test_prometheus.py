@@ -1,9 +1,9 @@
 """Prometheus against a real cluster: scrape configs, rules, the dashboard's queries.
 
 Uses Debian's ``prometheus`` package (``prometheus`` and ``promtool`` on PATH), which
-``.ci/run`` installs with apt-get; nothing is installed here.  Without the binaries these
-tests FAIL, naming the package: monitoring files that are never checked would pass
-silently.  ``HYPERTRAIN_SKIP_PROMETHEUS=1`` skips them explicitly (listed by ``pytest -ra``)
+``scripts/setup_prometheus.sh`` installs with apt-get (``scripts/test.sh`` runs it first);
+nothing is installed here.  Without the binaries these tests FAIL, naming the package:
+monitoring files that are never checked would pass silently.  ``HYPERTRAIN_SKIP_PROMETHEUS=1`` skips them explicitly (listed by ``pytest -ra``)
 on a machine without the package.
 
 The live test starts ``hypertrain up --prometheus`` (five daemons on 127.0.0.1 and a
@@ -88,7 +88,8 @@ def _tool(name: str) -> str:
             pytest.skip(f"{name} not installed and HYPERTRAIN_SKIP_PROMETHEUS=1")
         pytest.fail(
             f"`{name}` is not on PATH. These tests use Debian's `prometheus` package "
-            "(prometheus and promtool), which .ci/run installs: apt-get install prometheus. "
+            "(prometheus and promtool), which scripts/test.sh installs first "
+            "(scripts/setup_prometheus.sh: apt-get install prometheus). "
             "Set HYPERTRAIN_SKIP_PROMETHEUS=1 to skip them explicitly."
         )
     return path
