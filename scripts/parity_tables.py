@@ -50,10 +50,9 @@ class Tags:
     def opt(self, key: str, fmt: str | None = None, scale: float | None = None) -> str:
         """The tag of ``key``, or blank where the file has no such key (a job not run yet)."""
         try:
-            resolve(self.data, key)
+            return self(key, fmt, scale)
         except Problem:
             return ""
-        return self(key, fmt, scale)
 
 
 def q(name: str) -> str:
@@ -203,7 +202,7 @@ def tables(t: Tags) -> str:
             f"{t(k + '.power_at_n', '%.1f', 100.0)} | {t(k + '.seeds_for_power')} | "
             f"{t(k + '.power_at_half_width_seeds', '%.1f', 100.0)}"
             if has_power
-            else " | "
+            else " |  | "
         )
         out.append(
             f"| `{cid}` | {t(k + '.n')} | {t(k + '.sd', '%.2f', 100.0)} | "

@@ -3,8 +3,9 @@
 Uses Debian's ``prometheus`` package (``prometheus`` and ``promtool`` on PATH), which
 ``scripts/setup_prometheus.sh`` installs with apt-get (``scripts/test.sh`` runs it first);
 nothing is installed here.  Without the binaries these tests FAIL, naming the package:
-monitoring files that are never checked would pass silently.  ``HYPERTRAIN_SKIP_PROMETHEUS=1`` skips them explicitly (listed by ``pytest -ra``)
-on a machine without the package.
+monitoring files that are never checked would pass silently.
+``HYPERTRAIN_SKIP_PROMETHEUS=1`` skips them explicitly (listed by ``pytest -ra``) on a
+machine without the package.
 
 The live test starts ``hypertrain up --prometheus`` (five daemons on 127.0.0.1 and a
 Prometheus on 127.0.0.1 scraping them every second with the rules loaded) and checks,
