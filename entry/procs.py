@@ -115,6 +115,11 @@ class Child:
                     raise RuntimeError(self.failure_message()) from None
         raise RuntimeError(f"{self.name} did not announce its address within {timeout:.0f}s")
 
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait (at most ``timeout``) for the exited process's last lines to be logged
+        and handled: its reader thread ends at the pipe's end of file."""
+        self._reader.join(timeout=timeout)
+
     def failure_message(self) -> str:
         code = self.proc.returncode
         how = (

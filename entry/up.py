@@ -315,7 +315,8 @@ def supervise(
     before killing it).  ``busy()`` true: more children are to come, so the run is not
     over even when none is running.
 
-    With ``deadline_s``, a run still going after that long raises TimeoutError."""
+    With ``deadline_s``, a run still going after that long raises TimeoutError.  It
+    returns only once the exited children's output is read to its end (``Child.drain``)."""
     t_end = None if deadline_s is None else time.monotonic() + deadline_s
     while True:
         if t_end is not None and time.monotonic() > t_end:
@@ -326,8 +327,11 @@ def supervise(
             if code is None:
                 running = True
             elif code != 0 and child not in expected:
+                child.drain()  # its last lines, for the failure message
                 return child
         if not running and not (busy is not None and busy()):
+            for child in children:  # every last line (a "done", a final error) handled
+                child.drain()
             return None
         time.sleep(poll_s)
 

@@ -230,16 +230,21 @@ def starting_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
 
 def fault_point(name: str) -> None:
     """Crash-test hook: ``HYPERTRAIN_FAULT=<name>:<n>`` SIGKILLs this process the n-th
-    time it passes point ``name`` (1-based).  Unset (always, outside tests): a no-op."""
+    time it passes point ``name`` (1-based); ``<name>:<n>:stop`` SIGSTOPs it there
+    instead (a test resumes it with SIGCONT: a stall at an exact point).  Unset
+    (always, outside tests): a no-op."""
     if not _FAULT:
         spec = os.environ.get("HYPERTRAIN_FAULT", "")
-        point, _, count = spec.partition(":")
-        _FAULT.extend([point, int(count or 0), 0])
+        point, _, rest = spec.partition(":")
+        count, _, action = rest.partition(":")
+        if action not in ("", "kill", "stop"):
+            raise ValueError(f"HYPERTRAIN_FAULT {spec!r}: the action must be kill or stop")
+        _FAULT.extend([point, int(count or 0), 0, action or "kill"])
     if _FAULT[0] != name:
         return
     _FAULT[2] += 1
     if _FAULT[2] == _FAULT[1]:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if _FAULT[3] == "stop" else signal.SIGKILL)
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

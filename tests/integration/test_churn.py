@@ -47,16 +47,23 @@ def _wait_for(what: str, check, timeout_s: float = 120.0) -> None:  # type: igno
         time.sleep(0.05)
 
 
-def _stall(island: object, logs: Path, until: str, check, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    """SIGSTOP ``island`` once it applied the global merge of step 10, SIGCONT it once
-    ``check()`` holds (``until`` says what that is)."""
+#: eu-1 stops itself just before its third push (that of step 15): an exact point,
+#: whatever the machine's speed (``daemon.fault_point``).
+STOP_BEFORE_15 = {"island-eu-1": {"HYPERTRAIN_FAULT": "island_before_push:3:stop"}}
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc/<pid>/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "T"
+
+
+def _stall(island: object, until: str, check, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    """Wait for ``island`` (started with ``STOP_BEFORE_15``) to stop itself before its
+    push of step 15; SIGCONT it once ``check()`` holds (``until`` says what that is)."""
     name = island.name  # type: ignore[attr-defined]
-    _wait_for(
-        f"global merge of step 10 at {name}",
-        lambda: any(e["step"] == "10" for e in _events(logs / f"{name}.log", "sync")),
-    )
     pid = island.proc.pid  # type: ignore[attr-defined]
-    os.kill(pid, signal.SIGSTOP)
+    _wait_for(f"{name} stopped before its push of step 15", lambda: _stopped(pid))
     try:
         _wait_for(until, check, timeout_s)
     finally:
@@ -113,13 +120,12 @@ def test_an_island_killed_for_good_and_its_region_goes_on(cluster_factory) -> No
 def test_a_stalled_island_is_refused_as_stale_and_takes_the_merge(cluster_factory) -> None:  # type: ignore[no-untyped-def]
     cluster = cluster_factory(CFG)
     run_dir = cluster.run_dir
-    cluster.children.extend(start_cluster(CFG, run_dir, cluster.progress))
+    cluster.children.extend(start_cluster(CFG, run_dir, cluster.progress, env_of=STOP_BEFORE_15))
     island = next(c for c in cluster.children if c.name == "island-eu-1")
     logs = run_dir / "logs"
-    # Stopped after the global merge of step 10, so that it misses step 15.
+    # Stopped before its push of step 15, so that it misses that step.
     _stall(
         island,
-        logs,
         "commit of step 15 without eu-1",
         lambda: any(
             e["step"] == "15" and e.get("absent") == "eu-1"
@@ -150,18 +156,17 @@ def test_a_stalled_island_is_refused_as_stale_and_takes_the_merge(cluster_factor
 def test_an_island_stalled_past_a_global_round_rejoins_from_a_later_one(
     cluster_factory,
 ) -> None:  # type: ignore[no-untyped-def]
-    """Stopped from step 10 until its region committed step 30: the global merge of step 20
-    it asks for is gone, so the relay answers with that of step 30, and the island heals
-    there and trains the last round with the others."""
+    """Stopped before its push of step 15 until its region committed step 30: the global
+    merge of step 20 it asks for is gone, so the relay answers with that of step 30, and
+    the island heals there and trains the last round with the others."""
     cfg = CFG.with_overrides(steps=40)
     cluster = cluster_factory(cfg)
     run_dir = cluster.run_dir
-    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress))
+    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress, env_of=STOP_BEFORE_15))
     island = next(c for c in cluster.children if c.name == "island-eu-1")
     logs = run_dir / "logs"
     _stall(
         island,
-        logs,
         "global round of step 30 at relay eu",
         lambda: any(e["step"] == "30" for e in _events(logs / "relay-eu.log", "global")),
         timeout_s=240,
@@ -249,7 +254,7 @@ def test_below_the_quorum_nothing_commits_until_it_is_back(cluster_factory) -> N
     cfg = CFG.with_overrides(**{"membership.regional_quorum": 2})
     cluster = cluster_factory(cfg)
     run_dir = cluster.run_dir
-    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress))
+    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress, env_of=STOP_BEFORE_15))
     island = next(c for c in cluster.children if c.name == "island-eu-1")
     logs = run_dir / "logs"
     relay_log = logs / "relay-eu.log"
@@ -262,7 +267,7 @@ def test_below_the_quorum_nothing_commits_until_it_is_back(cluster_factory) -> N
         time.sleep(CUTOFF_S)  # ... and still nothing commits
         return True
 
-    _stall(island, logs, "cutoff of step 15 below the quorum", waited)
+    _stall(island, "cutoff of step 15 below the quorum", waited)
     assert not [e for e in _events(relay_log, "round") if e["step"] == "15"]
     failed = supervise(cluster.children, deadline_s=300)
     assert failed is None, failed.failure_message()

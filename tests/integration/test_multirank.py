@@ -50,4 +50,9 @@ def test_two_rank_island_matches_reference_and_itself(cluster_factory) -> None: 
     assert digest_a != reference.final_digest
     digest_b, evals_b = _run(cluster_factory, "b")
     assert digest_b == digest_a, "two runs of one multi-rank config differ"
-    assert evals_b == evals_a
+    # The aggregator's evaluations run behind the merges and skip a state superseded
+    # while it waited, so which steps were evaluated depends on the machine's load; the
+    # steps both runs evaluated (the final one always) must agree bit for bit.
+    common = evals_a.keys() & evals_b.keys()
+    assert CFG.steps in common and 0 in common, (evals_a, evals_b)
+    assert {k: evals_b[k] for k in common} == {k: evals_a[k] for k in common}

@@ -389,7 +389,7 @@ def test_without_a_prometheus_binary_up_says_so_and_goes_on(
 
 LIVE_CFG = RunConfig.from_dict(
     {
-        "steps": 5000,  # far more than the test needs: it stops the run itself
+        "steps": 50_000,  # far more than the test needs on any machine: it stops the run
         "batch_per_island": 8,
         "holdout_windows": 16,
         "topology": {"regions": ["eu", "us"], "islands_per_region": 1, "h_r": 5, "h_g": 10},
@@ -513,6 +513,9 @@ def test_every_panel_and_alert_returns_data_from_a_live_cluster(tmp_path: Path) 
         deadline = time.monotonic() + 120
         while (missing := _missing(base)) and time.monotonic() < deadline and up.poll() is None:
             time.sleep(2)
+        assert up.poll() is None, "the run ended before Prometheus had every series:\n" + (
+            "".join(output)
+        )
         assert not missing, "no data for:\n  " + "\n  ".join(missing)
 
         # every daemon is a healthy target on loopback, labelled as scrape_targets.json says
