@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -126,7 +127,8 @@ class Cluster:
             assert time.monotonic() < deadline and victim.proc.poll() is None
             time.sleep(0.02)
         victim.proc.kill()
-        victim.proc.wait()
+        # killed, not ended on its own first (else the trial would test no resume)
+        assert victim.proc.wait() == -signal.SIGKILL, victim.failure_message()
         again = Child(
             f"island-{island}-again",
             victim.argv,
