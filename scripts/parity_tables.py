@@ -83,6 +83,23 @@ def tables(t: Tags) -> str:
             row += [t.opt(f"cells{q(c)}.losses{s}", "%.6f") for c in cols]
             out.append("| " + " | ".join(row) + " |")
 
+    controls = [cid for cid, c in cells.items() if c["kind"] == "control"]
+    if len(controls) > 1:  # a sweep of the DP control's learning rate
+        out.append("\n#### The DP control's learning rate\n")
+        head = "| control | inner lr |"
+        if fresh:
+            head += " mean held-out loss, selection seeds | mean held-out loss, verdict seeds |"
+        else:
+            head += " mean held-out loss |"
+        out.append(head)
+        out.append("|---|---|" + ("---|---|" if fresh else "---|"))
+        for cid in controls:
+            k = f"cells{q(cid)}"
+            line = f"| `{cid}` | {t(k + '.inner_lr')} |"
+            if fresh:
+                line += f" {t.opt(k + '.selection_mean_loss', '%.4f')} |"
+            out.append(line + f" {t(k + '.mean_loss', '%.4f')} |")
+
     out.append("\n#### Each arm against data-parallel (gap in %, paired by seed)\n")
     out.append(
         "| cell | M | chosen eta | seeds | mean gap | 90% CI | verdict (primary) | "
@@ -122,6 +139,15 @@ def tables(t: Tags) -> str:
                 f"{t(k + '.verdict_gap', '%+.2f', 100.0)} | "
                 f"{t(k + '.verdict_minus_selection', '%+.2f', 100.0)} |"
             )
+        if d.get("winners_curse_over_arms", {}).get("arms"):
+            k = "winners_curse_over_arms"
+            out.append(
+                f"\nOver the {t(k + '.arms')} DiLoCo arms, the verdict gap exceeds the selection "
+                f"gap for {t(k + '.positive')}; the difference averages "
+                f"{t(k + '.mean', '%+.2f', 100.0)} points, from "
+                f"{t(k + '.min', '%+.2f', 100.0)} (`{d[k]['min_arm']}`) to "
+                f"{t(k + '.max', '%+.2f', 100.0)} (`{d[k]['max_arm']}`)."
+            )
 
     out.append("\n#### The eta sweep: mean held-out loss over the seeds at each eta\n")
     etas = sorted({float(e) for c in cells.values()
@@ -145,16 +171,21 @@ def tables(t: Tags) -> str:
         out.append(f"| `{cid}` | " + " | ".join(row) + f" | {edge} |")
 
     out.append("\n#### H1: hierarchy against flat (gap in %, paired by seed)\n")
-    out.append("| hierarchy | against | seeds | mean gap | 90% CI | verdict |")
-    out.append("|---|---|---|---|---|---|")
+    out.append(
+        "| hierarchy | against | seeds | mean gap | 90% CI | verdict | sd of the gaps, % | "
+        "TOST power at n seeds, % | seeds for 80% power |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for hid, h in d["h1"].items():
         for side, ref_key in (("vs_flat_r", "flat_r"), ("vs_flat_n", "flat_n")):
             ci = f"h1{q(hid)}.result.{side}.tost.ci"
+            pw = f"h1{q(hid)}.result.{side}.power"
             ref = h[ref_key]
             out.append(
                 f"| `{hid}` | `{ref}` | {t(ci + '.n')} | {t(ci + '.mean', '%+.2f', 100.0)} | "
                 f"[{t(ci + '.lo', '%+.2f', 100.0)}, {t(ci + '.hi', '%+.2f', 100.0)}] | "
-                f"{t(f'h1{q(hid)}.verdict_{side}')} |"
+                f"{t(f'h1{q(hid)}.verdict_{side}')} | {t(ci + '.sd', '%.2f', 100.0)} | "
+                f"{t.opt(pw + '.power_at_n', '%.1f', 100.0)} | {t.opt(pw + '.seeds_for_power')} |"
             )
 
     out.append("\n#### H2 and H4: trends in M\n")
@@ -171,20 +202,21 @@ def tables(t: Tags) -> str:
                 parts = [f"M = {m}: {t(f'h2{q(hg)}.eta_by_m{q(m)}')}" for m in v["eta_by_m"]]
                 out.append(f"  - {hg}, best eta by M: " + ", ".join(parts))
 
-    out.append("\n#### H3: mechanisms ranked by paired improvement over flat DiLoCo\n")
-    out.append(
-        "| rank | mechanism | against | seeds | mean improvement, % of loss | sd, % | "
-        "promotion threshold, % | promoted |"
-    )
-    out.append("|---|---|---|---|---|---|---|---|")
-    for i, r in enumerate(d["h3"]["ranking"]):
-        k = f"h3.ranking[{i}]"
-        n = len(r["seeds"])
+    if d["h3"].get("ranking"):
+        out.append("\n#### H3: mechanisms ranked by paired improvement over flat DiLoCo\n")
         out.append(
-            f"| {t(k + '.rank')} | `{r['cell']}` | `{r['baseline']}` | {n} | "
-            f"{t(k + '.mean', '%+.2f', 100.0)} | {t(k + '.sd', '%.2f', 100.0)} | "
-            f"{t(k + '.threshold', '%.2f', 100.0)} | {t(k + '.promoted')} |"
+            "| rank | mechanism | against | seeds | mean improvement, % of loss | sd, % | "
+            "promotion threshold, % | promoted |"
         )
+        out.append("|---|---|---|---|---|---|---|---|")
+        for i, r in enumerate(d["h3"]["ranking"]):
+            k = f"h3.ranking[{i}]"
+            n = len(r["seeds"])
+            out.append(
+                f"| {t(k + '.rank')} | `{r['cell']}` | `{r['baseline']}` | {n} | "
+                f"{t(k + '.mean', '%+.2f', 100.0)} | {t(k + '.sd', '%.2f', 100.0)} | "
+                f"{t(k + '.threshold', '%.2f', 100.0)} | {t(k + '.promoted')} |"
+            )
 
     out.append("\n#### Power\n")
     # Summaries written before TOST power was computed have no power columns: blank.

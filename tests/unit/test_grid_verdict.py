@@ -204,6 +204,13 @@ def test_one_invocation_runs_selection_then_verdict_and_the_summary_uses_fresh_s
     assert wc["verdict_minus_selection"] == pytest.approx(wc["verdict_gap"] - wc["selection_gap"])
     assert summary["verdict_seeds"] == list(VERDICT)
     assert "selection seeds alone" in summary["winners_curse"]
+    over = summary["winners_curse_over_arms"]  # the one DiLoCo arm here
+    assert over["arms"] == 1 and over["min_arm"] == over["max_arm"] == FLAT
+    assert over["mean"] == over["min"] == over["max"] == wc["verdict_minus_selection"]
+    assert over["positive"] == int(wc["verdict_minus_selection"] > 0)
+    for c in (LOW, HIGH):
+        ctrl = summary["cells"][c]
+        assert ctrl["selection_mean_loss"] == pytest.approx(sel_means[c])
     assert summary["power"][FLAT]["n"] == 3
     assert summary["counts"] == {"total": 17, "done": 17, "divergent": 0, "error": 0,
                                  "censored": 0}  # fmt: skip

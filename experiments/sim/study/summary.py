@@ -83,7 +83,11 @@ WINNERS_CURSE_FRESH = (
     "is chosen on the selection seeds alone; every verdict is computed on the fresh verdict "
     "seeds, run after the choice at the chosen eta, so the reported gaps carry no winner's "
     "curse.  Each arm's winners_curse entry gives its gap on the selection seeds beside "
-    "its gap on the verdict seeds: the bias the choice would have added."
+    "its gap on the verdict seeds.  Their difference is the bias the choice would have "
+    "added plus the sampling error of the few selection seeds' gap, which every arm shares "
+    "in part through the same DP control runs (each control's selection_mean_loss beside "
+    "its mean_loss shows how far its selection seeds stray); winners_curse_over_arms sums "
+    "the differences up over the arms."
 )
 CSV_COLUMNS = (
     "job_id", "cell", "kind", "seed", "eta", "status", "final_loss", "final_loss_raw",
@@ -169,6 +173,8 @@ def _comparisons(
         entry["mean_loss"] = math.fsum(vals) / len(vals) if vals else None
         if fresh:
             entry["selection_losses"] = selection.get(c.id, {})
+            chosen = list(entry["selection_losses"].values())
+            entry["selection_mean_loss"] = math.fsum(chosen) / len(chosen) if chosen else None
         if c.kind != "control" and c.control is not None:
             ch = choices[c.id]
             entry["chosen_eta"] = ch.eta
@@ -195,6 +201,30 @@ def _comparisons(
                 }  # fmt: skip
         cells[c.id] = entry
     return cells
+
+
+def _curse_over_arms(design: Design, cells: Mapping[str, Any]) -> dict[str, Any]:
+    """The winners_curse differences (verdict gap minus selection gap) over the DiLoCo
+    arms (the negative control, with one eta, has no choice to be cursed by)."""
+    diffs = {
+        c.id: cells[c.id]["winners_curse"]["verdict_minus_selection"]
+        for c in design.cells
+        if c.id in cells
+        and c.kind not in ("control", "negative_control")
+        and cells[c.id].get("winners_curse", {}).get("verdict_minus_selection") is not None
+    }
+    vals = list(diffs.values())
+    if not vals:
+        return {"arms": 0}
+    return {
+        "arms": len(vals),
+        "positive": sum(v > 0 for v in vals),
+        "mean": math.fsum(vals) / len(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "min_arm": min(diffs, key=lambda k: diffs[k]),
+        "max_arm": max(diffs, key=lambda k: diffs[k]),
+    }
 
 
 def _trends(design: Design, scale: str, cells: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -389,6 +419,11 @@ def build_summary(pre: Prereg, scale: str, out: Path) -> tuple[dict[str, Any], l
         "wall_s_total": math.fsum(i.get("wall_s", 0.0) for i in invocations),
         "selection_rule": design.selection_rule,
         "winners_curse": WINNERS_CURSE_FRESH if design.verdict_seeds else WINNERS_CURSE,
+        **(
+            {"winners_curse_over_arms": _curse_over_arms(design, cells)}
+            if design.verdict_seeds
+            else {}
+        ),
         "eta_edges": eta_edges,
         "cells": cells,
         "negative_control": neg,
