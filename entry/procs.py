@@ -115,10 +115,12 @@ class Child:
                     raise RuntimeError(self.failure_message()) from None
         raise RuntimeError(f"{self.name} did not announce its address within {timeout:.0f}s")
 
-    def drain(self, timeout: float = 5.0) -> None:
+    def drain(self, timeout: float = 5.0) -> bool:
         """Wait (at most ``timeout``) for the exited process's last lines to be logged
-        and handled: its reader thread ends at the pipe's end of file."""
+        and handled: its reader thread ends at the pipe's end of file.  False when it
+        did not (a process it started still holds the pipe open)."""
         self._reader.join(timeout=timeout)
+        return not self._reader.is_alive()
 
     def failure_message(self) -> str:
         code = self.proc.returncode

@@ -316,7 +316,8 @@ def supervise(
     over even when none is running.
 
     With ``deadline_s``, a run still going after that long raises TimeoutError.  It
-    returns only once the exited children's output is read to its end (``Child.drain``)."""
+    returns once the exited children's output is read to its end (``Child.drain``; at
+    most 5 s each, a warning naming a child whose output stays open longer)."""
     t_end = None if deadline_s is None else time.monotonic() + deadline_s
     while True:
         if t_end is not None and time.monotonic() > t_end:
@@ -331,7 +332,13 @@ def supervise(
                 return child
         if not running and not (busy is not None and busy()):
             for child in children:  # every last line (a "done", a final error) handled
-                child.drain()
+                if not child.drain():
+                    print(
+                        f"hypertrain up: {child.name} exited, but its output is still open "
+                        "after 5 s (a process it started may still hold it)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             return None
         time.sleep(poll_s)
 

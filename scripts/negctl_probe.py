@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Where the negative control leaves its DP control, seed by seed.
 
-    .venv/bin/python scripts/negctl_probe.py 100 110 117 \
+    .venv/bin/python scripts/negctl_probe.py 100 110 116 117 \
         --out experiments/results/parity2-cpu-tiny/negctl_probe.json
 
 Reruns a registration's negative-control job and its DP control job at each seed, the
-DP control with its evaluation cadence set to the negative control's (every sync step),
-so that the two held-out curves are evaluated at the same steps (the cadence changes
-no training step), and writes both curves and their relative difference per step.
-The negative-control rerun must reproduce the grid's row bit for bit (checked).
+DP control with its evaluation cadence set to the negative control's (the same
+evaluation steps, about eight in a run), so that the two held-out curves are evaluated
+at the same steps (the cadence changes no training step), and writes both curves and
+their relative difference per step.  Both reruns must reproduce the final held-out
+losses of the grid's rows, of this registration's design, bit for bit (checked).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         ctl_job = job_for(design, scale, ctl_cell, seed, None).to_dict()
         ctl_job["h_r"], ctl_job["h_g"] = neg_cell.h_r, neg_cell.h_g  # evaluate where neg does
         ctl = run_job(SimJob.from_dict(ctl_job)).to_dict()
-        grid = [r for r in rows if r["cell"] == neg_cell.id and r["seed"] == seed]
-        if not grid or grid[-1]["final_loss"] != neg["final_loss"]:
-            print(f"negctl_probe: seed {seed}: the rerun differs from the grid's row",
-                  file=sys.stderr)  # fmt: skip
-            return 1
+        for cell, res in ((neg_cell, neg), (ctl_cell, ctl)):
+            grid = [r for r in rows if r["cell"] == cell.id and r["seed"] == seed
+                    and r["design_sha256"] == pre.design_sha256 and r["status"] == "done"]  # fmt: skip
+            if not grid or grid[-1]["final_loss"] != res["final_loss"]:
+                print(f"negctl_probe: seed {seed}: the rerun of {cell.id} differs from the "
+                      "grid's row (or the grid has none)", file=sys.stderr)  # fmt: skip
+                return 1
         steps = []
         for (s, a), (s2, b) in zip(neg["curve"], ctl["curve"], strict=True):
             assert s == s2, (s, s2)

@@ -84,18 +84,18 @@ def tables(t: Tags) -> str:
             out.append("| " + " | ".join(row) + " |")
 
     controls = [cid for cid, c in cells.items() if c["kind"] == "control"]
-    if len(controls) > 1:  # a sweep of the DP control's learning rate
-        out.append("\n#### The DP control's learning rate\n")
-        head = "| control | inner lr |"
+    if len(controls) > 1:  # the DP controls: optimizers, learning rates
+        out.append("\n#### The DP controls\n")
+        head = "| control | inner optimizer | inner lr |"
         if fresh:
             head += " mean held-out loss, selection seeds | mean held-out loss, verdict seeds |"
         else:
             head += " mean held-out loss |"
         out.append(head)
-        out.append("|---|---|" + ("---|---|" if fresh else "---|"))
+        out.append("|---|---|---|" + ("---|---|" if fresh else "---|"))
         for cid in controls:
             k = f"cells{q(cid)}"
-            line = f"| `{cid}` | {t(k + '.inner_lr')} |"
+            line = f"| `{cid}` | {t(k + '.inner')} | {t(k + '.inner_lr')} |"
             if fresh:
                 line += f" {t.opt(k + '.selection_mean_loss', '%.4f')} |"
             out.append(line + f" {t(k + '.mean_loss', '%.4f')} |")

@@ -63,7 +63,12 @@ def _stall(island: object, until: str, check, timeout_s: float = 120.0) -> None:
     push of step 15; SIGCONT it once ``check()`` holds (``until`` says what that is)."""
     name = island.name  # type: ignore[attr-defined]
     pid = island.proc.pid  # type: ignore[attr-defined]
-    _wait_for(f"{name} stopped before its push of step 15", lambda: _stopped(pid))
+
+    def stopped() -> bool:
+        assert island.proc.poll() is None, island.failure_message()  # type: ignore[attr-defined]
+        return _stopped(pid)
+
+    _wait_for(f"{name} stopped before its push of step 15", stopped)
     try:
         _wait_for(until, check, timeout_s)
     finally:

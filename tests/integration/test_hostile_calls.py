@@ -81,8 +81,10 @@ class Stall:
                 self.ended.append(exc)
                 self.first.set()
                 return
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.ended:
-                time.sleep(0.2)  # the server has not yet let go of the call it ended
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # the cap was full for a moment: the server had not yet let go of a call
+                # it ended, or the test's own Status call held a slot; open it again
+                time.sleep(0.2)
                 continue
             self.ended.append(exc)
             self.first.set()

@@ -208,9 +208,10 @@ def test_one_invocation_runs_selection_then_verdict_and_the_summary_uses_fresh_s
     assert over["arms"] == 1 and over["min_arm"] == over["max_arm"] == FLAT
     assert over["mean"] == over["min"] == over["max"] == wc["verdict_minus_selection"]
     assert over["positive"] == int(wc["verdict_minus_selection"] > 0)
-    for c in (LOW, HIGH):
-        ctrl = summary["cells"][c]
-        assert ctrl["selection_mean_loss"] == pytest.approx(sel_means[c])
+    for c in (LOW, HIGH):  # the controls' selection-seed means, from the rows themselves
+        mean = sum(rows[f"{c}/seed{s}"]["final_loss"] for s in SEEDS) / len(SEEDS)
+        assert summary["cells"][c]["selection_mean_loss"] == pytest.approx(mean, rel=1e-12)
+    assert cell["selection_mean_loss"] == pytest.approx(cell["eta_selection"]["mean_loss"])
     assert summary["power"][FLAT]["n"] == 3
     assert summary["counts"] == {"total": 17, "done": 17, "divergent": 0, "error": 0,
                                  "censored": 0}  # fmt: skip
@@ -349,3 +350,47 @@ def test_the_h2_registration_runs_and_summarizes_with_one_seed(tmp_path: Path) -
         cell = summary["cells"][f"flat-M{m}-Hg30"]
         assert set(cell["eta_selection"]["mean_by_eta"]) == {"0.4", "1.0"}
         assert cell["vs_control"]["tost"]["classification"] == "undefined"  # n = 1
+
+
+def test_the_curse_over_arms_splits_off_the_controls_term_and_skips_what_it_cannot_use() -> None:
+    from types import SimpleNamespace
+
+    from hypertrain.sim.study.summary import _curse_over_arms
+
+    def cell(kind: str, control: str | None = "dp") -> SimpleNamespace:
+        return SimpleNamespace(kind=kind, control=control)
+
+    ids = ["dp", "neg", "a", "b", "c", "nan", "none"]
+    kinds = ["control", "negative_control", "flat", "flat", "hier", "flat", "flat"]
+    design = SimpleNamespace(
+        cells=[
+            SimpleNamespace(id=i, **vars(cell(k, None if k == "control" else "dp")))
+            for i, k in zip(ids, kinds, strict=True)
+        ]
+    )
+
+    def wc(sel: float, diff: float | None) -> dict[str, object]:
+        return {"winners_curse": {"selection_gap": sel, "verdict_minus_selection": diff}}
+
+    cells = {
+        "dp": {"selection_mean_loss": 2.2, "mean_loss": 2.0},  # 10% worse on the selection seeds
+        "neg": wc(0.0, 0.5),  # no choice: not an arm here
+        "a": wc(0.10, 0.20),
+        "b": wc(0.20, -0.05),
+        "c": wc(0.00, 0.30),
+        "nan": wc(0.10, float("nan")),  # a divergent verdict seed
+        "none": wc(0.10, None),
+    }
+    over = _curse_over_arms(design, cells)  # type: ignore[arg-type]
+    assert over["arms"] == 3 and over["left_out"] == ["nan", "none"]
+    assert (over["positive"], over["min_arm"], over["max_arm"]) == (2, "b", "c")
+    assert over["mean"] == pytest.approx(0.15) and (over["min"], over["max"]) == (-0.05, 0.30)
+    assert over["control_shift"] == {"dp": pytest.approx(0.1)}
+    # the control's term: (1 + selection gap) x its shift; the rest: what is left
+    term = over["control_term"]
+    assert (term["min"], term["max"]) == (pytest.approx(0.10), pytest.approx(0.12))
+    assert (term["min_arm"], term["max_arm"]) == ("c", "b")
+    rest = over["rest"]
+    assert rest["mean"] == pytest.approx((0.09 - 0.17 + 0.20) / 3)
+    assert (rest["min_arm"], rest["max_arm"], rest["positive"]) == ("b", "c", 2)
+    assert _curse_over_arms(design, {"dp": cells["dp"]})["arms"] == 0  # type: ignore[arg-type]

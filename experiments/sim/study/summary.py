@@ -87,7 +87,8 @@ WINNERS_CURSE_FRESH = (
     "added plus the sampling error of the few selection seeds' gap, which every arm shares "
     "in part through the same DP control runs (each control's selection_mean_loss beside "
     "its mean_loss shows how far its selection seeds stray); winners_curse_over_arms sums "
-    "the differences up over the arms."
+    "the differences up over the arms and splits them into the control's term and the rest "
+    "(the arm's own change: the choice's bias and the arm's chance)."
 )
 CSV_COLUMNS = (
     "job_id", "cell", "kind", "seed", "eta", "status", "final_loss", "final_loss_raw",
@@ -203,27 +204,65 @@ def _comparisons(
     return cells
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _spread(vals: Mapping[str, float]) -> dict[str, Any]:
+    """Count, positives, mean and extremes (with their arms) of per-arm values."""
+    xs = list(vals.values())
+    return {
+        "positive": sum(v > 0 for v in xs),
+        "mean": math.fsum(xs) / len(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "min_arm": min(vals, key=lambda k: vals[k]),
+        "max_arm": max(vals, key=lambda k: vals[k]),
+    }
+
+
 def _curse_over_arms(design: Design, cells: Mapping[str, Any]) -> dict[str, Any]:
     """The winners_curse differences (verdict gap minus selection gap) over the DiLoCo
-    arms (the negative control, with one eta, has no choice to be cursed by)."""
-    diffs = {
-        c.id: cells[c.id]["winners_curse"]["verdict_minus_selection"]
-        for c in design.cells
-        if c.id in cells
-        and c.kind not in ("control", "negative_control")
-        and cells[c.id].get("winners_curse", {}).get("verdict_minus_selection") is not None
-    }
-    vals = list(diffs.values())
-    if not vals:
-        return {"arms": 0}
+    arms (the negative control, with one eta, has no choice to be cursed by), and how
+    much of each the arm's DP control alone accounts for.
+
+    With means of losses (a for the arm, d for its control; s the selection seeds, v
+    the verdict seeds) the difference a_v/d_v - a_s/d_s splits exactly into a control
+    term (a_s/d_s) (d_s/d_v - 1), what the control's own change between the two seed
+    sets (no choice in it: ``control_shift``) does to the gap, and the rest,
+    (a_v - a_s)/d_v: the arm's own change, which holds the choice's bias and the arm's
+    chance.  The gaps are means of per-seed ratios, not ratios of means, so the split
+    applied to them (``control_term`` = (1 + selection gap) x control shift, ``rest`` =
+    the difference minus it) is close, not exact.  Arms whose difference is missing or
+    not finite (a divergent seed) are left out and named."""
+    diffs: dict[str, float] = {}
+    terms: dict[str, float] = {}
+    shifts: dict[str, float] = {}
+    left_out: list[str] = []
+    for c in design.cells:
+        if c.id not in cells or c.kind in ("control", "negative_control"):
+            continue
+        wc = cells[c.id].get("winners_curse")
+        if wc is None:
+            continue
+        diff, gap_s = wc.get("verdict_minus_selection"), wc.get("selection_gap")
+        ctl = cells.get(c.control or "", {})
+        d_s, d_v = ctl.get("selection_mean_loss"), ctl.get("mean_loss")
+        if not (_finite(diff) and _finite(gap_s) and _finite(d_s) and _finite(d_v)):
+            left_out.append(c.id)
+            continue
+        diffs[c.id] = diff
+        shifts[c.control or ""] = d_s / d_v - 1.0
+        terms[c.id] = (1.0 + gap_s) * shifts[c.control or ""]
+    if not diffs:
+        return {"arms": 0, "left_out": left_out}
     return {
-        "arms": len(vals),
-        "positive": sum(v > 0 for v in vals),
-        "mean": math.fsum(vals) / len(vals),
-        "min": min(vals),
-        "max": max(vals),
-        "min_arm": min(diffs, key=lambda k: diffs[k]),
-        "max_arm": max(diffs, key=lambda k: diffs[k]),
+        "arms": len(diffs),
+        **_spread(diffs),
+        "left_out": left_out,
+        "control_shift": shifts,
+        "control_term": _spread(terms),
+        "rest": _spread({k: diffs[k] - terms[k] for k in diffs}),
     }
 
 
