@@ -17,6 +17,17 @@ from pathlib import Path
 import pytest
 
 
+def proc_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from /proc/<pid>/stat (R, S, T stopped, Z zombie...),
+    or None once it is gone.  The name field may hold spaces and parentheses: the state is
+    the field after its last ")"."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """One intra-op torch thread (bitwise-stable GEMMs), restored afterwards."""

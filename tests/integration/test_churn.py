@@ -18,6 +18,7 @@ from hypertrain.common.trust.schema import MemberEntry, RegionalMergeEntry, Reje
 from hypertrain.common.trust.tape import verify_tape
 from hypertrain.procs import Child, child_env, parse_logfmt
 from hypertrain.up import start_cluster, supervise
+from tests.conftest import proc_state
 
 CUTOFF_S = 3.0
 CFG = RunConfig.from_dict(
@@ -52,12 +53,6 @@ def _wait_for(what: str, check, timeout_s: float = 120.0) -> None:  # type: igno
 STOP_BEFORE_15 = {"island-eu-1": {"HYPERTRAIN_FAULT": "island_before_push:3:stop"}}
 
 
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (state T in /proc/<pid>/stat)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2] == "T"
-
-
 def _stall(island: object, until: str, check, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
     """Wait for ``island`` (started with ``STOP_BEFORE_15``) to stop itself before its
     push of step 15; SIGCONT it once ``check()`` holds (``until`` says what that is)."""
@@ -66,7 +61,7 @@ def _stall(island: object, until: str, check, timeout_s: float = 120.0) -> None:
 
     def stopped() -> bool:
         assert island.proc.poll() is None, island.failure_message()  # type: ignore[attr-defined]
-        return _stopped(pid)
+        return proc_state(pid) == "T"
 
     _wait_for(f"{name} stopped before its push of step 15", stopped)
     try:

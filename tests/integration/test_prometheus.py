@@ -59,6 +59,7 @@ from hypertrain.up import config_toml, write_scrape_targets
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import connect, push_delta, relay_stub
 from hypertrain.wire.tls import Security
+from tests.conftest import proc_state
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -559,5 +560,4 @@ def test_every_panel_and_alert_returns_data_from_a_live_cluster(tmp_path: Path) 
         urllib.request.urlopen(f"{base}/-/ready", timeout=2)
     pids = [int(ln.split()[1]) for ln in (run_dir / "processes.txt").read_text().splitlines()]
     for pid in pids:
-        stat = Path(f"/proc/{pid}/stat")
-        assert not stat.exists() or stat.read_text().split()[2] == "Z", f"pid {pid} still runs"
+        assert proc_state(pid) in (None, "Z"), f"pid {pid} still runs"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hypertrain.procs import LISTEN_RE, child_env
+from tests.conftest import proc_state
 
 
 def _alive(pid: int) -> bool:
@@ -20,9 +21,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # a zombie is gone for our purposes
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
+    return proc_state(pid) not in (None, "Z")  # a zombie is gone for our purposes
 
 
 def _pids(run_dir: Path) -> dict[str, int]:

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from tests.conftest import proc_state
 
 PASSES = (
     "from hypertrain.wire.daemon import fault_point\n"
@@ -38,9 +39,8 @@ def test_stop_stops_it_at_the_nth_pass_until_it_is_continued() -> None:
     proc = _run("here:2:stop")
     assert proc.stdout is not None
     assert [proc.stdout.readline() for _ in range(2)] == ["before 0\n", "before 1\n"]
-    stat = Path(f"/proc/{proc.pid}/stat")
     deadline = time.monotonic() + 60
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+    while proc_state(proc.pid) != "T":
         assert time.monotonic() < deadline, "never stopped"
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGCONT)
