@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         "prereg": Path(args.prereg).name, "scale": args.scale, "negative_control": neg_cell.id,
         "control": ctl_cell.id, "seeds": {},
     }  # fmt: skip
+    (eta,) = design.sweep(neg_cell, args.scale)  # the negative control has one eta
     for seed in args.seeds:
-        (eta,) = design.sweep(neg_cell, args.scale)
         neg = run_job(job_for(design, scale, neg_cell, seed, eta)).to_dict()
         ctl_job = job_for(design, scale, ctl_cell, seed, None).to_dict()
         ctl_job["h_r"], ctl_job["h_g"] = neg_cell.h_r, neg_cell.h_g  # evaluate where neg does

@@ -246,14 +246,15 @@ def _curse_over_arms(design: Design, cells: Mapping[str, Any]) -> dict[str, Any]
         if wc is None:
             continue
         diff, gap_s = wc.get("verdict_minus_selection"), wc.get("selection_gap")
-        ctl = cells.get(c.control or "", {})
+        control = c.control or ""
+        ctl = cells.get(control, {})
         d_s, d_v = ctl.get("selection_mean_loss"), ctl.get("mean_loss")
         if not (_finite(diff) and _finite(gap_s) and _finite(d_s) and _finite(d_v)):
             left_out.append(c.id)
             continue
         diffs[c.id] = diff
-        shifts[c.control or ""] = d_s / d_v - 1.0
-        terms[c.id] = (1.0 + gap_s) * shifts[c.control or ""]
+        shifts[control] = d_s / d_v - 1.0
+        terms[c.id] = (1.0 + gap_s) * shifts[control]
     if not diffs:
         return {"arms": 0, "left_out": left_out}
     return {
