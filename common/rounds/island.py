@@ -9,6 +9,9 @@ asks it what to do:
   that step becomes pending;
 - ``due()``: the pending merges pinned to the current step: the driver fetches each
   (blocking, or retrying in a simulation) and hands it to ``apply``;
+- ``ahead()``: the pending merges pinned to a later step that this island will take: a
+  driver may fetch them while it trains on (the island daemon does, with tau > 0), and
+  still applies each only when ``due`` hands it out;
 - ``final_due()``: after the last step the driver fetches the final global state and
   calls ``finish`` (an island an ``islands:K`` anneal stops, ``stops_early``, fetches
   nothing: once its last push is acknowledged it calls ``stop``).
@@ -182,6 +185,21 @@ class IslandRounds:
                 continue  # the last step's merge: taken by ``finish`` (or by no one)
             out.extend(q.due(step))
         return out
+
+    def ahead(self) -> list[PendingMerge[int]]:
+        """The pending merges pinned to a later step than the current one that this island
+        will take (handed out by ``due`` or ``before_sync``, or its final state through
+        ``final_due``), in fragment and step order: with tau > 0 a driver may fetch them
+        while it trains on, and applies each only when it is handed out.  Fetching ahead
+        changes when the bytes arrive, never the step a merge is applied at.  Not the last
+        merge of an island an ``islands:K`` anneal stops: it never takes that one."""
+        step = self.core.step
+        return [
+            p
+            for q in self.pendings
+            for p in q
+            if p.merge_step > step and (not self.stops_early or self._applies(q, p.sync_step))
+        ]
 
     def _applies(self, q: PendingMerges[int], sync_step: int) -> bool:
         """Is the merge of ``sync_step`` applied at a step this island trains?  Not its last

@@ -5,11 +5,13 @@
 Each step: one inner step (IslandCore.train_step).  At every sync step s
 (a multiple of H_r) the island encodes its delta with error feedback and
 pushes it to the relay on a background thread, so training can go on; at
-step s + tau it fetches the merge of s (the relay's base after its regional merge, or
-new global parameters at a multiple of H_g; the fetch blocks until the relay has it)
-and applies it with IslandCore.apply_merge.  The merge step never depends on
-timing.  After the last step the final global parameters are fetched and
-loaded (no steps follow, so there is no overlap progress to keep).
+step s + tau it applies the merge of s (the relay's base after its regional merge, or
+new global parameters at a multiple of H_g) with IslandCore.apply_merge.  With tau > 0
+the merge is fetched in the background once the push is done, while the island trains
+on (``IslandRounds.ahead``); with tau = 0 it is fetched at s.  Either fetch blocks until
+the relay has the merge.  The merge step never depends on timing.  After the last step
+the final global parameters are fetched and loaded (no steps follow, so there is no
+overlap progress to keep).
 
 SIGTERM / Ctrl-C stop the island between steps, never inside a merge; SIGTERM first
 announces a leave to the relay (one try), so the region does not wait for this island
@@ -27,6 +29,7 @@ broadcasts each merge to the others; every rank applies it at the same step.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -37,6 +40,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
@@ -46,7 +50,7 @@ from hypertrain.common.fragments import run_fragments
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore
 from hypertrain.common.rounds.island import IslandRounds
-from hypertrain.common.rounds.machines import JOIN, LEAVE, Delta, MemberRequest
+from hypertrain.common.rounds.machines import JOIN, LEAVE, Committed, Delta, MemberRequest
 from hypertrain.common.rounds.store import atomic_save, atomic_write
 from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.schedule import PendingMerge
@@ -62,6 +66,14 @@ from hypertrain.wire.peers import Peer
 from hypertrain.wire.upstream import GrpcUpstream, Patient
 
 T = TypeVar("T")
+
+#: A model of at most this many fp32 bytes is saved from a copy of its rejoin state: the
+#: copy takes milliseconds and a few models' bytes, and the next step never waits for the
+#: disk (an island with streaming fragments saves after every fragment's global merge, F
+#: times a round).  A larger one is written from the live tensors, which the next step's
+#: backward pass waits for (issue 12's memory bounds leave no room for a copy).  The
+#: environment's ``HYPERTRAIN_SAVE_COPY_BYTES`` overrides it (0: never a copy).
+SAVE_COPY_BYTES = 16 << 20
 
 
 class Island:
@@ -152,13 +164,31 @@ class Island:
             if shards.sharded
             else None
         )
+        # With streaming fragments, a step's pushes go to their fragments' relays at once
+        # (each fragment has its own rounds and tape; at the last step every one syncs).
+        self.fragment_calls = (
+            ThreadPoolExecutor(max_workers=len(frags), thread_name_prefix="fragment")
+            if self.fragment_relays and frags is not None
+            else None
+        )
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir else None
         self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        # Merges fetched ahead of their pinned step (tau > 0), one fetch per fragment at
+        # once (a run's last step syncs every fragment): ``_fetch_ahead``.
+        self.fetcher = ThreadPoolExecutor(
+            max_workers=len(self.core.schedules), thread_name_prefix="fetch"
+        )
+        self.fetching: dict[tuple[int, int], Future[tuple[list[Committed], Tensor | None]]] = {}
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="save")
         self.saving: Future[None] = _done()
         self.save_wait_s = 0.0
-        self.core.before_update = self._saved
+        self.saving_live = False  # the save in flight reads the live tensors
+        limit = os.environ.get("HYPERTRAIN_SAVE_COPY_BYTES", str(SAVE_COPY_BYTES))
+        if not limit.isdigit():
+            raise ConfigError(f"HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got {limit!r}")
+        self.save_copy = 4 * self.numel <= int(limit)
+        self.core.before_update = self._saved_live
         self.blocked_s = 0.0
         self.bytes_sent = 0
         self.syncs = 0
@@ -180,7 +210,7 @@ class Island:
 
     def _push(self, deltas: list[Delta]) -> None:
         """Push each relay shard its part (the region's relay: the one delta; with
-        streaming fragments, each fragment's delta of the step, one after the other)."""
+        streaming fragments, each fragment's delta of the step to its relay), at once."""
         assert self.relays is not None
         relays = (
             [self.fragment_relays[d.fragment or 0] for d in deltas]
@@ -205,36 +235,68 @@ class Island:
                 self._log("stale", role="island", island=self.island_id, step=delta.sync_step,
                           message=e.message)  # fmt: skip
 
-        if self.fragment_relays:
-            for i in range(len(deltas)):
-                push(i)
+        if self.fragment_calls is not None:
+            list(self.fragment_calls.map(push, range(len(deltas))))
             return
         self._on_shards(push)
 
-    def _fetch(self, step: int, kind: str, fragment: int = 0) -> tuple[torch.Tensor, int]:
-        """The merge of ``step`` (of streaming ``fragment``): from the relay (every relay
-        shard's part, joined) on rank 0, then on every rank; and the sync step it is the
-        merge of (a later global one when this island was left behind:
-        ``IslandRounds.heal``)."""
+    def _download(
+        self, step: int, kind: str, fragment: int
+    ) -> tuple[list[Committed], Tensor | None]:
+        """Rank 0: the merge of ``step`` (of streaming ``fragment``) from the relay; with
+        relay shards every shard's part, received straight into its range of one vector,
+        which comes with them.  (Joined, and its receipts checked, by ``_fetch``.)"""
         if self.fragment_relays:
-            merge = self.fragment_relays[fragment].fetch(self.island_id, step, kind)
-            return self.rounds.join([merge], fragment=fragment), merge.sync_step
+            return [self.fragment_relays[fragment].fetch(self.island_id, step, kind)], None
         relays = self.relays
-        if relays is None:  # a rank other than 0: rank 0 fetches and broadcasts it
+        assert relays is not None
+        if self.calls is None:
+            return [relays[0].fetch(self.island_id, step, kind)], None
+        whole = torch.empty(self.numel, dtype=torch.float32)
+        bounds = self.core.shards.all_bounds()
+        parts = self._on_shards(
+            lambda i: relays[i].fetch(self.island_id, step, kind, whole[slice(*bounds[i])])
+        )
+        return parts, whole
+
+    def _fetch_ahead(self, push: Future[None]) -> None:
+        """With tau > 0 (rank 0): start fetching, in the background, each merge this island
+        will take at a later step (``IslandRounds.ahead``) once ``push``, the push in
+        flight, is done, so its transfer overlaps the steps before it is due instead of
+        following them.  ``_fetch`` takes it at the pinned step as before; only when its
+        bytes arrive changes.  It holds the merge (the model's values, or its fragment's)
+        from its arrival until then."""
+        if not self.lead:
+            return
+        for p in self.rounds.ahead():
+            key = (p.item, p.sync_step)
+            if key not in self.fetching:
+                self.fetching[key] = self.fetcher.submit(
+                    self._after(push, self._download), p.sync_step, p.kind, p.item
+                )
+
+    @staticmethod
+    def _after(push: Future[None], fn: Callable[..., T]) -> Callable[..., T]:
+        def run(*args: Any) -> T:
+            push.result()
+            return fn(*args)
+
+        return run
+
+    def _fetch(self, step: int, kind: str, fragment: int = 0) -> tuple[torch.Tensor, int]:
+        """The merge of ``step`` (of streaming ``fragment``): on rank 0 from the relay (or
+        as fetched ahead, ``_fetch_ahead``), joined and its receipts checked, then on every
+        rank; and the sync step it is the merge of (a later global one when this island was
+        left behind: ``IslandRounds.heal``)."""
+        if self.relays is None:  # a rank other than 0: rank 0 fetches and broadcasts it
             assert self.ranks is not None
             got = int(self.ranks.broadcast(torch.zeros(1, dtype=torch.int64))[0])
             return self.ranks.broadcast(self.received), got
-        if self.calls is None:
-            merge = relays[0].fetch(self.island_id, step, kind)
-            payload, got = self.rounds.join([merge]), merge.sync_step
-        else:  # every shard's part straight into its range of one vector
-            whole = torch.empty(self.numel, dtype=torch.float32)
-            bounds = self.core.shards.all_bounds()
-            parts = self._on_shards(
-                lambda i: relays[i].fetch(self.island_id, step, kind, whole[slice(*bounds[i])])
-            )
-            payload, got = self.rounds.join(parts, out=whole), parts[0].sync_step
-            del parts, whole
+        ahead = self.fetching.pop((fragment, step), None)
+        parts, whole = ahead.result() if ahead is not None else self._download(step, kind, fragment)
+        del ahead  # the future holds the merge too
+        payload, got = self.rounds.join(parts, out=whole, fragment=fragment), parts[0].sync_step
+        del parts, whole
         if self.ranks is not None:
             self.ranks.broadcast(torch.tensor([got], dtype=torch.int64))
             self.ranks.broadcast(payload)
@@ -335,6 +397,8 @@ class Island:
             if rounds.last_sync is not None and rounds.last_sync[0] == step:
                 if deltas:
                     push = self.pushing = self.pusher.submit(self._push, deltas)
+                    if self.core.schedule.tau > 0:
+                        self._fetch_ahead(push)
                     sent = sum(len(d.data) for d in deltas)
                     deltas = []  # the pusher holds them until they are sent, no longer
                     self._sent(sent, time.perf_counter() - t0)
@@ -448,6 +512,7 @@ class Island:
         """Left behind: the relay answered the fetch of ``wanted`` with the global merge of
         the later ``sync_step``; rejoin there (``IslandRounds.heal``) and save that state."""
         self._saved()
+        self.fetching.clear()  # merges fetched ahead for steps it no longer waits for
         self.rounds.heal(sync_step, payload)
         self.heals += 1
         self.metrics.heals.labels(**self._labels).inc()
@@ -461,8 +526,10 @@ class Island:
         applied yet, and those pending).
 
         Written on a background thread during the next step's forward pass, from the live
-        tensors (no copies); the step's backward pass waits for it (``_saved``, the
+        tensors (no copies); the step's backward pass waits for it (``_saved_live``, the
         core's ``before_update``), so what is written is the state right after the merge.
+        A model of at most ``SAVE_COPY_BYTES`` is written from a copy instead, which no
+        step waits for; a save waits for the one before it, so one copy at most is held.
         (Waiting at the optimizer update instead let the save overlap the backward pass,
         and an island at gpt-125m peaked 100-200 MiB over its bound in most such runs.)
         The file is replaced atomically: a crash mid-write leaves the previous state, from
@@ -470,8 +537,15 @@ class Island:
         island loads it (their states are equal)."""
         if self.state_path is not None and self.lead:
             state: dict[str, Any] = {"run_id": self.cfg.run_id, "config": self.cfg.digest}
-            state |= self.rounds.rejoin_state(taken or [], copy=False)
+            self._saved()
+            state |= self.rounds.rejoin_state(taken or [], copy=self.save_copy)
             self.saving = self.saver.submit(atomic_save, self.state_path, state)
+            self.saving_live = not self.save_copy
+
+    def _saved_live(self) -> None:
+        """Before the optimizer changes the tensors: wait for a save that reads them."""
+        if self.saving_live:
+            self._saved()
 
     def _saved(self) -> None:
         """Wait for the rejoin state being written (a failed write is raised here)."""
@@ -525,10 +599,14 @@ class Island:
         self.stop.set()
         self.pusher.shutdown(wait=True, cancel_futures=True)
         self.saver.shutdown(wait=True)  # a rejoin state being written is finished
-        if self.calls is not None:
-            self.calls.shutdown(wait=True, cancel_futures=True)
+        self.fetcher.shutdown(wait=False, cancel_futures=True)
+        self.fetching.clear()
         for peer in self.peers or []:
-            peer.close()
+            peer.close()  # which ends a fetch ahead still in flight
+        self.fetcher.shutdown(wait=True)
+        for calls in (self.calls, self.fragment_calls):
+            if calls is not None:
+                calls.shutdown(wait=True, cancel_futures=True)
 
 
 def _done() -> Future[None]:

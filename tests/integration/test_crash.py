@@ -172,10 +172,17 @@ def test_aggregator_crash_recovers_exactly_50_trials(
     _trial(tmp_path, point, n, reference_digest)
 
 
-def test_a_killed_island_rejoins_from_its_state(tmp_path: Path, reference_digest: str) -> None:
+@pytest.mark.parametrize("save", ["copy", "live"])
+def test_a_killed_island_rejoins_from_its_state(
+    tmp_path: Path, reference_digest: str, save: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGKILL one island after a global merge; restarted with the same flags it resumes
     from its saved state (inner optimizer and error feedback included), re-sends
-    bit-identical deltas the relay already has, and the run ends on the reference."""
+    bit-identical deltas the relay already has, and the run ends on the reference.  The
+    state written from a copy (a small model's, the default here) and from the live
+    tensors (a large model's; ``HYPERTRAIN_SAVE_COPY_BYTES=0`` makes it so here)."""
+    if save == "live":
+        monkeypatch.setenv("HYPERTRAIN_SAVE_COPY_BYTES", "0")
     cluster = Cluster(CFG, tmp_path / "run")
     try:
         again = cluster.kill_island_and_restart(

@@ -47,3 +47,34 @@ def test_the_streaming_bench_runs_and_the_peak_falls_with_fragments() -> None:
     text = _run(str(BENCH / "bench_streaming.py"), "--preset", "tiny", "--rounds", "2",
                 timeout=600)  # fmt: skip
     assert "F = 4: island peak" in text and "(0.277 of F = 1)" in text, text
+
+
+@pytest.mark.slow
+def test_the_streaming_bench_runs_the_daemons_and_splits_their_blocked_time() -> None:
+    text = _run(str(BENCH / "bench_streaming.py"), "--preset", "tiny", "--rounds", "2",
+                "--daemons", "--topology", "1x1", "--repeats", "2", timeout=1200)  # fmt: skip
+    assert "2 runs per F" in text and "at its first merge" in text, text
+
+
+def test_the_streaming_bench_splits_an_island_s_blocked_time_from_its_log() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_streaming as bench
+    finally:
+        sys.path.remove(str(BENCH))
+    log = (
+        "event=sync role=island island=eu-0 step=30 kind=global bytes=8 blocked_s=0.25 x=1\n"
+        "event=waiting role=island island=eu-0 message=m\n"
+        "event=sync role=island island=eu-0 step=60 kind=global bytes=8 blocked_s=0.5 x=1\n"
+        "event=done role=island island=eu-0 step=90 digest=d blocked_s=1.5 wall_s=9\n"
+    )
+    assert bench.blocked_parts(log) == (0.25, 0.25, 1.0)
+    assert bench.blocked_parts(log.splitlines()[-1]) == (0.0, 0.0, 1.5)
+    run = {"fragments": 4, "final_digest": "d", "push_peak_bytes": 8, "save_wait_s_max": None,
+           "blocked_share_max": 0.04, "blocked_share_mean": 0.02, "blocked_start_s": 0.1,
+           "blocked_rounds_s": 0.2, "blocked_end_s": 0.3, "seconds": 10.0}  # fmt: skip
+    two = bench.summarize_runs([run, run | {"blocked_share_max": 0.06, "seconds": 12.0}])
+    assert two["blocked_share_max"] == pytest.approx(0.05) and two["seconds"] == 11.0
+    assert two["blocked_share_max_runs"] == [0.04, 0.06] and two["runs"] == 2
+    with pytest.raises(SystemExit, match="final_digest differs"):
+        bench.summarize_runs([run, run | {"final_digest": "e"}])

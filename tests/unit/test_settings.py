@@ -387,3 +387,17 @@ def test_an_asked_for_held_out_size_wins_over_the_presets(tmp_path: Path) -> Non
     assert _flags("--config", str(config), "--preset", "gpt-125m").holdout_windows == 16
     config.write_text("[run]\nseed = 3\n")  # the file says nothing of it: the preset's
     assert _flags("--config", str(config), "--preset", "gpt-125m").holdout_windows == 64
+
+
+def test_the_island_refuses_a_save_copy_size_that_is_not_a_byte_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYPERTRAIN_SAVE_COPY_BYTES", "16M")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[run]\nsteps = 20\n")
+    args = ["--config", str(cfg), "--state-dir", str(tmp_path / "state"), "--insecure"]
+    assert island_main([*args, *DAEMONS[0][2]]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "hypertrain-island: error: HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got '16M'"
+    ]

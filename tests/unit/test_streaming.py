@@ -27,11 +27,13 @@ from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.fragments import fragment_offset, run_fragments
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.reference import model_cluster, open_dataset, run_reference
-from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.roles import IslandCore, IslandState, initial_parameters
+from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.local import Crash
 from hypertrain.common.rounds.machines import INVALID, Delta, RelayMachine
 from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
-from hypertrain.common.schedule import Schedule
+from hypertrain.common.schedule import PendingMerge, Schedule
+from hypertrain.common.toy import ToyIsland, toy_layout, toy_parameters
 from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import island_key
@@ -374,6 +376,55 @@ def test_an_island_saves_and_restores_its_error_feedback_and_snapshots_per_fragm
         whole.load_state_dict(state)
     with pytest.raises(HypertrainError, match="needs their ranges"):
         IslandCore(cfg, "r0-0", stream, theta0)
+
+
+class _FragmentToy(ToyIsland):
+    """The fault simulation's toy island, split into the run's fragments."""
+
+    def __init__(self, cfg: RunConfig, island_id: str) -> None:
+        theta0 = toy_parameters(cfg)
+        IslandState.__init__(self, cfg, island_id, theta0, run_fragments(cfg, toy_layout()))
+        self.theta = theta0.clone()
+
+
+@pytest.mark.parametrize(
+    ("fragments", "tau", "h_r", "anneal", "island"),
+    [(1, 1, 2, "full_m", "r0-0"), (3, 1, 2, "full_m", "r0-0"), (4, 3, 4, "full_m", "r0-0"),
+     (2, 1, 2, "islands:2", "r1-1"), (4, 3, 4, "islands:3", "r1-1"), (3, 0, 2, "full_m", "r0-0")],
+    ids=["f1-tau1", "f3-tau1", "f4-tau3-flush", "f2-tau1-stops", "f4-tau3-stops", "f3-tau0"],
+)  # fmt: skip
+def test_the_merges_an_island_may_fetch_ahead_are_exactly_those_it_takes_later(
+    fragments: int, tau: int, h_r: int, anneal: str, island: str
+) -> None:
+    """``IslandRounds.ahead`` right after each sync step's push (where the island daemon
+    starts its fetches ahead) names every merge the island later takes at a later step, by
+    ``due``, ``before_sync`` or ``final_due``, and no other: not the last merge of an
+    island an ``islands:K`` anneal stops (r1-1: it never takes it), and none with tau 0."""
+    cfg = _cfg(fragments, tau, h_r, 2 * h_r).with_overrides(anneal=anneal)
+    rounds = IslandRounds(_FragmentToy(cfg, island), cfg.run_id)
+    ahead: set[tuple[int, int]] = set()
+    later: set[tuple[int, int]] = set()
+
+    def taken(merges: list[PendingMerge[int]]) -> None:
+        later.update((p.item, p.sync_step) for p in merges if p.merge_step > p.sync_step)
+
+    while not rounds.finished:
+        rounds.core.train_step()
+        taken(rounds.before_sync())
+        rounds.after_step()
+        now = rounds.ahead()
+        assert all(p.merge_step > rounds.step for p in now)
+        ahead.update((p.item, p.sync_step) for p in now)
+        taken(rounds.due())
+    if rounds.stops_early:
+        assert any(len(q) for q in rounds.pendings)  # its last merge: never taken
+        rounds.stop()
+    while (final := rounds.final_due()) is not None:
+        taken([final])
+        fr = rounds.core.fragments[final.item]
+        rounds.finish(torch.zeros(fr.hi - fr.lo))
+    assert ahead == later
+    assert bool(ahead) == (tau > 0)
 
 
 # -- the in-process run is the simulator's streaming path ---------------------------------------
