@@ -31,9 +31,15 @@ on the proxy the params cut is that best, so the 0.3 target needs the values cut
 ``--daemons``: also the islands' blocked share (the part of an island's wall time spent
 waiting for its pushes and merges: ``blocked_share`` of its ``event=done`` line) with the
 real daemons (``hypertrain up``, 2 x 2 islands or ``--topology RxN``, the flat schedule,
-tau = 1) for each F,
-one run after the other on this machine; the peak bytes of a push there too (its
-``event=sync`` lines' ``bytes``, the step's pushes of every fragment).
+tau = 1) for each F, one run after the other on this machine, ``--repeats`` times (3),
+the order of F turned by one each time; the peak bytes of a push there too (its
+``event=sync`` lines' ``bytes``, the step's pushes of every fragment).  A run's figure is
+its islands' largest share; the F's figure is the mean of its runs' (each run's is kept:
+``blocked_share_max_runs``), since one run's moves by a point or two with how the two
+cores are shared.  Each island's blocked time is split (means over islands and runs, in
+seconds): ``blocked_start_s``, at its first merge (it also absorbs the islands' start-up
+skew), ``blocked_rounds_s``, at every later merge of the run, and ``blocked_end_s``, the
+final state after its last step (every fragment syncs there).
 
 ``--rate 40mbit`` (with ``--daemons``; root, ``ip`` and ``tc``): the same runs once more,
 each inside a network namespace of its own whose loopback sends through a token bucket
@@ -185,12 +191,26 @@ def limited_loopback(rate: str | None) -> Iterator[list[str]]:
 REGIONS = ("eu", "us", "ap", "sa")
 
 
+def blocked_parts(log: str) -> tuple[float, float, float]:
+    """An island's blocked seconds from its log: at its first merge, at the later ones,
+    and after its last step (its ``event=sync`` lines' cumulative ``blocked_s``, and its
+    ``event=done`` line's)."""
+    marks = [float(m) for m in re.findall(r"event=sync .*? blocked_s=([0-9.e-]+)", log)]
+    done = re.search(r"event=done .*? blocked_s=([0-9.e-]+)", log)
+    assert done is not None
+    total = float(done.group(1))
+    if not marks:
+        return 0.0, 0.0, total
+    return marks[0], marks[-1] - marks[0], total - marks[-1]
+
+
 def daemons(
     preset: str, fragments: int, rounds: int, rate: str | None = None, topology: str = "2x2"
 ) -> dict[str, Any]:
     """One ``hypertrain up`` run (flat schedule, tau = 1): the islands' blocked shares and
-    the largest push before the last step, from their logs (``rate``: on a loopback
-    limited to it, ``limited_loopback``; ``topology``: regions x islands per region)."""
+    the parts of their blocked time (``blocked_parts``), and the largest push before the
+    last step, from their logs (``rate``: on a loopback limited to it,
+    ``limited_loopback``; ``topology``: regions x islands per region)."""
     n_regions, per_region = (int(x) for x in topology.split("x"))
     h = 30
     with (
@@ -209,8 +229,10 @@ def daemons(
         if out.returncode != 0:
             raise SystemExit(f"hypertrain up failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
         shares, pushes, save_waits = [], [], []
+        parts: list[tuple[float, float, float]] = []
         for log in sorted((run_dir / "logs").glob("island-*.log")):
             text = log.read_text()
+            parts.append(blocked_parts(text))
             done = re.search(r"event=done .*?blocked_share=([0-9.e-]+)", text)
             assert done is not None, log
             shares.append(float(done.group(1)))
@@ -228,10 +250,32 @@ def daemons(
         "rate": rate or "",
         "blocked_share_max": max(shares),
         "blocked_share_mean": sum(shares) / len(shares),
+        **{
+            f"blocked_{name}_s": sum(p[i] for p in parts) / len(parts)
+            for i, name in enumerate(("start", "rounds", "end"))
+        },
         "push_peak_bytes": max(pushes),
         "seconds": seconds,
         "final_digest": digest.group(1) if digest else "",
     }
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One F's runs: the mean of each measure (the digest and the push peak are the same in
+    every run: a check), and each run's largest share."""
+    first = runs[0]
+    for r in runs[1:]:
+        for k in ("final_digest", "push_peak_bytes"):
+            if r[k] != first[k]:
+                raise SystemExit(f"F = {first['fragments']}: {k} differs between runs")
+    out = dict(first)
+    for k in ("blocked_share_max", "blocked_share_mean", "blocked_start_s", "blocked_rounds_s",
+              "blocked_end_s", "seconds"):  # fmt: skip
+        out[k] = sum(r[k] for r in runs) / len(runs)
+    out["save_wait_s_max"] = max((r["save_wait_s_max"] or 0.0) for r in runs)
+    out["blocked_share_max_runs"] = [r["blocked_share_max"] for r in runs]
+    out["runs"] = len(runs)
+    return out
 
 
 def main() -> None:
@@ -246,8 +290,11 @@ def main() -> None:
     )
     ap.add_argument("--topology", default="2x2", help="with --daemons: REGIONSxISLANDS, "
                     "e.g. 1x2 (one island per core here)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3, help="with --daemons: runs per F")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if not re.fullmatch(r"[1-4]x[1-9]", args.topology):
         ap.error(f"--topology takes REGIONSxISLANDS (1-4 regions), got {args.topology!r}")
     if args.rounds < 2:
@@ -283,18 +330,27 @@ def main() -> None:
     for key, rate in (("daemons", None), ("daemons_limited", args.rate)):
         if not args.daemons or (key == "daemons_limited" and rate is None):
             continue
-        up = [daemons(args.preset, f, args.rounds, rate, args.topology) for f in (1, 2, 4)]
+        fs = (1, 2, 4)
+        runs: dict[int, list[dict[str, Any]]] = {f: [] for f in fs}
+        for k in range(args.repeats):  # F's order turned by one each time
+            for f in fs[k % 3 :] + fs[: k % 3]:
+                runs[f].append(daemons(args.preset, f, args.rounds, rate, args.topology))
+        up = [summarize_runs(runs[f]) for f in fs]
         link = f"loopback limited to {rate}" if rate else "loopback"
-        print(f"daemons (hypertrain up {args.topology}, H_r = H_g = 30, tau = 1, {link}), "
-              f"{args.preset}")  # fmt: skip
+        print(f"daemons (hypertrain up {args.topology}, H_r = H_g = 30, tau = 1, {link}, "
+              f"{args.repeats} runs per F), {args.preset}")  # fmt: skip
         for r in up:
             r["blocked_share_ratio"] = r["blocked_share_max"] / up[0]["blocked_share_max"]
             r["push_peak_ratio"] = r["push_peak_bytes"] / up[0]["push_peak_bytes"]
+            each = ", ".join(f"{100 * x:.1f}" for x in r["blocked_share_max_runs"])
             print(
                 f"  F = {r['fragments']}: islands blocked at most {100 * r['blocked_share_max']:.1f}% "
-                f"(mean {100 * r['blocked_share_mean']:.1f}%; {r['blocked_share_ratio']:.2f} of "
-                f"F = 1's), largest push {r['push_peak_bytes'] / 1024:.1f} KiB "
-                f"({r['push_peak_ratio']:.3f}); {r['seconds']:.0f} s"
+                f"(runs {each}; mean over islands {100 * r['blocked_share_mean']:.1f}%; "
+                f"{r['blocked_share_ratio']:.2f} of F = 1's); per island "
+                f"{r['blocked_start_s']:.3f} s at its first merge, {r['blocked_rounds_s']:.3f} s at "
+                f"the later ones, {r['blocked_end_s']:.3f} s at the end; largest push "
+                f"{r['push_peak_bytes'] / 1024:.1f} KiB ({r['push_peak_ratio']:.3f}); "
+                f"{r['seconds']:.0f} s a run"
             )
         res[key] = up
     if args.json is not None:
