@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Self
 from hypertrain.common.config import KNOWN_TABLES, TopologyConfig, load_tables
 from hypertrain.common.config import kind_of as _kind
 from hypertrain.common.errors import ConfigError
+from hypertrain.common.fragments import ISLAND_CALLS
 from hypertrain.common.shards import parse_shard, relay_member
 from hypertrain.common.trust.keys import TRUSTED_KEYS_FILE
 from hypertrain.common.trust.ledger import relay_key
@@ -265,6 +266,17 @@ class RelaySettings(DaemonSettings):
         if not self.aggregator:
             raise ConfigError("--aggregator HOST:PORT is required")
         return self.region, self.aggregator
+
+    def check_fragments(self, fragments: int) -> None:
+        """ConfigError when an island of a run of ``fragments`` streaming fragments may make
+        more calls at once than ``calls_per_peer`` lets it (``fragments.ISLAND_CALLS``)."""
+        need = min(fragments, ISLAND_CALLS) if fragments > 1 else 1
+        if self.calls_per_peer < need:
+            raise ConfigError(
+                f"relay: calls_per_peer {self.calls_per_peer} is below the {need} calls an "
+                f"island of a run with {fragments} fragments makes at once (its fragments' "
+                f"pushes at the last step); give at least {need}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

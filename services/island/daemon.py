@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -46,7 +47,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import state_digest
 from hypertrain.common.errors import ConfigError
-from hypertrain.common.fragments import run_fragments
+from hypertrain.common.fragments import ISLAND_CALLS, run_fragments
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore
 from hypertrain.common.rounds.island import IslandRounds
@@ -126,8 +127,8 @@ class Island:
             if peers is None
             else [
                 Patient(
-                    # A fresh buffer per merge, freed once applied: between syncs the
-                    # island holds no model-sized receive buffer.
+                    # A fresh buffer per merge, freed once applied: between a merge's
+                    # arrival (with tau > 0, fetched ahead) and its step, and no longer.
                     GrpcUpstream(peer, cfg.run_id, end - start, reuse_buffer=False),
                     f"Relay {peer.address}",
                     self.stop.is_set,
@@ -167,17 +168,19 @@ class Island:
         # With streaming fragments, a step's pushes go to their fragments' relays at once
         # (each fragment has its own rounds and tape; at the last step every one syncs).
         self.fragment_calls = (
-            ThreadPoolExecutor(max_workers=len(frags), thread_name_prefix="fragment")
+            ThreadPoolExecutor(
+                max_workers=min(len(frags), ISLAND_CALLS), thread_name_prefix="fragment"
+            )
             if self.fragment_relays and frags is not None
             else None
         )
         self.key = key
         self.state_path = state_dir / "island.pt" if state_dir else None
         self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
-        # Merges fetched ahead of their pinned step (tau > 0), one fetch per fragment at
-        # once (a run's last step syncs every fragment): ``_fetch_ahead``.
+        # Merges fetched ahead of their pinned step (tau > 0), one per fragment at once up
+        # to ISLAND_CALLS (a run's last step syncs every fragment): ``_fetch_ahead``.
         self.fetcher = ThreadPoolExecutor(
-            max_workers=len(self.core.schedules), thread_name_prefix="fetch"
+            max_workers=min(len(self.core.schedules), ISLAND_CALLS), thread_name_prefix="fetch"
         )
         self.fetching: dict[tuple[int, int], Future[tuple[list[Committed], Tensor | None]]] = {}
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="save")
@@ -185,7 +188,7 @@ class Island:
         self.save_wait_s = 0.0
         self.saving_live = False  # the save in flight reads the live tensors
         limit = os.environ.get("HYPERTRAIN_SAVE_COPY_BYTES", str(SAVE_COPY_BYTES))
-        if not limit.isdigit():
+        if not re.fullmatch(r"[0-9]+", limit):
             raise ConfigError(f"HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got {limit!r}")
         self.save_copy = 4 * self.numel <= int(limit)
         self.core.before_update = self._saved_live
@@ -512,7 +515,9 @@ class Island:
         """Left behind: the relay answered the fetch of ``wanted`` with the global merge of
         the later ``sync_step``; rejoin there (``IslandRounds.heal``) and save that state."""
         self._saved()
-        self.fetching.clear()  # merges fetched ahead for steps it no longer waits for
+        for ahead in self.fetching.values():  # for steps it no longer waits for
+            ahead.cancel()
+        self.fetching.clear()
         self.rounds.heal(sync_step, payload)
         self.heals += 1
         self.metrics.heals.labels(**self._labels).inc()

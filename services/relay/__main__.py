@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_run_config(args)
         settings = load_settings(args, RelaySettings)
         region, aggregator = settings.check_topology(cfg.topology)
+        settings.check_fragments(cfg.fragments)
         shard = settings.shard_index(cfg.topology)
         state_dir = settings.state_path
         shutdown = Shutdown()

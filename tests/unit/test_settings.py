@@ -401,3 +401,14 @@ def test_the_island_refuses_a_save_copy_size_that_is_not_a_byte_count(
     assert lines == [
         "hypertrain-island: error: HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got '16M'"
     ]
+
+
+def test_a_relay_of_a_fragmented_run_refuses_a_per_caller_cap_below_an_island_s_calls() -> None:
+    RelaySettings(calls_per_peer=1).check_fragments(1)
+    RelaySettings(calls_per_peer=2).check_fragments(2)
+    RelaySettings(calls_per_peer=4).check_fragments(30)
+    with pytest.raises(ConfigError, match=r"^relay: calls_per_peer 3 is below the 4 calls an "
+                       r"island of a run with 6 fragments makes at once"):  # fmt: skip
+        RelaySettings(calls_per_peer=3).check_fragments(6)
+    with pytest.raises(ConfigError, match="below the 2 calls"):
+        RelaySettings(calls_per_peer=1).check_fragments(2)
