@@ -53,12 +53,12 @@ if TYPE_CHECKING:
 
 
 CUTS = ("values", "params")
+"""The cut rules, by name; ``values`` first: the run configuration's default."""
 ISLAND_CALLS = 4
 """With streaming fragments, the most calls an island has in flight to its relay at once:
 its fragments' pushes of the run's last step, then their final fetches, go this many at a
 time.  A relay of such a run refuses to start with a per-caller cap (``calls_per_peer``)
 below ``min(fragments, ISLAND_CALLS)``; the default cap is 4."""
-"""The cut rules, by name; ``values`` first: the run configuration's default."""
 
 
 def cut_problem(cut: str) -> str | None:

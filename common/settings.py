@@ -270,7 +270,7 @@ class RelaySettings(DaemonSettings):
     def check_fragments(self, fragments: int) -> None:
         """ConfigError when an island of a run of ``fragments`` streaming fragments may make
         more calls at once than ``calls_per_peer`` lets it (``fragments.ISLAND_CALLS``)."""
-        need = min(fragments, ISLAND_CALLS) if fragments > 1 else 1
+        need = min(fragments, ISLAND_CALLS)
         if self.calls_per_peer < need:
             raise ConfigError(
                 f"relay: calls_per_peer {self.calls_per_peer} is below the {need} calls an "

@@ -275,16 +275,15 @@ class Island:
             key = (p.item, p.sync_step)
             if key not in self.fetching:
                 self.fetching[key] = self.fetcher.submit(
-                    self._after(push, self._download), p.sync_step, p.kind, p.item
+                    self._download_after, push, p.sync_step, p.kind, p.item
                 )
 
-    @staticmethod
-    def _after(push: Future[None], fn: Callable[..., T]) -> Callable[..., T]:
-        def run(*args: Any) -> T:
-            push.result()
-            return fn(*args)
-
-        return run
+    def _download_after(
+        self, push: Future[None], step: int, kind: str, fragment: int
+    ) -> tuple[list[Committed], Tensor | None]:
+        """``_download`` once ``push`` is done (a fetch ahead's job)."""
+        push.result()
+        return self._download(step, kind, fragment)
 
     def _fetch(self, step: int, kind: str, fragment: int = 0) -> tuple[torch.Tensor, int]:
         """The merge of ``step`` (of streaming ``fragment``): on rank 0 from the relay (or
@@ -400,8 +399,7 @@ class Island:
             if rounds.last_sync is not None and rounds.last_sync[0] == step:
                 if deltas:
                     push = self.pushing = self.pusher.submit(self._push, deltas)
-                    if self.core.schedule.tau > 0:
-                        self._fetch_ahead(push)
+                    self._fetch_ahead(push)  # (none with tau = 0: IslandRounds.ahead)
                     sent = sum(len(d.data) for d in deltas)
                     deltas = []  # the pusher holds them until they are sent, no longer
                     self._sent(sent, time.perf_counter() - t0)
