@@ -41,6 +41,15 @@ seconds): ``blocked_start_s``, at its first merge (it also absorbs the islands' 
 skew), ``blocked_rounds_s``, at every later merge of the run, and ``blocked_end_s``, the
 final state after its last step (every fragment syncs there).
 
+``--step-seconds P`` (with ``--daemons``): each island trains at most one step per P
+seconds (``HYPERTRAIN_STEP_SECONDS``, services/island/daemon.py), so that islands sharing
+this machine's two cores step at a steady rate, as an island on accelerators of its own
+does. Unpaced, four islands, two relays and the aggregator share two cores: an island's
+step time varies from step to step and the islands drift apart between merges, so every merge waits for the island that fell behind, and F = 4 meets
+that at four times as many merges. Paced (P above the step's time under this load), what an
+island waits for is the sync itself: its transfer and the relays' and aggregator's work,
+each hidden behind tau steps. The pace changes no bit of the run.
+
 ``--rate 40mbit`` (with ``--daemons``; root, ``ip`` and ``tc``): the same runs once more,
 each inside a network namespace of its own whose loopback sends through a token bucket
 at that rate (``tc qdisc ... tbf``), so every link of the cluster shares one limited
@@ -205,12 +214,18 @@ def blocked_parts(log: str) -> tuple[float, float, float]:
 
 
 def daemons(
-    preset: str, fragments: int, rounds: int, rate: str | None = None, topology: str = "2x2"
+    preset: str,
+    fragments: int,
+    rounds: int,
+    rate: str | None = None,
+    topology: str = "2x2",
+    step_seconds: float | None = None,
 ) -> dict[str, Any]:
     """One ``hypertrain up`` run (flat schedule, tau = 1): the islands' blocked shares and
     the parts of their blocked time (``blocked_parts``), and the largest push before the
     last step, from their logs (``rate``: on a loopback limited to it,
-    ``limited_loopback``; ``topology``: regions x islands per region)."""
+    ``limited_loopback``; ``topology``: regions x islands per region; ``step_seconds``: each
+    island paced to one step per that many seconds, ``HYPERTRAIN_STEP_SECONDS``)."""
     n_regions, per_region = (int(x) for x in topology.split("x"))
     h = 30
     with (
@@ -224,7 +239,10 @@ def daemons(
         argv += ["--islands-per-region", str(per_region)]
         argv += ["--fragments", str(fragments), "--run-dir", str(run_dir)]
         t0 = time.perf_counter()
-        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+        env = dict(os.environ)
+        if step_seconds is not None:
+            env["HYPERTRAIN_STEP_SECONDS"] = str(step_seconds)
+        out = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
         seconds = time.perf_counter() - t0
         if out.returncode != 0:
             raise SystemExit(f"hypertrain up failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
@@ -248,6 +266,7 @@ def daemons(
         "topology": topology,
         "save_wait_s_max": max(save_waits) if save_waits else None,
         "rate": rate or "",
+        "step_seconds": step_seconds,
         "blocked_share_max": max(shares),
         "blocked_share_mean": sum(shares) / len(shares),
         **{
@@ -291,12 +310,16 @@ def main() -> None:
     ap.add_argument("--topology", default="2x2", help="with --daemons: REGIONSxISLANDS, "
                     "e.g. 1x2 (one island per core here)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="with --daemons: runs per F")
+    ap.add_argument("--step-seconds", type=float, default=None, help="with --daemons: pace "
+                    "each island to one step per this many seconds (HYPERTRAIN_STEP_SECONDS)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if not re.fullmatch(r"[1-4]x[1-9]", args.topology):
         ap.error(f"--topology takes REGIONSxISLANDS (1-4 regions), got {args.topology!r}")
+    if args.step_seconds is not None and not args.step_seconds > 0:
+        ap.error(f"--step-seconds takes a positive number of seconds, got {args.step_seconds}")
     if args.rounds < 2:
         ap.error("--rounds must be >= 2: the peak is taken over the steps before the last")
     res: dict[str, Any] = {
@@ -334,9 +357,20 @@ def main() -> None:
         runs: dict[int, list[dict[str, Any]]] = {f: [] for f in fs}
         for k in range(args.repeats):  # F's order turned by one each time
             for f in fs[k % 3 :] + fs[: k % 3]:
-                runs[f].append(daemons(args.preset, f, args.rounds, rate, args.topology))
+                runs[f].append(
+                    daemons(
+                        args.preset,
+                        f,
+                        args.rounds,
+                        rate,
+                        args.topology,
+                        args.step_seconds,
+                    )
+                )
         up = [summarize_runs(runs[f]) for f in fs]
         link = f"loopback limited to {rate}" if rate else "loopback"
+        if args.step_seconds is not None:
+            link += f", islands paced to {args.step_seconds} s a step"
         print(f"daemons (hypertrain up {args.topology}, H_r = H_g = 30, tau = 1, {link}, "
               f"{args.repeats} runs per F), {args.preset}")  # fmt: skip
         for r in up:

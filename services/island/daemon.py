@@ -76,6 +76,13 @@ T = TypeVar("T")
 #: environment's ``HYPERTRAIN_SAVE_COPY_BYTES`` overrides it (0: never a copy).
 SAVE_COPY_BYTES = 16 << 20
 
+#: The environment's ``HYPERTRAIN_STEP_SECONDS`` (unset or 0: off): the island trains at
+#: most one step per that many seconds, sleeping after a step that took less.  Benches
+#: use it to give islands that share a machine's cores a steady step rate, as an island
+#: of its own accelerators has (bench/bench_streaming.py ``--step-seconds``); it changes
+#: no bit of the run, only when its steps start.
+STEP_SECONDS_ENV = "HYPERTRAIN_STEP_SECONDS"
+
 
 class Island:
     """The island's driver: training loop, pushes and pinned merges."""
@@ -191,6 +198,10 @@ class Island:
         if not re.fullmatch(r"[0-9]+", limit):
             raise ConfigError(f"HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got {limit!r}")
         self.save_copy = 4 * self.numel <= int(limit)
+        pace = os.environ.get(STEP_SECONDS_ENV, "0")
+        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", pace):
+            raise ConfigError(f"{STEP_SECONDS_ENV} must be a number of seconds, got {pace!r}")
+        self.step_seconds = float(pace)
         self.core.before_update = self._saved_live
         self.blocked_s = 0.0
         self.bytes_sent = 0
@@ -382,8 +393,11 @@ class Island:
         while self.core.step < rounds.last_step:  # its own end (an anneal may stop it)
             if self._stopping():
                 raise KeyboardInterrupt
+            t_step = time.perf_counter()
             losses.append(self.core.train_step())
             step = self.core.step
+            if self.step_seconds:  # a steady step rate (STEP_SECONDS_ENV)
+                time.sleep(max(0.0, t_step + self.step_seconds - time.perf_counter()))
             t_trained = time.perf_counter()
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)

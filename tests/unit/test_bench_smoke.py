@@ -52,8 +52,10 @@ def test_the_streaming_bench_runs_and_the_peak_falls_with_fragments() -> None:
 @pytest.mark.slow
 def test_the_streaming_bench_runs_the_daemons_and_splits_their_blocked_time() -> None:
     text = _run(str(BENCH / "bench_streaming.py"), "--preset", "tiny", "--rounds", "2",
-                "--daemons", "--topology", "1x1", "--repeats", "2", timeout=1200)  # fmt: skip
+                "--daemons", "--topology", "1x1", "--repeats", "2", "--step-seconds", "0.05",
+                timeout=1200)  # fmt: skip
     assert "2 runs per F" in text and "at its first merge" in text, text
+    assert "islands paced to 0.05 s a step" in text, text
 
 
 def test_the_streaming_bench_splits_an_island_s_blocked_time_from_its_log() -> None:

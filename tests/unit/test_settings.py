@@ -403,6 +403,21 @@ def test_the_island_refuses_a_save_copy_size_that_is_not_a_byte_count(
     ]
 
 
+@pytest.mark.parametrize("value", ["0.2s", "-1", "fast"])
+def test_the_island_refuses_a_step_period_that_is_not_a_number_of_seconds(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYPERTRAIN_STEP_SECONDS", value)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[run]\nsteps = 20\n")
+    args = ["--config", str(cfg), "--state-dir", str(tmp_path / "state"), "--insecure"]
+    assert island_main([*args, *DAEMONS[0][2]]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"hypertrain-island: error: HYPERTRAIN_STEP_SECONDS must be a number of seconds, "
+        f"got {value!r}"
+    ]
+
+
 def test_a_relay_of_a_fragmented_run_refuses_a_per_caller_cap_below_an_island_s_calls() -> None:
     RelaySettings(calls_per_peer=1).check_fragments(1)
     RelaySettings(calls_per_peer=2).check_fragments(2)
