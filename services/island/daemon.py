@@ -396,8 +396,8 @@ class Island:
             t_step = time.perf_counter()
             losses.append(self.core.train_step())
             step = self.core.step
-            if self.step_seconds:  # a steady step rate (STEP_SECONDS_ENV)
-                time.sleep(max(0.0, t_step + self.step_seconds - time.perf_counter()))
+            if self.step_seconds:  # a steady step rate (STEP_SECONDS_ENV); a stop wakes it
+                self.stop.wait(max(0.0, t_step + self.step_seconds - time.perf_counter()))
             t_trained = time.perf_counter()
             m.inner_steps.labels(**labels).inc()
             m.tokens.labels(**labels).inc(self.tokens_per_step)
