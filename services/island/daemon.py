@@ -75,6 +75,7 @@ T = TypeVar("T")
 #: backward pass waits for (issue 12's memory bounds leave no room for a copy).  The
 #: environment's ``HYPERTRAIN_SAVE_COPY_BYTES`` overrides it (0: never a copy).
 SAVE_COPY_BYTES = 16 << 20
+SAVE_COPY_ENV = "HYPERTRAIN_SAVE_COPY_BYTES"
 
 #: The environment's ``HYPERTRAIN_STEP_SECONDS`` (unset or 0: off): the island trains at
 #: most one step per that many seconds, sleeping after a step that took less.  Benches
@@ -194,13 +195,9 @@ class Island:
         self.saving: Future[None] = _done()
         self.save_wait_s = 0.0
         self.saving_live = False  # the save in flight reads the live tensors
-        limit = os.environ.get("HYPERTRAIN_SAVE_COPY_BYTES", str(SAVE_COPY_BYTES))
-        if not re.fullmatch(r"[0-9]+", limit):
-            raise ConfigError(f"HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got {limit!r}")
+        limit = _environ(SAVE_COPY_ENV, SAVE_COPY_BYTES, r"[0-9]+", "a byte count")
         self.save_copy = 4 * self.numel <= int(limit)
-        pace = os.environ.get(STEP_SECONDS_ENV, "0")
-        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", pace):
-            raise ConfigError(f"{STEP_SECONDS_ENV} must be a number of seconds, got {pace!r}")
+        pace = _environ(STEP_SECONDS_ENV, 0, r"[0-9]+(\.[0-9]+)?", "a number of seconds")
         self.step_seconds = float(pace)
         self.core.before_update = self._saved_live
         self.blocked_s = 0.0
@@ -624,6 +621,15 @@ class Island:
         for calls in (self.calls, self.fragment_calls):
             if calls is not None:
                 calls.shutdown(wait=True, cancel_futures=True)
+
+
+def _environ(name: str, default: int, pattern: str, what: str) -> str:
+    """The environment's ``name`` (``default`` when unset), which must match ``pattern``
+    whole; else a ConfigError naming it as ``what`` it must be."""
+    value = os.environ.get(name, str(default))
+    if not re.fullmatch(pattern, value):
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    return value
 
 
 def _done() -> Future[None]:

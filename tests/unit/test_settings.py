@@ -389,33 +389,39 @@ def test_an_asked_for_held_out_size_wins_over_the_presets(tmp_path: Path) -> Non
     assert _flags("--config", str(config), "--preset", "gpt-125m").holdout_windows == 64
 
 
-def test_the_island_refuses_a_save_copy_size_that_is_not_a_byte_count(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("name", "value", "line"),
+    [
+        (
+            "HYPERTRAIN_SAVE_COPY_BYTES",
+            "16M",
+            "hypertrain-island: error: HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got '16M'",
+        ),
+        *(
+            (
+                "HYPERTRAIN_STEP_SECONDS",
+                value,
+                f"hypertrain-island: error: HYPERTRAIN_STEP_SECONDS must be a number of seconds, "
+                f"got {value!r}",
+            )
+            for value in ("0.2s", "-1", "fast")
+        ),
+    ],
+)
+def test_the_island_refuses_an_environment_setting_that_is_not_a_number(
+    name: str,
+    value: str,
+    line: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("HYPERTRAIN_SAVE_COPY_BYTES", "16M")
+    monkeypatch.setenv(name, value)
     cfg = tmp_path / "run.toml"
     cfg.write_text("[run]\nsteps = 20\n")
     args = ["--config", str(cfg), "--state-dir", str(tmp_path / "state"), "--insecure"]
     assert island_main([*args, *DAEMONS[0][2]]) == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert lines == [
-        "hypertrain-island: error: HYPERTRAIN_SAVE_COPY_BYTES must be a byte count, got '16M'"
-    ]
-
-
-@pytest.mark.parametrize("value", ["0.2s", "-1", "fast"])
-def test_the_island_refuses_a_step_period_that_is_not_a_number_of_seconds(
-    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HYPERTRAIN_STEP_SECONDS", value)
-    cfg = tmp_path / "run.toml"
-    cfg.write_text("[run]\nsteps = 20\n")
-    args = ["--config", str(cfg), "--state-dir", str(tmp_path / "state"), "--insecure"]
-    assert island_main([*args, *DAEMONS[0][2]]) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        f"hypertrain-island: error: HYPERTRAIN_STEP_SECONDS must be a number of seconds, "
-        f"got {value!r}"
-    ]
+    assert capsys.readouterr().err.splitlines() == [line]
 
 
 def test_a_relay_of_a_fragmented_run_refuses_a_per_caller_cap_below_an_island_s_calls() -> None:
