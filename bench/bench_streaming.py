@@ -45,10 +45,11 @@ final state after its last step (every fragment syncs there).
 seconds (``HYPERTRAIN_STEP_SECONDS``, services/island/daemon.py), so that islands sharing
 this machine's two cores step at a steady rate, as an island on accelerators of its own
 does. Unpaced, four islands, two relays and the aggregator share two cores: an island's
-step time varies from step to step and the islands drift apart between merges, so every merge waits for the island that fell behind, and F = 4 meets
-that at four times as many merges. Paced (P above the step's time under this load), what an
-island waits for is the sync itself: its transfer and the relays' and aggregator's work,
-each hidden behind tau steps. The pace changes no bit of the run.
+step time varies from step to step and the islands drift apart between merges, so every
+merge waits for the island that fell behind, and F = 4 meets that at four times as many
+merges. Paced (P above the step's time under this load), what an island waits for is the
+sync itself: its transfer and the relays' and aggregator's work, each hidden behind tau
+steps. The pace changes no bit of the run.
 
 ``--rate 40mbit`` (with ``--daemons``; root, ``ip`` and ``tc``): the same runs once more,
 each inside a network namespace of its own whose loopback sends through a token bucket
