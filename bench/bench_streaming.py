@@ -51,6 +51,18 @@ merges. Paced (P above the step's time under this load), what an island waits fo
 sync itself: its transfer and the relays' and aggregator's work, each hidden behind tau
 steps. The pace changes no bit of the run.
 
+The islands do not start training at the same moment (each loads torch and its data on
+the same two cores), and one that starts s seconds before the last must wait those s
+seconds for it, at its first merge or, paced, partly at the end (after the first merge the
+islands keep the phase they have then): waiting that no F changes, and one run's largest
+share moves by most of a point with it.  So each run also gives each island's start skew
+(its wall time minus the shortest: every island ends within a few tens of milliseconds of
+the others, at the final merge; the run's largest is ``start_skew_s_max``) and the largest
+blocked share net of it (``blocked_net_share_max``), and each F's figures are compared with
+F = 1's in the same repeat (``blocked_share_diff_mean``, ``blocked_net_share_diff_mean``,
+with their standard errors over the repeats, ``..._diff_se``).  ``--fragments 1,4`` runs
+only those counts (1, the baseline, among them), to spend the repeats where they are needed.
+
 ``--rate 40mbit`` (with ``--daemons``; root, ``ip`` and ``tc``): the same runs once more,
 each inside a network namespace of its own whose loopback sends through a token bucket
 at that rate (``tc qdisc ... tbf``), so every link of the cluster shares one limited
@@ -214,6 +226,17 @@ def blocked_parts(log: str) -> tuple[float, float, float]:
     return marks[0], marks[-1] - marks[0], total - marks[-1]
 
 
+def net_of_start_skew(blocked: list[float], walls: list[float]) -> tuple[float, float]:
+    """The islands' largest start skew and largest blocked share net of it, from each
+    island's blocked and wall seconds (its ``event=done`` line).  Every island ends within a
+    few tens of milliseconds of the others (at the final merge), so one whose wall time is
+    longer by s started training s earlier than the last to start: s it must spend waiting
+    for that one, at its first merge or at the end, whatever F is."""
+    skews = [w - min(walls) for w in walls]
+    net = [(b - s) / w for b, s, w in zip(blocked, skews, walls, strict=True)]
+    return max(skews), max(net)
+
+
 def daemons(
     preset: str,
     fragments: int,
@@ -247,7 +270,7 @@ def daemons(
         seconds = time.perf_counter() - t0
         if out.returncode != 0:
             raise SystemExit(f"hypertrain up failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-        shares, pushes, save_waits = [], [], []
+        shares, pushes, save_waits, walls, blocked = [], [], [], [], []
         parts: list[tuple[float, float, float]] = []
         for log in sorted((run_dir / "logs").glob("island-*.log")):
             text = log.read_text()
@@ -255,6 +278,10 @@ def daemons(
             done = re.search(r"event=done .*?blocked_share=([0-9.e-]+)", text)
             assert done is not None, log
             shares.append(float(done.group(1)))
+            wall = re.search(r"event=done .*?blocked_s=([0-9.e-]+) wall_s=([0-9.e-]+)", text)
+            assert wall is not None, log
+            blocked.append(float(wall.group(1)))
+            walls.append(float(wall.group(2)))
             wait = re.search(r"event=done .*?save_wait_s=([0-9.e-]+)", text)
             if wait is not None:
                 save_waits.append(float(wait.group(1)))
@@ -262,6 +289,7 @@ def daemons(
                 if int(m.group(1)) < rounds * h:
                     pushes.append(int(m.group(2)))
         digest = re.search(r"final state digest ([0-9a-f]+)", out.stdout)
+    skew, net_share = net_of_start_skew(blocked, walls)
     return {
         "fragments": fragments,
         "topology": topology,
@@ -270,6 +298,8 @@ def daemons(
         "step_seconds": step_seconds,
         "blocked_share_max": max(shares),
         "blocked_share_mean": sum(shares) / len(shares),
+        "start_skew_s_max": skew,
+        "blocked_net_share_max": net_share,
         **{
             f"blocked_{name}_s": sum(p[i] for p in parts) / len(parts)
             for i, name in enumerate(("start", "rounds", "end"))
@@ -290,12 +320,27 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 raise SystemExit(f"F = {first['fragments']}: {k} differs between runs")
     out = dict(first)
     for k in ("blocked_share_max", "blocked_share_mean", "blocked_start_s", "blocked_rounds_s",
-              "blocked_end_s", "seconds"):  # fmt: skip
+              "blocked_end_s", "seconds", "start_skew_s_max", "blocked_net_share_max"):  # fmt: skip
         out[k] = sum(r[k] for r in runs) / len(runs)
     out["save_wait_s_max"] = max((r["save_wait_s_max"] or 0.0) for r in runs)
     out["blocked_share_max_runs"] = [r["blocked_share_max"] for r in runs]
+    out["blocked_net_share_max_runs"] = [r["blocked_net_share_max"] for r in runs]
     out["runs"] = len(runs)
     return out
+
+
+def paired(r: dict[str, Any], base: dict[str, Any], key: str = "blocked_share") -> None:
+    """Add to ``r`` (one F's summary) its runs' ``<key>_max`` minus F = 1's in the same
+    repeat (``<key>_diff_runs``: each repeat runs every F one after the other, so the two
+    share the machine's state of that moment), their mean and its standard error
+    (``<key>_diff_mean``, ``<key>_diff_se``; 0 with one repeat)."""
+    diffs = [a - b for a, b in zip(r[f"{key}_max_runs"], base[f"{key}_max_runs"], strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    r[f"{key}_diff_runs"] = diffs
+    r[f"{key}_diff_mean"] = mean
+    r[f"{key}_diff_se"] = (var / n) ** 0.5
 
 
 def main() -> None:
@@ -311,6 +356,8 @@ def main() -> None:
     ap.add_argument("--topology", default="2x2", help="with --daemons: REGIONSxISLANDS, "
                     "e.g. 1x2 (one island per core here)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="with --daemons: runs per F")
+    ap.add_argument("--fragments", default="1,2,4", help="with --daemons: the fragment counts "
+                    "to run, comma-separated, 1 among them (the baseline)")  # fmt: skip
     ap.add_argument("--step-seconds", type=float, default=None, help="with --daemons: pace "
                     "each island to one step per this many seconds (HYPERTRAIN_STEP_SECONDS)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
@@ -321,6 +368,10 @@ def main() -> None:
         ap.error(f"--topology takes REGIONSxISLANDS (1-4 regions), got {args.topology!r}")
     if args.step_seconds is not None and not args.step_seconds > 0:
         ap.error(f"--step-seconds takes a positive number of seconds, got {args.step_seconds}")
+    if not re.fullmatch(r"[1-9](,[1-9])*", args.fragments) or "1" not in args.fragments.split(","):
+        ap.error(
+            f"--fragments takes counts like 1,4 (with 1, the baseline), got {args.fragments!r}"
+        )
     if args.rounds < 2:
         ap.error("--rounds must be >= 2: the peak is taken over the steps before the last")
     res: dict[str, Any] = {
@@ -354,10 +405,10 @@ def main() -> None:
     for key, rate in (("daemons", None), ("daemons_limited", args.rate)):
         if not args.daemons or (key == "daemons_limited" and rate is None):
             continue
-        fs = (1, 2, 4)
+        fs = tuple(sorted({int(f) for f in args.fragments.split(",")}))
         runs: dict[int, list[dict[str, Any]]] = {f: [] for f in fs}
         for k in range(args.repeats):  # F's order turned by one each time
-            for f in fs[k % 3 :] + fs[: k % 3]:
+            for f in fs[k % len(fs) :] + fs[: k % len(fs)]:
                 runs[f].append(
                     daemons(
                         args.preset,
@@ -375,13 +426,20 @@ def main() -> None:
         print(f"daemons (hypertrain up {args.topology}, H_r = H_g = 30, tau = 1, {link}, "
               f"{args.repeats} runs per F), {args.preset}")  # fmt: skip
         for r in up:
+            paired(r, up[0])
+            paired(r, up[0], "blocked_net_share")
             r["blocked_share_ratio"] = r["blocked_share_max"] / up[0]["blocked_share_max"]
             r["push_peak_ratio"] = r["push_peak_bytes"] / up[0]["push_peak_bytes"]
             each = ", ".join(f"{100 * x:.1f}" for x in r["blocked_share_max_runs"])
             print(
                 f"  F = {r['fragments']}: islands blocked at most {100 * r['blocked_share_max']:.1f}% "
                 f"(runs {each}; mean over islands {100 * r['blocked_share_mean']:.1f}%; "
-                f"{r['blocked_share_ratio']:.2f} of F = 1's); per island "
+                f"{r['blocked_share_ratio']:.2f} of F = 1's; against F = 1 in the same repeat "
+                f"{100 * r['blocked_share_diff_mean']:+.2f} +- {100 * r['blocked_share_diff_se']:.2f} "
+                f"points; net of the start skew (at most {r['start_skew_s_max']:.3f} s) "
+                f"{100 * r['blocked_net_share_max']:.2f}%, against F = 1 "
+                f"{100 * r['blocked_net_share_diff_mean']:+.2f} +- "
+                f"{100 * r['blocked_net_share_diff_se']:.2f} points); per island "
                 f"{r['blocked_start_s']:.3f} s at its first merge, {r['blocked_rounds_s']:.3f} s at "
                 f"the later ones, {r['blocked_end_s']:.3f} s at the end; largest push "
                 f"{r['push_peak_bytes'] / 1024:.1f} KiB ({r['push_peak_ratio']:.3f}); "

@@ -74,9 +74,21 @@ def test_the_streaming_bench_splits_an_island_s_blocked_time_from_its_log() -> N
     assert bench.blocked_parts(log.splitlines()[-1]) == (0.0, 0.0, 1.5)
     run = {"fragments": 4, "final_digest": "d", "push_peak_bytes": 8, "save_wait_s_max": None,
            "blocked_share_max": 0.04, "blocked_share_mean": 0.02, "blocked_start_s": 0.1,
-           "blocked_rounds_s": 0.2, "blocked_end_s": 0.3, "seconds": 10.0}  # fmt: skip
+           "blocked_rounds_s": 0.2, "blocked_end_s": 0.3, "seconds": 10.0,
+           "start_skew_s_max": 0.5, "blocked_net_share_max": 0.01}  # fmt: skip
     two = bench.summarize_runs([run, run | {"blocked_share_max": 0.06, "seconds": 12.0}])
     assert two["blocked_share_max"] == pytest.approx(0.05) and two["seconds"] == 11.0
     assert two["blocked_share_max_runs"] == [0.04, 0.06] and two["runs"] == 2
+    assert two["blocked_net_share_max_runs"] == [0.01, 0.01]
     with pytest.raises(SystemExit, match="final_digest differs"):
         bench.summarize_runs([run, run | {"final_digest": "e"}])
+    # F = 4 against F = 1, repeat by repeat: mean difference and its standard error
+    base = {"blocked_share_max_runs": [0.02, 0.03, 0.04]}
+    four = {"blocked_share_max_runs": [0.03, 0.03, 0.05]}
+    bench.paired(four, base)
+    assert four["blocked_share_diff_runs"] == pytest.approx([0.01, 0.0, 0.01])
+    assert four["blocked_share_diff_mean"] == pytest.approx(0.02 / 3)
+    assert four["blocked_share_diff_se"] == pytest.approx((0.01**2 / 3 / 3) ** 0.5)
+    # an island that started 2 s before the last waited those 2 s: not the sync's
+    skew, net = bench.net_of_start_skew([2.5, 0.5], [102.0, 100.0])
+    assert skew == pytest.approx(2.0) and net == pytest.approx(0.5 / 100.0)
