@@ -80,6 +80,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,7 @@ from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.local import Observer
 from hypertrain.common.rounds.machines import Decision, Delta
 from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.procs import parse_logfmt
 
 SCHEDULES = {"flat": (30, 30), "hier": (5, 30)}
 
@@ -275,16 +277,15 @@ def daemons(
         for log in sorted((run_dir / "logs").glob("island-*.log")):
             text = log.read_text()
             parts.append(blocked_parts(text))
-            done = re.search(r"event=done .*?blocked_share=([0-9.e-]+)", text)
+            done = next(
+                (e for e in map(parse_logfmt, text.splitlines()) if e.get("event") == "done"), None
+            )
             assert done is not None, log
-            shares.append(float(done.group(1)))
-            wall = re.search(r"event=done .*?blocked_s=([0-9.e-]+) wall_s=([0-9.e-]+)", text)
-            assert wall is not None, log
-            blocked.append(float(wall.group(1)))
-            walls.append(float(wall.group(2)))
-            wait = re.search(r"event=done .*?save_wait_s=([0-9.e-]+)", text)
-            if wait is not None:
-                save_waits.append(float(wait.group(1)))
+            shares.append(float(done["blocked_share"]))
+            blocked.append(float(done["blocked_s"]))
+            walls.append(float(done["wall_s"]))
+            if "save_wait_s" in done:
+                save_waits.append(float(done["save_wait_s"]))
             for m in re.finditer(r"event=sync .*?step=(\d+) .*?bytes=(\d+)", text):
                 if int(m.group(1)) < rounds * h:
                     pushes.append(int(m.group(2)))
@@ -336,11 +337,9 @@ def paired(r: dict[str, Any], base: dict[str, Any], key: str = "blocked_share") 
     (``<key>_diff_mean``, ``<key>_diff_se``; 0 with one repeat)."""
     diffs = [a - b for a, b in zip(r[f"{key}_max_runs"], base[f"{key}_max_runs"], strict=True)]
     n = len(diffs)
-    mean = sum(diffs) / n
-    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
     r[f"{key}_diff_runs"] = diffs
-    r[f"{key}_diff_mean"] = mean
-    r[f"{key}_diff_se"] = (var / n) ** 0.5
+    r[f"{key}_diff_mean"] = statistics.fmean(diffs)
+    r[f"{key}_diff_se"] = statistics.stdev(diffs) / n**0.5 if n > 1 else 0.0
 
 
 def main() -> None:
