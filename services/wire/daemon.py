@@ -7,7 +7,10 @@ unknown tables, keys and mistyped values are refused (:func:`load_settings`).
 Log lines go to stdout, one per event, as logfmt so that both a person and
 ``hypertrain up`` read them::
 
-    event=round role=relay region=eu round=3 step=40 members=eu-0,eu-1 bytes=242688
+    event=round role=relay region=eu round=3 step=40 members=eu-0,eu-1 bytes=242688 ts=2026-12-05T09:41:02.125Z
+
+``ts``, last on every line, is when the line was written (UTC, milliseconds): a sync's
+way through an island, its relay and the aggregator can be followed across their logs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import datetime as dt
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,9 +51,19 @@ def _fmt(value: object) -> str:
     return text
 
 
+def log_time(now: float | None = None) -> str:
+    """The ``ts`` of a log line: UTC, RFC 3339 to the millisecond (``now``: a Unix time;
+    default the clock now)."""
+    when = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def log_event(event: str, **fields: object) -> None:
-    """Print one logfmt line (``event=... k=v``) to stdout and flush it."""
-    write_line(" ".join([f"event={event}"] + [f"{k}={_fmt(v)}" for k, v in fields.items()]))
+    """Print one logfmt line (``event=... k=v ... ts=...``) to stdout and flush it; ``ts``,
+    last, is when it was written (``log_time``), so lines of several daemons can be put
+    on one time line."""
+    items = [f"event={event}"] + [f"{k}={_fmt(v)}" for k, v in fields.items()]
+    write_line(" ".join([*items, f"ts={log_time()}"]))
 
 
 _STATUS_FIELDS = {"VmRSS": "rss_mib", "RssAnon": "anon_mib", "VmHWM": "peak_mib"}

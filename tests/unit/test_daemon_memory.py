@@ -1,4 +1,5 @@
-"""The memory fields every round's log line carries (services/wire/daemon.py)."""
+"""What every log line carries (services/wire/daemon.py): memory fields at each round,
+one write per line, the time it was written."""
 
 from __future__ import annotations
 
@@ -58,5 +59,29 @@ def test_lines_from_many_threads_stay_whole(capsys) -> None:  # type: ignore[no-
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1500
     evals = [x for x in lines if x.startswith("event=eval ")]
-    assert len(evals) == 1200 and all(x.endswith("heldout_loss=5.537755") for x in evals)
+    assert len(evals) == 1200 and all(" heldout_loss=5.537755 ts=" in x for x in evals)
     assert lines.count("hypertrain-aggregator listening on 127.0.0.1:43615") == 300
+
+
+def test_every_line_ends_with_the_time_it_was_written(capsys) -> None:  # type: ignore[no-untyped-def]
+    """``ts`` is the last field, UTC to the millisecond, between the clock before and after
+    the write; a field's value that looks like a time changes nothing; ``log_time`` of a
+    given Unix time is that time."""
+    import datetime as dt
+    import time
+
+    from hypertrain.procs import parse_logfmt
+    from hypertrain.wire.daemon import log_event, log_time
+
+    before = time.time()
+    log_event("round", role="relay", region="eu", message="ts=later", step=4)
+    after = time.time()
+    (line,) = capsys.readouterr().out.splitlines()
+    head, _, ts = line.rpartition(" ts=")
+    assert head == 'event=round role=relay region=eu message="ts=later" step=4'
+    assert parse_logfmt(line)["ts"] == ts and parse_logfmt(line)["step"] == "4"
+    assert len(ts) == len("2026-12-05T09:41:02.125Z") and ts.endswith("Z")
+    when = dt.datetime.fromisoformat(ts).timestamp()
+    assert int(before * 1000) / 1000 <= when <= after
+    assert log_time(1796463504.2345) == "2026-12-05T09:38:24.234Z"
+    assert log_time(0) == "1970-01-01T00:00:00.000Z"
