@@ -32,7 +32,10 @@ step to the start of the next step; the table splits it into push_wait, fetch an
 rest: applying the merge and saving the rejoin state); the figure is the median over
 islands of the syncs after the first.  Bytes on the critical path: one island's delta +
 the relay's forward (4P + header) + the merge aggregator -> relay (4P) + relay -> island
-(4P).
+(4P).  A second table splits those syncs by the daemons' log times (``ts=``,
+``split_skew``): the wait for the round's last island to finish training the step (no sync
+starts before every delta exists), then up to the relay's commit, then the rest; the
+figure less that wait is ``sync_wall_net_over_tcp``.
 
 Peak RSS of every daemon (max of VmHWM and VmRSS from /proc/<pid>/status, polled every
 0.1 s) is reported in bytes and as a multiple of m = 4P, the fp32 model size, beside the
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import json
 import multiprocessing as mp
 import os
@@ -813,6 +817,32 @@ def daemon_lines(run_dir: Path, names: Sequence[str]) -> dict[str, list[str]]:
 
 
 # -- part B: real islands ---------------------------------------------------------------
+def log_seconds(e: dict[str, str]) -> float:
+    """A log line's ``ts`` (services/wire/daemon.py ``log_time``) as a Unix time."""
+    return dt.datetime.fromisoformat(e["ts"]).timestamp()
+
+
+def split_skew(syncs: list[dict[str, Any]], commits: dict[int, float]) -> None:
+    """Add to each sync of part B (each with ``step``, ``sync_s`` and ``end``, the Unix
+    time of its log line) what of it was waiting for the round's other islands to finish
+    training the step (``skew_s``: the last island's end of training less its own; no
+    sync can start before every delta exists), the rest (``net_s``), and of that the part
+    up to the relay's commit of the step (``to_commit_s``; ``commits``: step -> time of
+    the relay's ``event=round`` line, the latest relay's with several regions) and after
+    it (``after_commit_s``)."""
+    trained: dict[int, float] = {}
+    for s in syncs:
+        s["trained"] = s["end"] - s["sync_s"]
+        trained[s["step"]] = max(trained.get(s["step"], s["trained"]), s["trained"])
+    for s in syncs:
+        last = trained[s["step"]]
+        s["skew_s"] = last - s["trained"]
+        s["net_s"] = s["sync_s"] - s["skew_s"]
+        if s["step"] in commits:
+            s["to_commit_s"] = commits[s["step"]] - last
+            s["after_commit_s"] = s["net_s"] - s["to_commit_s"]
+
+
 def run_sync_wall(
     mcfg: ModelConfig,
     regions: tuple[str, ...],
@@ -859,10 +889,17 @@ def run_sync_wall(
                         - float(e["push_wait_s"])
                         - float(e["fetch_s"]),
                         "bytes": int(e["bytes"]),
+                        "end": log_seconds(e),
                     }
                 )
     if not syncs:
         raise RuntimeError(f"no event=sync lines in {run_dir / 'logs'}")
+    commits: dict[int, float] = {}
+    for _, src, e in events.items:
+        if src.startswith("relay-") and e.get("event") == "round":
+            step = int(e["step"])
+            commits[step] = max(commits.get(step, 0.0), log_seconds(e))
+    split_skew(syncs, commits)
     first = min(s["step"] for s in syncs)
     used = [s for s in syncs if s["step"] != first] or syncs
     sync_s = statistics.median(s["sync_s"] for s in used)
@@ -888,6 +925,12 @@ def run_sync_wall(
         "median_push_wait_s": statistics.median(s["push_wait_s"] for s in used),
         "median_fetch_s": statistics.median(s["fetch_s"] for s in used),
         "median_rest_s": statistics.median(s["rest_s"] for s in used),
+        # the same syncs less the wait for the round's last island to finish training
+        "median_skew_s": statistics.median(s["skew_s"] for s in used),
+        "median_net_s": statistics.median(s["net_s"] for s in used),
+        "net_ratio": statistics.median(s["net_s"] for s in used) / tcp_s,
+        "median_to_commit_s": statistics.median(s.get("to_commit_s", 0.0) for s in used),
+        "median_after_commit_s": statistics.median(s.get("after_commit_s", 0.0) for s in used),
         "delta_bytes": delta_bytes,
         "forward_bytes": fwd_bytes,
         "tcp_s": tcp_s,
@@ -1255,6 +1298,21 @@ def main(argv: list[str] | None = None) -> int:
             "applying the merge), as in part A; serial: what every island of the case, "
             "syncing at once, writes and computes, done one after another on one core)"
         )
+        print(f"\n{'case':<14}{'skew':>8}{'net_s':>8}{'commit':>8}{'after':>8}{'net ratio':>11}")
+        for c in cases:
+            print(
+                f"{c['case']:<14}{c['median_skew_s']:>8.2f}{c['median_net_s']:>8.2f}"
+                f"{c['median_to_commit_s']:>8.2f}{c['median_after_commit_s']:>8.2f}"
+                f"{c['net_ratio']:>11.1f}"
+            )
+        print(
+            "(skew: of sync_s, the wait for the round's last island to finish training the "
+            "step, before which no sync can start (islands sharing these cores drift apart); "
+            "net_s: the rest, from the last island's end of training to the island's next "
+            "step; commit: of that, until its relay committed the step (the deltas pushed, "
+            "summed and the forward made); after: the forward, the aggregator's round and "
+            "the merge's way back; medians of the same syncs)"
+        )
     if rss_rows:
         print(f"\n## peak RSS (m = {m / 2**20:.0f} MiB)")
         print(
@@ -1288,6 +1346,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "relay_e2e_over_tcp": int8["ratio"] if int8 else None,
             "sync_wall_over_tcp": max(c["ratio"] for c in cases) if cases else None,
+            # the same, less the wait for the round's last island's training (split_skew)
+            "sync_wall_net_over_tcp": max(c["net_ratio"] for c in cases) if cases else None,
             "config": {
                 "P": P,
                 "m_bytes": m,

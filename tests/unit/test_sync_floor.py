@@ -106,3 +106,22 @@ def test_a_rows_floor_is_the_larger_of_disk_and_work_over_its_tcp_time() -> None
     assert row["cpu_floor_over_tcp"] == 2.5 and row["serial_over_tcp"] == 5.5
     bench.put_floors(row, 6.0, 5.0, 11.0)
     assert row["floor_over_tcp"] == 3.0
+
+
+def test_part_b_splits_off_the_wait_for_the_round_s_last_island() -> None:
+    """Two islands end their training of step 4 at 100.0 and 101.5 (a log line's time less
+    its sync_s); both take the merge at 108.0 and the relay commits at 103.0: the first
+    waited 1.5 s for the second's delta, which no sync could save; the rest is the same
+    for both, and 1.5 s of it is up to the commit."""
+    syncs = [
+        {"island": "eu-0", "step": 4, "sync_s": 8.0, "end": 108.0},
+        {"island": "eu-1", "step": 4, "sync_s": 6.5, "end": 108.0},
+        {"island": "eu-0", "step": 6, "sync_s": 5.0, "end": 120.0},
+    ]
+    bench.split_skew(syncs, {4: 103.0})
+    assert [s["skew_s"] for s in syncs] == [1.5, 0.0, 0.0]
+    assert [s["net_s"] for s in syncs] == [6.5, 6.5, 5.0]
+    assert [s.get("to_commit_s") for s in syncs] == [1.5, 1.5, None]
+    assert [s.get("after_commit_s") for s in syncs] == [5.0, 5.0, None]
+    line = "event=sync role=island step=4 sync_s=6.5 ts=2026-12-05T09:38:24.234Z"
+    assert bench.log_seconds(bench.parse_logfmt(line)) == 1796463504.234
