@@ -13,10 +13,13 @@ only ``train_step`` / ``params`` / ``load_params`` are its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment
 from hypertrain.common.roles import IslandState
 
 TOY_NUMEL = 4096
@@ -43,8 +46,15 @@ def _target(seed: int, index: int, step: int) -> torch.Tensor:
 class ToyIsland(IslandState):
     """An island whose model is a vector (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, island_id: str, theta0: torch.Tensor) -> None:
-        super().__init__(cfg, island_id, theta0)
+    def __init__(
+        self,
+        cfg: RunConfig,
+        island_id: str,
+        theta0: torch.Tensor,
+        fragments: Sequence[Fragment] | None = None,
+    ) -> None:
+        """``fragments``: the run's streaming fragments (``IslandState``)."""
+        super().__init__(cfg, island_id, theta0, fragments)
         self.theta = theta0.clone()
 
     def train_step(self) -> float:

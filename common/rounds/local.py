@@ -325,8 +325,12 @@ class IslandActor(_Client):
         if self.state_path is not None and self.state_path.exists():
             self.rounds.load_rejoin_state(load_state(self.state_path))
         self.wake: Callable[[], None] | None = None  # the sleeping training loop, if any
-        self.push_step: int | None = None  # the sync step whose push is not acknowledged
-        self.unacked: set[int] = set()  # ... by these relay shards
+        self.push_step: int | None = None  # a push is not acknowledged (the latest's step)
+        self.unacked: set[tuple[int, int]] = set()
+        """The pushes not acknowledged, as (sync step, index among the step's deltas): with
+        streaming fragments an island pushes one fragment's delta while an earlier step's,
+        another fragment's, may still be on its way (tau > 0); every one is asked until it
+        is answered, and the island fetches once all are."""
         self.parts: dict[int, Committed] = {}  # the merge being fetched, by shard
         self.waiting: list[PendingMerge[int]] = []
         self.sync_next = False  # the last step's sync waits for the merges in ``waiting``
@@ -438,7 +442,8 @@ class IslandActor(_Client):
         deltas = self.rounds.after_step()
         if deltas:
             self.sends += 1
-            self.push_step, self.unacked = deltas[0].sync_step, set(range(len(deltas)))
+            self.push_step = deltas[0].sync_step
+            self.unacked |= {(self.push_step, i) for i in range(len(deltas))}
         for i, delta in enumerate(deltas):
             if self.key is not None:
                 delta = delta.signed(self.key.sign(delta.transfer_message()))
@@ -452,12 +457,14 @@ class IslandActor(_Client):
     def _push(self, shard: int, name: str, delta: Delta) -> None:
         """Push ``delta`` to relay ``name`` (``shard``: its index among this step's pushes)."""
         relay = self.cluster.relays[name]
+        slot = f"push{delta.sync_step}.{shard}"  # its own: a later push does not cancel it
 
         def on_reply(d: Decision) -> bool:
             # Stale: the step closed without this island at its cutoff; like the daemon,
             # it takes the step's merge instead (its delta is not aggregated).
             if d.accepted or d.stale:
-                self.unacked.discard(shard)
+                self.calls.pop(slot, None)  # answered: the slot is not asked on again
+                self.unacked.discard((delta.sync_step, shard))
                 if not self.unacked:
                     self.push_step = None
                     self._next()
@@ -467,7 +474,7 @@ class IslandActor(_Client):
             raise _refused(self.name, f"push of step {delta.sync_step}", d)
 
         self.ask(
-            f"push{shard}",
+            slot,
             relay,
             lambda: relay.endpoint.push(delta),
             on_reply,

@@ -81,3 +81,57 @@ def test_ten_thousand_toy_schedules() -> None:
 def test_twenty_tiny_schedules() -> None:
     s = run_seeds(range(20), model="tiny", processes=2)
     assert not s.violations, [(o.seed, o.violation) for o in s.violations[:5]]
+
+
+def test_a_fragment_s_lost_push_is_asked_again_while_the_island_pushes_the_next() -> None:
+    """tau = 1, two fragments: fragment 1 syncs at steps 1, 3, 5 and fragment 0 at 2, 4, 6.
+    Island b-0's push of step 1 is lost; it trains on (tau = 1) and pushes step 2 to the
+    other fragment's relay meanwhile.  The lost push is asked again, and the run ends on
+    the fault-free run's parameters (before, the second push took the first one's retry
+    slot and the run never ended)."""
+    from hypertrain.common.config import RunConfig
+    from hypertrain.common.fragments import run_fragments
+    from hypertrain.common.rounds.local import Cluster
+    from hypertrain.common.toy import ToyIsland, toy_layout, toy_parameters
+    from hypertrain.common.trust.ledger import flat_digest
+
+    cfg = RunConfig.from_dict(
+        {
+            "run_id": "lost-push",
+            "model": "toy",
+            "steps": 6,
+            "fragments": 2,
+            "topology": {
+                "regions": ["a", "b"],
+                "islands_per_region": 1,
+                "h_r": 2,
+                "h_g": 2,
+                "tau": 1,
+            },
+        }
+    )
+    frags = run_fragments(cfg, toy_layout())
+    theta0 = toy_parameters(cfg)
+
+    class LoseFirstPush:
+        def __init__(self) -> None:
+            self.lost: list[float] = []
+
+        def deliveries(self, src: str, dst: str, now: float) -> list[float]:
+            if (src, dst) == ("b-0", "relay-b.f1") and not self.lost:
+                self.lost.append(now)
+                return []
+            return [now]
+
+    def cluster(policy: object = None) -> Cluster:
+        return Cluster(cfg, theta0, lambda i: ToyIsland(cfg, i, theta0, frags),
+                       fragments=frags, policy=policy)  # type: ignore[arg-type]  # fmt: skip
+
+    want = flat_digest(cluster().run_lockstep())
+    policy = LoseFirstPush()
+    lossy = cluster(policy)
+    for island in lossy.islands.values():
+        lossy.start_training(island, 0.5)
+    lossy.drive(10_000)
+    assert policy.lost == [0.5]  # the push of step 1, at its first step's end
+    assert flat_digest(lossy.final_theta()) == want
