@@ -177,7 +177,9 @@ class Observer:
 
     def committed(self, node: str, effect: Effect) -> None: ...
 
-    def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None: ...
+    def applied(
+        self, island: str, kind: str, sync_step: int, base: torch.Tensor, fragment: int = 0
+    ) -> None: ...
 
     def finished(self, island: str, theta: torch.Tensor) -> None: ...
 
@@ -533,7 +535,7 @@ class IslandActor(_Client):
                     self.later(RETRY, lambda: self._fetch(step, kind, fragment))
                 elif parts[0].sync_step != step or self.healing is not None:
                     self.healing = None
-                    self._healed(parts[0], self.rounds.join(parts, fragment=fragment))
+                    self._healed(parts[0], self.rounds.join(parts, fragment=fragment), fragment)
                 else:
                     self._merged(parts[0], self.rounds.join(parts, fragment=fragment))
             return True
@@ -558,19 +560,19 @@ class IslandActor(_Client):
             return
         pm = self.waiting.pop(0)
         self.rounds.apply(pm, payload)
-        obs.applied(self.name, pm.kind, pm.sync_step, self.core.base)
+        obs.applied(self.name, pm.kind, pm.sync_step, self.core.base, pm.item)
         if pm.kind == "global" and not self.sync_next:  # not before the last step's sync
             self._save()
         self._next()
 
-    def _healed(self, merge: Committed, payload: torch.Tensor) -> None:
+    def _healed(self, merge: Committed, payload: torch.Tensor, fragment: int = 0) -> None:
         """Left behind (the relay answered with a newer global merge), or joining (the
         merge its join named): rejoin from it."""
         obs = self.cluster.observer
         self.waiting = []
         self.final_wait = False
         self.rounds.heal(merge.sync_step, payload)
-        obs.applied(self.name, merge.kind, merge.sync_step, self.core.base)
+        obs.applied(self.name, merge.kind, merge.sync_step, self.core.base, fragment)
         if self.rounds.finished:  # it rejoined at the run's end: the final merge
             self.done = True
             obs.finished(self.name, self.core.params())

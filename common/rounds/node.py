@@ -42,6 +42,7 @@ from hypertrain.common import planted
 from hypertrain.common.aggregate import Commitment
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError, HypertrainError
+from hypertrain.common.fragments import run_fragments
 from hypertrain.common.roles import RegionCore, initial_parameters
 from hypertrain.common.rounds.machines import (
     INVALID,
@@ -570,8 +571,55 @@ class RelayNode(_Node):
     ) -> Decision | Committed | None:
         got = super()._lookup(run_id, requester, sync_step, kind)
         if got is None and kind != "global":
-            return self._recomputed(sync_step)
+            got = self._recomputed(sync_step)
+        if got is None and kind != "regional":
+            got = self._kept_global(sync_step)
         return got
+
+    def _kept_global(self, sync_step: int) -> Committed | None:
+        """A global merge older than the newest held: with streaming fragments an island
+        saves its rejoin state with another fragment's global merge still to take, and one
+        that dies in the last step's sync (its last deltas pushed) asks for it again after
+        the relay moved on to the final merge.  Served from this relay's checkpoint of its
+        round, checked against its ``global_applied`` entry (None: no such checkpoint)."""
+        m = self.machine
+        s = m.schedule
+        held = [t for t, c in m.merges.items() if c.kind == "global"]
+        if (
+            self.store is None
+            or s.sync_kind(sync_step) != "global"
+            or not held
+            or sync_step >= max(held)
+        ):
+            return None
+        path = self.store.folder / "checkpoints" / f"round-{s.round_of(sync_step):06d}.pt"
+        if not path.is_file():
+            return None
+        snap, _, _ = self._read_checkpoint(path)
+        if snap.sync_step != sync_step:
+            return None
+        digest = flat_digest(snap.theta)
+        taped = [
+            r.theta
+            for r in records(self.store.entries())
+            if isinstance(r, GlobalAppliedEntry) and r.sync_step == sync_step
+        ]
+        if not taped or any(t != digest for t in taped):
+            raise HypertrainError(
+                f"relay {self.member}: its checkpoint of the global merge of step {sync_step} "
+                f"holds {digest[:16]}, its global_applied entries record {taped}"
+            )
+        return Committed(
+            "global",
+            s.round_of(sync_step),
+            sync_step,
+            s.merge_step(sync_step),
+            snap.commitment,
+            snap.theta,
+            "global",
+            None,
+            payload_digest=digest,
+        )
 
     def _recomputed(self, sync_step: int) -> Committed | None:
         """A regional merge no longer held in memory (an island restarted from its last
@@ -629,8 +677,11 @@ class RelayNode(_Node):
         current = m.schedule.round_of(max(applied)) + 1 if applied else 0
         if g == current:
             return m.core.theta
-        if g == 0:
-            _, theta0 = initial_parameters(self.cfg)
+        if g == 0:  # the initial parameters of this relay's range: of its fragment's
+            layout, theta0 = initial_parameters(self.cfg)
+            if self.fragment is not None:
+                part = run_fragments(self.cfg, layout)[self.fragment]
+                theta0 = theta0[part.lo : part.hi]
             a, b = m.bounds
             return theta0[a:b]
         assert self.store is not None

@@ -30,7 +30,7 @@ from hypertrain.common.reference import model_cluster, open_dataset, run_referen
 from hypertrain.common.roles import IslandCore, IslandState, initial_parameters
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.local import Crash
-from hypertrain.common.rounds.machines import INVALID, Delta, RelayMachine
+from hypertrain.common.rounds.machines import INVALID, Committed, Delta, RelayMachine
 from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.schedule import PendingMerge, Schedule
 from hypertrain.common.toy import ToyIsland, toy_layout, toy_parameters
@@ -650,7 +650,9 @@ def test_a_process_that_dies_in_a_fragment_round_resumes_on_the_same_state(
         return crash
 
     class Watch(Restarter):
-        def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
+        def applied(
+            self, island: str, kind: str, sync_step: int, base: torch.Tensor, fragment: int = 0
+        ) -> None:
             if island == victim and kind == "global":
                 seen[0] += 1
                 if seen[0] == nth:
@@ -675,3 +677,92 @@ def test_a_process_that_dies_in_a_fragment_round_resumes_on_the_same_state(
     for r in cluster.relays.values():
         r._drop()
     assert audit_run(tmp_path, TRUSTED).summary().startswith("audit OK: complete")
+
+
+def test_a_relay_recomputes_a_round_0_merge_of_its_own_fragment(tmp_path: Path) -> None:
+    """An island restarted from its last global state asks again for the regional merges
+    of the round it retrains; a relay that no longer holds one recomputes it from the
+    round's first parameters.  In round 0 those are the initial ones of its fragment's
+    range, not of the model's first values (fragment 1 of 2, offset 2 with h_g = 4, has a
+    regional step 1 in its short round 0; found by the fault simulation)."""
+    from hypertrain.common.rounds.local import Cluster
+    from hypertrain.common.trust.ledger import flat_digest
+
+    cfg = RunConfig.from_dict(
+        {
+            "run_id": "recompute",
+            "model": "toy",
+            "steps": 8,
+            "fragments": 2,
+            "topology": {"regions": ["a"], "islands_per_region": 2, "h_r": 1, "h_g": 4},
+        }
+    )
+    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
+    frags = run_fragments(cfg, toy_layout())
+    theta0 = toy_parameters(cfg)
+    cluster = Cluster(cfg, theta0, lambda i: ToyIsland(cfg, i, theta0, frags), fragments=frags,
+                      run_dir=tmp_path, keys=keys, trusted=TrustedKeys.of(keys.values()))  # fmt: skip
+    cluster.run_lockstep()
+    for name in ("relay-a.f0", "relay-a.f1"):
+        node = cluster.relays[name].node
+        schedule = node.machine.schedule
+        regional = [t for t in range(1, 5) if schedule.sync_kind(t) == "regional"]
+        assert regional  # round 0 (and 1) hold regional steps of this fragment
+        for step in regional:
+            again = node._recomputed(step)
+            assert again is not None and flat_digest(again.payload) == node.machine.bases[step]
+
+
+def test_a_relay_serves_an_older_global_merge_from_its_checkpoint(tmp_path: Path) -> None:
+    """tau = 1, two fragments: an island saves its rejoin state with fragment 1's global
+    merge of step 5 still to take; dead in the last step's sync, its last deltas pushed,
+    it asks for that merge again after the relay holds only the final one.  The relay
+    serves it from its checkpoint of that round, the bits it served then (before: "not
+    committed yet", for ever; found by the fault simulation, seed 795); a checkpoint that
+    does not hash to its global_applied entry is refused by name."""
+    from hypertrain.common.rounds.local import Cluster
+    from hypertrain.common.rounds.store import load_state
+    from hypertrain.common.trust.ledger import flat_digest
+
+    cfg = RunConfig.from_dict(
+        {
+            "run_id": "older-global",
+            "model": "toy",
+            "steps": 6,
+            "fragments": 2,
+            "topology": {"regions": ["a"], "islands_per_region": 2, "h_r": 2, "h_g": 2,
+                         "tau": 1},
+        }
+    )  # fmt: skip
+    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
+    frags = run_fragments(cfg, toy_layout())
+    theta0 = toy_parameters(cfg)
+    served: dict[int, str] = {}
+
+    class Watch:
+        def committed(self, node: str, effect: object) -> None: ...
+        def pushed(self, *args: object) -> None: ...
+        def finished(self, *args: object) -> None: ...
+        def crashed(self, *args: object) -> None: ...
+
+        def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor,
+                    fragment: int = 0) -> None:  # fmt: skip
+            if fragment == 1 and kind == "global":
+                served[sync_step] = flat_digest(base[frags[1].lo : frags[1].hi])
+
+    cluster = Cluster(cfg, theta0, lambda i: ToyIsland(cfg, i, theta0, frags), fragments=frags,
+                      run_dir=tmp_path, keys=keys, trusted=TrustedKeys.of(keys.values()),
+                      observer=Watch())  # type: ignore[arg-type]  # fmt: skip
+    cluster.run_lockstep()
+    node = cluster.relays["relay-a.f1"].node
+    assert sorted(t for t, c in node.machine.merges.items() if c.kind == "global") == [6]
+    got = node.fetch(cfg.run_id, "a-0", 5, "global")
+    assert isinstance(got, Committed) and got.sync_step == 5 and got.receipts
+    assert flat_digest(got.payload) == got.payload_digest == served[5]
+    assert node.fetch(cfg.run_id, "a-0", 6, "global").payload_digest != served[5]  # type: ignore[union-attr]
+    path = node.store.folder / "checkpoints" / "round-000002.pt"  # type: ignore[union-attr]
+    state = load_state(path)
+    state["theta"] = state["theta"] + 1.0
+    torch.save(state, path)
+    with pytest.raises(HypertrainError, match="its checkpoint of the global merge of step 5"):
+        node.fetch(cfg.run_id, "a-0", 5, "global")
