@@ -83,6 +83,31 @@ def test_twenty_tiny_schedules() -> None:
     assert not s.violations, [(o.seed, o.violation) for o in s.violations[:5]]
 
 
+def test_fragment_schedules_break_no_invariant() -> None:
+    """Streaming fragments are drawn in the schedules that have none of what they do not
+    combine with: 2 and 3 fragments, with tau > 0, with LAWA and with each anneal.  The
+    first 24 such seeds include the six that broke before an island's push, lost on the
+    way while it pushed another fragment's, was asked again (``IslandActor._push``) and
+    before the checker took each fragment's own anneal step; seeds 405, 634, 656 and 796
+    broke before a relay recomputed a round-0 merge from its own fragment's initial
+    values, and 795 before a relay served an older global merge from its checkpoint
+    (``RelayNode._round_start``, ``RelayNode._kept_global``)."""
+    import random
+
+    from hypertrain.sim.chaos.faults import draw_config
+
+    seeds = [s for s in range(200) if draw_config(random.Random(s), s).fragments > 1]
+    drawn = [draw_config(random.Random(s), s) for s in seeds]
+    assert {c.fragments for c in drawn} == {2, 3}
+    assert any(c.topology.tau > 0 for c in drawn) and any(c.lawa for c in drawn)
+    assert {c.anneal for c in drawn} >= {"full_m", "h_r1", "islands:1"}
+    assert {1, 37, 75, 161, 187, 196} <= set(seeds)
+    seeds += [405, 634, 656, 795, 796]
+    assert all(draw_config(random.Random(s), s).fragments > 1 for s in seeds)
+    bad = [(s, o.violation) for s in seeds if (o := run_schedule(s)).violation is not None]
+    assert len(seeds) >= 20 and not bad, bad
+
+
 def test_a_fragment_s_lost_push_is_asked_again_while_the_island_pushes_the_next() -> None:
     """tau = 1, two fragments: fragment 1 syncs at steps 1, 3, 5 and fragment 0 at 2, 4, 6.
     Island b-0's push of step 1 is lost; it trains on (tau = 1) and pushes step 2 to the

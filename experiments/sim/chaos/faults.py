@@ -1,7 +1,8 @@
 """What goes wrong in one fault schedule, drawn from its seed.
 
 A seed fixes everything: the cluster (regions, islands, sync intervals, tau, codecs,
-outer optimizer, relay shards per region), the network (per message: delay, loss, duplication; partitions of
+outer optimizer, relay shards per region, membership, LAWA, the anneal, streaming
+fragments), the network (per message: delay, loss, duplication; partitions of
 links for a while), and the crashes (nodes killed between events and restarted after
 a while, and crash points inside a node's durable writes where it dies mid-sequence).
 Two runs of one seed make the same choices in the same order, so any failure is
@@ -14,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 
 from hypertrain.common.config import TOY_MODEL, RunConfig
+from hypertrain.common.errors import ConfigError
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.rounds.local import Crash
 from hypertrain.common.schedule import anneal_start
@@ -67,31 +69,41 @@ def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunCon
         if shards == 1 and "standby" not in membership and start:
             modes += [f"islands:{n}" for n in (1, 2) if n < n_regions * n_r]
         anneal = anneal_rng.choice(modes)
-    return RunConfig.from_dict(
-        {
-            "run_id": f"chaos-{seed}",
-            "lawa": min(lawa, rounds),
-            "anneal": anneal,
-            "model": model,
-            # One data seed for every schedule: the faults differ by seed, and the
-            # fault-free result of a cluster shape is then computed once per process.
-            "seed": 0,
-            "steps": h_r * k * rounds,
-            "batch_per_island": 2,
-            "holdout_windows": 8,
-            "regional_codec": codec,
-            "topology": {
-                "regions": list(REGIONS[:n_regions]),
-                "islands_per_region": n_r,
-                "h_r": h_r,
-                "h_g": h_r * k,
-                "tau": tau,
-                "relay_shards": shards,
-            },
-            "outer": {"name": outer},
-            "membership": membership,
-        }
-    )
+    # Streaming fragments (2 or 3, at most h_g) in half the schedules that have none of
+    # what fragments do not combine with yet (relay shards, cutoffs, standby islands),
+    # likewise from a generator of their own.
+    fragments = 1
+    if shards == 1 and not membership:
+        fragments = min(random.Random(f"fragments-{seed}").choice((1, 1, 2, 3)), h_r * k)
+    d = {
+        "run_id": f"chaos-{seed}",
+        "lawa": min(lawa, rounds),
+        "anneal": anneal,
+        "model": model,
+        # One data seed for every schedule: the faults differ by seed, and the
+        # fault-free result of a cluster shape is then computed once per process.
+        "seed": 0,
+        "steps": h_r * k * rounds,
+        "batch_per_island": 2,
+        "holdout_windows": 8,
+        "regional_codec": codec,
+        "topology": {
+            "regions": list(REGIONS[:n_regions]),
+            "islands_per_region": n_r,
+            "h_r": h_r,
+            "h_g": h_r * k,
+            "tau": tau,
+            "relay_shards": shards,
+        },
+        "outer": {"name": outer},
+        "membership": membership,
+    }
+    if fragments > 1:
+        try:
+            return RunConfig.from_dict({**d, "fragments": fragments})
+        except ConfigError:  # an anneal some fragment has no global sync before
+            pass
+    return RunConfig.from_dict(d)
 
 
 @dataclass
@@ -122,7 +134,8 @@ class Churn:
             for i in cfg.membership.initial(topo.islands_of(r))
             if len(cfg.membership.initial(topo.islands_of(r))) >= 2 and i not in kept
         ]
-        if topo.relay_shards == 1 and can and rng.random() < 0.3:
+        # (Nor with streaming fragments: no joins or leaves there yet.)
+        if topo.relay_shards == 1 and cfg.fragments == 1 and can and rng.random() < 0.3:
             island = rng.choice(can)
             leave = (island, rng.uniform(0, horizon / 3))
             if rng.random() < 0.5:

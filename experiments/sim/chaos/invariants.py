@@ -12,7 +12,8 @@ After every event (a message delivered, a step trained, a node crashed or restar
 3. Every committed aggregate is recomputable from its committed inputs: the published
    blobs of its members give the same fixed-order mean and commitment.
 4. Every island that applies the merge of sync step s holds the same base as every
-   other island that applied it, and as the node that committed it.
+   other island that applied it, and as the node that committed it (with streaming
+   fragments: the same range of it, the merge's fragment's).
 5. Every island ends on the same final parameters.
 
 At the end of the schedule (runner.py): the run completed; the final digest equals the
@@ -55,9 +56,10 @@ class Checker(Observer):
         on_crash: Callable[[str], None] = lambda name: None,
         shards: Shards | None = None,
         standby: tuple[str, ...] = (),
-        anneal: tuple[int, tuple[str, ...]] | None = None,
+        anneal: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
     ) -> None:
-        """``anneal``: an ``islands:K`` anneal's first step and the islands it keeps."""
+        """``anneal``: an ``islands:K`` anneal's first step (each streaming fragment's, in
+        fragment order: one when the run is not split) and the islands it keeps."""
         self.members = cluster_members  # node name -> its configured members
         self.anneal = anneal
         self.standby = standby  # islands that are not members when the run starts
@@ -122,6 +124,7 @@ class Checker(Observer):
             raise Violation(f"{node} committed step {effect.sync_step} twice, differently")
         self._recompute(node, effect)
         group = "*" if effect.level == "global" else self._group_of(node)
+        group += self._part_of(node)
         post = getattr(effect.record, "post_base", None) or getattr(
             effect.record, "post_state", None
         )
@@ -139,13 +142,22 @@ class Checker(Observer):
                     members.add(c.member)
                 else:
                     members.discard(c.member)
-        if self.anneal is not None and step > self.anneal[0]:
+        if self.anneal is not None and step > self.anneal[0][self._fragment_of(node)]:
             # after an islands:K anneal starts: its islands, and the regions they are in
             kept = set(self.anneal[1]) | {i.rpartition("-")[0] for i in self.anneal[1]}
             members &= kept
         return tuple(sorted(members))
 
-    def applied(self, island: str, kind: str, sync_step: int, base: torch.Tensor) -> None:
+    def applied(
+        self, island: str, kind: str, sync_step: int, base: torch.Tensor, fragment: int = 0
+    ) -> None:
+        assert self.cluster is not None
+        frags = self.cluster.fragments
+        if frags is not None:  # streaming fragments: each one's base is its range
+            group = "*" if kind == "global" else island.rpartition("-")[0]
+            part = base.view(-1)[frags[fragment].lo : frags[fragment].hi]
+            self._same_base(f"{group}.f{fragment}", sync_step, flat_digest(part), island)
+            return
         if kind == "global" or self.shards is None or not self.shards.sharded:
             group = "*" if kind == "global" else island.rpartition("-")[0]
             self._same_base(group, sync_step, flat_digest(base), island)
@@ -154,6 +166,18 @@ class Checker(Observer):
         for i, (a, b) in enumerate(self.shards.all_bounds()):
             group = self.shards.member(region, i)
             self._same_base(group, sync_step, flat_digest(base.view(-1)[a:b]), island)
+
+    def _part_of(self, node: str) -> str:
+        """What a node's base groups add when the run is split into streaming fragments:
+        its fragment (``.f1``; "" when not split)."""
+        assert self.cluster is not None
+        return "" if self.cluster.fragments is None else f".f{self._fragment_of(node)}"
+
+    def _fragment_of(self, node: str) -> int:
+        """The streaming fragment a node serves (0 when the run is not split)."""
+        assert self.cluster is not None
+        fragment = getattr(self.cluster.actors[node], "fragment", None)
+        return 0 if fragment is None else int(fragment.index)
 
     def _group_of(self, node: str) -> str:
         """Who shares the base a relay commits: its region's islands (a relay shard: the

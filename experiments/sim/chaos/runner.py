@@ -37,6 +37,8 @@ from hypertrain.common import planted
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
+from hypertrain.common.flat import ParamLayout
+from hypertrain.common.fragments import Fragment, run_fragments
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, IslandState, initial_parameters
 from hypertrain.common.rounds.local import (
@@ -73,11 +75,20 @@ class Outcome:
     """Joins and leaves taped by the relays."""
 
 
-def _core_factory(cfg: RunConfig, theta0: torch.Tensor) -> Callable[[str], IslandState]:
+def _core_factory(
+    cfg: RunConfig, theta0: torch.Tensor, frags: list[Fragment] | None
+) -> Callable[[str], IslandState]:
     if cfg.model == TOY_MODEL:
-        return lambda i: ToyIsland(cfg, i, theta0)
+        return lambda i: ToyIsland(cfg, i, theta0, frags)
     stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, cfg.seed)
-    return lambda i: IslandCore(cfg, i, stream, theta0)
+    return lambda i: IslandCore(cfg, i, stream, theta0, fragments=frags)
+
+
+def _cluster(cfg: RunConfig, layout: ParamLayout, theta0: torch.Tensor, **kwargs: Any) -> Cluster:
+    """The in-process cluster of ``cfg`` (``kwargs``: Cluster's own), its nodes cut into
+    the run's streaming fragments when it has several."""
+    frags = run_fragments(cfg, layout) if cfg.fragments > 1 else None
+    return Cluster(cfg, theta0, _core_factory(cfg, theta0, frags), fragments=frags, **kwargs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,7 +103,8 @@ def fault_free_digest(cfg: RunConfig) -> str:
 
 
 def fault_free_lawa(cfg: RunConfig) -> str:
-    """The digest of the LAWA average ``cfg`` publishes without faults ("" without LAWA)."""
+    """The digest of the LAWA average ``cfg`` publishes without faults ("" without LAWA;
+    with streaming fragments, each fragment's, joined by commas: ``lawa_digests``)."""
     return _fault_free(_shape(cfg))[1]
 
 
@@ -108,13 +120,17 @@ def _fault_free(cfg_json: str) -> tuple[str, str]:
     was = planted.active()
     planted.enable(None)
     try:
-        _, theta0 = initial_parameters(cfg)
-        cluster = Cluster(cfg, theta0, _core_factory(cfg, theta0))
-        final = flat_digest(cluster.run_lockstep())
-        averaged = cluster.aggregator.node.averaged
-        return final, "" if averaged is None else averaged.record.average
+        cluster = _cluster(cfg, *initial_parameters(cfg))
+        return flat_digest(cluster.run_lockstep()), lawa_digests(cluster)
     finally:
         planted.enable(was)
+
+
+def lawa_digests(cluster: Cluster) -> str:
+    """The LAWA averages the aggregator published (each fragment's, in fragment order),
+    by digest, joined by commas; "" while none is."""
+    averaged = [a.node.averaged for a in cluster.aggregators]
+    return ",".join(a.record.average for a in averaged if a is not None)
 
 
 @contextlib.contextmanager
@@ -155,30 +171,40 @@ def _run(
     log: Callable[[str], None] | None,
 ) -> None:
     topo = cfg.topology
-    _, theta0 = initial_parameters(cfg)
+    layout, theta0 = initial_parameters(cfg)
     shards = cfg.shards(theta0.numel())
     relay_members = shards.members(topo.regions)  # a region, or its shards "a/0", "a/1"
-    relay_names = [relay_key(m) for m in relay_members]
-    names = ["aggregator", *relay_names, *topo.island_ids()]
+    # Each node, or with streaming fragments each fragment's part of it ("aggregator.f1")
+    parts = [None] if cfg.fragments == 1 else list(range(cfg.fragments))
+    relay_names = [Cluster.fragment_name(relay_key(m), f) for f in parts for m in relay_members]
+    aggregators = [Cluster.fragment_name("aggregator", f) for f in parts]
+    names = [*aggregators, *relay_names, *topo.island_ids()]
     step_times = {i: rng.uniform(*STEP_TIME) for i in topo.island_ids()}
     horizon = cfg.steps * STEP_TIME[1] * 2
     faults = Faults.draw(rng, names, horizon)
-    members = {"aggregator": relay_members}
-    members.update({relay_key(m): topo.islands_of(shards.split(m)[0]) for m in relay_members})
+    members = {a: relay_members for a in aggregators}
+    members.update(
+        {
+            Cluster.fragment_name(relay_key(m), f): topo.islands_of(shards.split(m)[0])
+            for f in parts
+            for m in relay_members
+        }
+    )
     restarts: list[str] = []
     kept = cfg.anneal_kept()
+    starts = tuple(s for s in cfg.anneal_starts if s is not None)  # each fragment's
     checker = Checker(
         members,
         on_crash=restarts.append,
         shards=shards,
         standby=cfg.membership.standby,
-        anneal=None if kept is None or cfg.anneal_step is None else (cfg.anneal_step, kept),
+        anneal=None if kept is None or len(starts) != cfg.fragments else (starts, kept),
     )
     keys, trusted = _keys(tuple(daemon_key_names(topo)))
-    cluster = Cluster(
+    cluster = _cluster(
         cfg,
+        layout,
         theta0,
-        _core_factory(cfg, theta0),
         run_dir=run_dir,
         keys=keys,
         trusted=trusted,
@@ -236,7 +262,7 @@ def _run(
     final = flat_digest(cluster.final_theta())
     # Absences the checker did not see (a merge redone by a recovery is not observed)
     # are in the machines, which rebuilt them from their tapes.
-    levels = [cluster.aggregator.node.machine.level]
+    levels = [a.node.machine.level for a in cluster.aggregators]
     levels += [r.node.machine.level for r in cluster.relays.values()]
     if not checker.absences and any(lv.absent_at or lv.skipped for lv in levels):
         checker.absences = 1
@@ -247,9 +273,7 @@ def _run(
         want = fault_free_digest(cfg)
         if final != want:
             raise Violation(f"final digest {final[:16]} != the fault-free run's {want[:16]}")
-        averaged = cluster.aggregator.node.averaged
-        got = "" if averaged is None else averaged.record.average
-        if got != (want := fault_free_lawa(cfg)):
+        if (got := lawa_digests(cluster)) != (want := fault_free_lawa(cfg)):
             raise Violation(
                 f"LAWA average {got[:16] or 'none'} != the fault-free run's {want[:16]}"
             )
@@ -259,10 +283,12 @@ def _run(
     for relay in cluster.relays.values():
         if not relay.alive:  # killed after the run needed it (a region an anneal left):
             relay.restart()  # its supervisor starts it once more; it resumes from its tape
-    nodes = [cluster.aggregator.node, *(r.node for r in cluster.relays.values())]
-    for actor, node in zip((cluster.aggregator, *cluster.relays.values()), nodes, strict=True):
-        if actor.alive:
-            node.close()
+    for a in cluster.aggregators:
+        if a.alive:
+            a.node.close()
+    for r in cluster.relays.values():
+        if r.alive:
+            r.node.close()
     relays = {m: run_dir / relay_key(m) for m in sorted(relay_members)}
     try:
         Auditor(RunLayout(cfg, run_dir / "aggregator", relays), trusted).run()
