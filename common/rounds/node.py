@@ -572,16 +572,19 @@ class RelayNode(_Node):
         got = super()._lookup(run_id, requester, sync_step, kind)
         if got is None and kind != "global":
             got = self._recomputed(sync_step)
-        if got is None and kind != "regional":
+        if got is None and kind != "regional" and self.cfg.fragments > 1:
             got = self._kept_global(sync_step)
         return got
 
     def _kept_global(self, sync_step: int) -> Committed | None:
-        """A global merge older than the newest held: with streaming fragments an island
+        """A global merge older than the newest held, with streaming fragments: an island
         saves its rejoin state with another fragment's global merge still to take, and one
         that dies in the last step's sync (its last deltas pushed) asks for it again after
         the relay moved on to the final merge.  Served from this relay's checkpoint of its
-        round, checked against its ``global_applied`` entry (None: no such checkpoint)."""
+        round, checked against its ``global_applied`` entry (None: no such checkpoint).
+        Not in a run without fragments: there an island never waits for a global merge
+        older than its rejoin state, and one that asks for one was left behind at a cutoff
+        and takes the newest instead (``newer``); fragments do not combine with cutoffs."""
         m = self.machine
         s = m.schedule
         held = [t for t, c in m.merges.items() if c.kind == "global"]

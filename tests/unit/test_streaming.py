@@ -766,3 +766,28 @@ def test_a_relay_serves_an_older_global_merge_from_its_checkpoint(tmp_path: Path
     torch.save(state, path)
     with pytest.raises(HypertrainError, match="its checkpoint of the global merge of step 5"):
         node.fetch(cfg.run_id, "a-0", 5, "global")
+
+
+def test_without_fragments_an_older_global_merge_is_not_served_again(tmp_path: Path) -> None:
+    """Without fragments an island never waits for a global merge older than its rejoin
+    state; one that asks for one was left behind at a cutoff and must take the newest
+    instead (``RelayNode.newer``), so the relay does not serve the old one from its
+    checkpoint (it did, for a moment: the daemons' churn test caught it)."""
+    from hypertrain.common.rounds.local import Cluster
+
+    cfg = RunConfig.from_dict(
+        {
+            "run_id": "no-older-global",
+            "model": "toy",
+            "steps": 6,
+            "topology": {"regions": ["a"], "islands_per_region": 2, "h_r": 2, "h_g": 2},
+        }
+    )
+    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
+    theta0 = toy_parameters(cfg)
+    cluster = Cluster(cfg, theta0, lambda i: ToyIsland(cfg, i, theta0), run_dir=tmp_path,
+                      keys=keys, trusted=TrustedKeys.of(keys.values()))  # fmt: skip
+    cluster.run_lockstep()
+    node = cluster.relays["relay-a"].node
+    assert (node.store.folder / "checkpoints" / "round-000001.pt").is_file()  # type: ignore[union-attr]
+    assert node._lookup(cfg.run_id, "a-0", 4, "global") is None
