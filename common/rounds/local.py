@@ -327,7 +327,6 @@ class IslandActor(_Client):
         if self.state_path is not None and self.state_path.exists():
             self.rounds.load_rejoin_state(load_state(self.state_path))
         self.wake: Callable[[], None] | None = None  # the sleeping training loop, if any
-        self.push_step: int | None = None  # a push is not acknowledged (the latest's step)
         self.unacked: set[tuple[int, int]] = set()
         """The pushes not acknowledged, as (sync step, index among the step's deltas): with
         streaming fragments an island pushes one fragment's delta while an earlier step's,
@@ -422,7 +421,7 @@ class IslandActor(_Client):
         if not self.alive or self.done or not self.member:
             return
         self.leaving = True
-        if self.push_step is not None or self.joining:
+        if self.unacked or self.joining:
             self.later(RETRY, self.leave)
             return
         self._member_call(LEAVE)
@@ -444,8 +443,7 @@ class IslandActor(_Client):
         deltas = self.rounds.after_step()
         if deltas:
             self.sends += 1
-            self.push_step = deltas[0].sync_step
-            self.unacked |= {(self.push_step, i) for i in range(len(deltas))}
+            self.unacked |= {(deltas[0].sync_step, i) for i in range(len(deltas))}
         for i, delta in enumerate(deltas):
             if self.key is not None:
                 delta = delta.signed(self.key.sign(delta.transfer_message()))
@@ -468,7 +466,6 @@ class IslandActor(_Client):
                 self.calls.pop(slot, None)  # answered: the slot is not asked on again
                 self.unacked.discard((delta.sync_step, shard))
                 if not self.unacked:
-                    self.push_step = None
                     self._next()
                 return True
             if d.code == PRECONDITION:
@@ -489,7 +486,7 @@ class IslandActor(_Client):
         if self.ready and self.wake is not None:
             wake, self.wake = self.wake, None
             wake()
-        if self.push_step is not None:
+        if self.unacked:  # its own pushes first
             return
         if self.rounds.finished and self.rounds.stops_early and not self.done:
             self.rounds.stop()  # its last delta is in: an anneal does not keep it
