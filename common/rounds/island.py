@@ -267,8 +267,15 @@ class IslandRounds:
         (``IslandState.heal``), with nothing pending, and is a member again from the next
         sync step (at the run's last step, ``payload`` is the final state).  A joining
         island takes the merge its join names the same way (a regional one when it joins
-        a region that no member holds)."""
-        if not self.schedule.is_sync_step(sync_step, "regional") or sync_step < self.core.step:
+        a region that no member holds).  An island an ``islands:K`` anneal stops, left
+        behind past its own last step (the run went on to a later global merge while its
+        last delta was refused as stale), takes that merge and is finished: it has nothing
+        left to push, and nothing it trains counts."""
+        past_end = self.stops_early and sync_step >= self.last_step
+        if (
+            not (past_end or self.schedule.is_sync_step(sync_step, "regional"))
+            or sync_step < self.core.step
+        ):
             raise HypertrainError(
                 f"island {self.core.island_id}: cannot rejoin at step {sync_step} from step "
                 f"{self.core.step}"

@@ -319,6 +319,8 @@ class IslandActor(_Client):
         self.sends = 0
         self.member = island_id in cluster.cfg.membership.initial((island_id,))
         """Is it a member, as far as its relay's last answer said?"""
+        self.training: int | None = None
+        """The incarnation whose training loop runs (``Cluster.start_training``)."""
         self._start()
 
     def _start(self) -> None:
@@ -928,8 +930,16 @@ class Cluster:
 
     def start_training(self, island: IslandActor, step_time: float) -> None:
         """Let ``island`` train one step every ``step_time`` virtual seconds whenever it is
-        not waiting (this incarnation: a crash ends the loop; call again after a restart)."""
-
+        not waiting (this incarnation: a crash ends the loop; call again after a restart).
+        One loop per incarnation: a second start of the same one is refused, as a second
+        daemon on the same folder would be."""
+        if not island.alive:
+            raise HypertrainError(f"island {island.name} is down: restart it first")
+        if island.training == island.incarnation:
+            raise HypertrainError(
+                f"island {island.name} already trains (incarnation {island.incarnation})"
+            )
+        island.training = island.incarnation
         island.begin()
 
         def run() -> None:

@@ -11,6 +11,8 @@ first 12 (the checker folds the taped joins and leaves itself).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hypertrain.cli import main
@@ -106,6 +108,48 @@ def test_fragment_schedules_break_no_invariant() -> None:
     assert all(draw_config(random.Random(s), s).fragments > 1 for s in seeds)
     bad = [(s, o.violation) for s in seeds if (o := run_schedule(s)).violation is not None]
     assert len(seeds) >= 20 and not bad, bad
+
+
+def test_the_seeds_that_broke_past_the_first_thousand_pass() -> None:
+    """Seeds 1542 and 2379 crashed a standby island before it had started, so it started
+    early on its restart and a second time, in the same incarnation, at its join; seed
+    1137 brought a crashed leaver back and restarted it again for its crash.  Two
+    training loops in one island sent a second join and fetched one merge twice
+    (``IndexError`` in ``IslandActor._merged``).  Seed 2374: an island an ``islands:1``
+    anneal stops, left behind at a cutoff, was answered with the final merge, past its
+    own last step ("cannot rejoin at step 9 from step 3": ``IslandRounds.heal``)."""
+    bad = [(s, o.violation) for s in (1137, 1542, 2374, 2379) if (o := run_schedule(s)).violation]
+    assert not bad, bad
+
+
+def test_an_island_trains_in_one_loop_per_incarnation(tmp_path: Path) -> None:
+    """A second training loop in the same incarnation is refused by name (as a second
+    daemon on one folder would be); after a crash and restart it may train again."""
+    from hypertrain.common.config import RunConfig
+    from hypertrain.common.errors import HypertrainError
+    from hypertrain.common.rounds.local import Cluster
+    from hypertrain.common.toy import ToyIsland, toy_parameters
+
+    cfg = RunConfig.from_dict(
+        {
+            "model": "toy",
+            "steps": 4,
+            "topology": {"regions": ["a"], "islands_per_region": 1, "h_r": 2, "h_g": 4},
+        }
+    )
+    theta0 = toy_parameters(cfg)
+    cluster = Cluster(cfg, theta0, lambda i: ToyIsland(cfg, i, theta0), run_dir=tmp_path)
+    island = cluster.islands["a-0"]
+    cluster.start_training(island, 1.0)
+    with pytest.raises(HypertrainError, match="a-0 already trains"):
+        cluster.start_training(island, 1.0)
+    island.crash()
+    with pytest.raises(HypertrainError, match="a-0 is down"):
+        cluster.start_training(island, 1.0)
+    island.restart()
+    cluster.start_training(island, 1.0)
+    cluster.drive(100_000)
+    assert island.done
 
 
 def test_a_fragment_s_lost_push_is_asked_again_while_the_island_pushes_the_next() -> None:

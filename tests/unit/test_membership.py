@@ -345,6 +345,31 @@ def test_an_island_heals_to_the_later_global_merge() -> None:
         rounds.heal(6, later)  # not a global sync step, and behind
 
 
+def test_an_island_an_anneal_stops_heals_past_its_last_step_and_is_finished() -> None:
+    """An ``islands:1`` anneal stops b-0 at step 12.  Left behind at step 4 (its delta
+    stale at the global cutoff), it is answered with the run's final merge of step 16:
+    it takes it and is finished, with nothing left to push (before, "cannot rejoin at
+    step 16 from step 4" stopped its driver; fault simulation, seed 2374)."""
+    cfg = TOY.with_overrides(anneal="islands:1")
+    _, theta0 = initial_parameters(cfg)
+    island = ToyIsland(cfg, "b-0", theta0)
+    rounds = IslandRounds(island, cfg.run_id)
+    assert rounds.stops_early and rounds.last_step == 12
+    for _ in range(4):
+        island.train_step()
+    rounds.after_step()  # pushes step 4; its merge is pending
+    final = theta0 + 0.5
+    rounds.heal(16, final)
+    assert island.step == 16 and rounds.finished and not any(rounds.pendings)
+    assert torch.equal(island.base, final) and rounds.final_due() is None
+    rounds.stop()  # what an island the anneal stops does last
+    kept = IslandRounds(ToyIsland(cfg, "a-0", theta0), cfg.run_id)
+    with pytest.raises(HypertrainError, match="cannot rejoin"):
+        kept.heal(15, final)  # a kept island: not a sync step
+    with pytest.raises(HypertrainError, match="cannot rejoin"):
+        rounds.heal(12, final)  # behind where it stands
+
+
 def test_a_relay_that_rejoined_resumes_after_dying_before_its_entry(
     tmp_path: Path, theta0: torch.Tensor
 ) -> None:

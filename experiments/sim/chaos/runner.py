@@ -42,6 +42,7 @@ from hypertrain.common.fragments import Fragment, run_fragments
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, IslandState, initial_parameters
 from hypertrain.common.rounds.local import (
+    Actor,
     Cluster,
     IslandActor,
     ProtocolFailure,
@@ -217,12 +218,19 @@ def _run(
     net.trace = log
 
     churn = Churn.draw(out.seed, cfg, horizon)
+    unstarted: set[str] = set()  # a standby island before its start: no process to kill
     for island in cluster.islands.values():
         if churn.join is None or island.name != churn.join[0]:
             cluster.start_training(island, step_times[island.name])
     if churn.join is not None:  # the standby island starts, and joins, mid-run
         joiner = cluster.islands[churn.join[0]]
-        net.at(churn.join[1], lambda: cluster.start_training(joiner, step_times[joiner.name]))
+        unstarted.add(joiner.name)
+
+        def join() -> None:
+            unstarted.discard(joiner.name)
+            cluster.start_training(joiner, step_times[joiner.name])
+
+        net.at(churn.join[1], join)
     if churn.leave is not None:  # an island leaves (SIGTERM), and perhaps comes back
         leaver = cluster.islands[churn.leave[0]]
         net.at(churn.leave[1], leaver.leave)
@@ -236,9 +244,14 @@ def _run(
                     restart()
 
             net.at(churn.back, back)
+
+    def kill(victim: Actor) -> None:
+        if victim.name not in unstarted:
+            victim.crash()
+
     for _ in range(rng.randrange(0, 4)):  # crashes between events
         victim = cluster.actors[rng.choice(names)]
-        net.at(rng.uniform(0, horizon), victim.crash)
+        net.at(rng.uniform(0, horizon), functools.partial(kill, victim))
 
     def after_event() -> None:
         for name in restarts:  # every crash (between events or at a crash point) restarts later
@@ -306,6 +319,8 @@ def _restart(
     net = cluster.net
 
     def restart() -> None:
+        if actor.alive:  # already started again (a leaver brought back after its crash)
+            return
         if log:
             log(f"t={net.now:.2f} restart {name}")
         actor.restart()
