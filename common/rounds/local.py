@@ -554,8 +554,7 @@ class IslandActor(_Client):
                 self._next()
                 return
             self.final_wait = False
-            self.done = True
-            obs.finished(self.name, self.core.params())
+            self._finished()
             return
         pm = self.waiting.pop(0)
         self.rounds.apply(pm, payload)
@@ -573,11 +572,39 @@ class IslandActor(_Client):
         self.rounds.heal(merge.sync_step, payload)
         obs.applied(self.name, merge.kind, merge.sync_step, self.core.base, fragment)
         if self.rounds.finished:  # it rejoined at the run's end: the final merge
-            self.done = True
-            obs.finished(self.name, self.core.params())
+            if self.rounds.stops_early:  # (an anneal stopped it: not a member at the end)
+                self.done = True
+                obs.finished(self.name, self.core.params())
+            else:
+                self._finished()
             return
         self._save()
         self._next()
+
+    def _finished(self) -> None:
+        """It holds the run's final state: report it to each of its relays (every shard,
+        every fragment's), as the island daemon does; a relay's work ends once every
+        member of the last step has (``RelayNode.applied``)."""
+        self.done = True
+        self.cluster.observer.finished(self.name, self.core.params())
+        for name in dict.fromkeys(n for names in self.fragment_relays for n in names):
+            self._report_final(name)
+
+    def _report_final(self, name: str) -> None:
+        relay, steps, slot = self.cluster.relays[name], self.cluster.cfg.steps, f"report.{name}"
+
+        def reported(d: Decision | None) -> bool:
+            if d is None:
+                self.calls.pop(slot, None)  # answered: the slot is not asked on again
+                return True
+            if d.code == PRECONDITION:
+                return False
+            raise _refused(self.name, "report of the final state", d)
+
+        def request() -> Decision | None:  # the relay's endpoint now (it may restart)
+            return relay.endpoint.report_applied(self.name, steps)
+
+        self.ask(slot, relay, request, reported, f"report {steps}")
 
     def _save(self) -> None:
         """After a global merge: the state this island rejoins from after a crash (with
@@ -821,8 +848,6 @@ class _Served(LocalUpstream):
             # The answer travels as bytes would: a relay's regional payload is its live
             # base, which its next merge moves, possibly before a late answer arrives.
             got = dataclasses.replace(got, payload=got.payload.clone())
-        if isinstance(got, Committed) and self.node.machine.schedule.is_final(got.sync_step):
-            self.node.fetched_final(requester)
         return got
 
 
@@ -922,10 +947,12 @@ class Cluster:
 
     @property
     def complete(self) -> bool:
-        """Every island (but those gone) holds the final state and every relay reported it
-        to the aggregator."""
-        return all(i.done for n, i in self.islands.items() if n not in self.gone) and all(
-            a.alive and a.node.all_final() for a in self.aggregators
+        """Every island (but those gone) holds the final state and reported it to its
+        relays, and every relay reported it to the aggregator: each node's work is over."""
+        return (
+            all(i.done for n, i in self.islands.items() if n not in self.gone)
+            and all(a.alive and a.node.all_final() for a in self.aggregators)
+            and all(r.alive and r.node.all_final() for r in self.relays.values())
         )
 
     def start_training(self, island: IslandActor, step_time: float) -> None:

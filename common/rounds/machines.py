@@ -1028,7 +1028,10 @@ class RelayMachine:
                 return Decision(INVALID, f"no trusted key {key!r} for {req.member}")
             if not good:
                 return Decision(INVALID, f"bad signature on the {req.change} of {req.member}")
-        if self.done:
+        # A member of the run's end that asks again (restarted before it had the final
+        # merge) is still a member: it goes on to fetch that merge, and its relay waits
+        # for its report (``RelayNode.applied``).
+        if self.done and not (req.change == JOIN and lv.is_in(req.member)):
             return Decision(INVALID, f"the run is complete: nothing to {req.change}", over=True)
         return None
 

@@ -332,14 +332,31 @@ class _Node:
             return None
         return self.machine.merge_for(newest, requester)
 
-    def fetched_final(self, requester: str) -> bool:
-        """Record that ``requester`` holds the run's final merge; True once every member does.
+    def applied(self, requester: str, step: int) -> Decision | None:
+        """A member reports the global merge of ``step`` applied and kept at its end (a
+        relay its final checkpoint, an island its final state).
 
-        Called when the merge's last byte is handed to the transport, before the fetch is
-        answered: the final state is made durable here first (``settle``).  Else a relay
-        that serves the merge while it writes it down (``on_global(defer=True)``) could
-        keep the mark of a fetch that its crash cut off; restarted, it redoes the round
-        and ends the run counting that member, which asks again and finds no relay."""
+        A node's work ends when every member has reported the run's last step, not when
+        each fetched it: the last byte handed to the transport says nothing of a member
+        killed before it kept the merge, which fetches it again after its restart and
+        must find its node still there.  Any other step is acknowledged and changes
+        nothing."""
+        if requester not in self.machine.level.roster:  # an anneal may leave it idle
+            return Decision(FORBIDDEN, f"{requester!r} is not a member of this {self.role}")
+        if step == self.cfg.steps:
+            if self.machine.merge_for(step) is None:
+                return Decision(PRECONDITION, f"the last step {step} is not applied here yet")
+            self.fetched_final(requester)
+        return None
+
+    def fetched_final(self, requester: str) -> bool:
+        """Record that ``requester`` holds the run's final merge (``applied``); True once
+        every member does.
+
+        The node's own final state is made durable first (``settle``).  Else a relay that
+        serves the merge while it writes it down (``on_global(defer=True)``) could keep
+        the mark of a member that its crash cut off; restarted, it redoes the round and
+        ends the run counting that member, which asks again and finds no relay."""
         self.settle()
         if requester not in self.finals:
             if self.store is not None:
@@ -910,19 +927,6 @@ class AggregatorNode(_Node):
         (switch,) = anneal_switch(m.schedule, self.cfg, last)
         assert isinstance(switch, Switched)
         return switch
-
-    def applied(self, requester: str, step: int) -> Decision | None:
-        """A relay reports the global merge of ``step`` applied and durable at its end.
-
-        The aggregator's work ends when every relay has reported the run's last step (not
-        when each fetched it: a relay killed before its checkpoint fetches it again)."""
-        if requester not in self.machine.level.roster:  # an anneal may leave it idle
-            return Decision(FORBIDDEN, f"{requester!r} is not a relay of this run")
-        if step == self.cfg.steps:
-            if self.machine.merge_for(step) is None:
-                return Decision(PRECONDITION, f"the last step {step} is not applied here yet")
-            self.fetched_final(requester)
-        return None
 
     def recover(self) -> bool:
         """Resume from ``state.pt`` and the tape after it; False on a fresh start."""

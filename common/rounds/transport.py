@@ -102,9 +102,7 @@ class LocalUpstream:
         return self.node.fetch(self.node.cfg.run_id, requester, sync_step, kind)
 
     def report_applied(self, requester: str, step: int) -> Decision | None:
-        if isinstance(self.node, AggregatorNode):
-            return self.node.applied(requester, step)
-        return None
+        return self.node.applied(requester, step)
 
     def member(self, request: MemberRequest) -> Decision:
         if not isinstance(self.node, RelayNode):

@@ -29,6 +29,7 @@ broadcasts each merge to the others; every rank applies it at the same step.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -83,6 +84,8 @@ SAVE_COPY_ENV = "HYPERTRAIN_SAVE_COPY_BYTES"
 #: of its own accelerators has (bench/bench_streaming.py ``--step-seconds``); it changes
 #: no bit of the run, only when its steps start.
 STEP_SECONDS_ENV = "HYPERTRAIN_STEP_SECONDS"
+FINAL_REPORT_WAIT_S = 60.0
+"""How long an island keeps reporting its final state to a relay that is down."""
 
 
 class Island:
@@ -329,6 +332,9 @@ class Island:
             raise
 
     def _run(self) -> str:
+        done = self._finished_before()
+        if done is not None:
+            return done
         rounds = self.rounds
         push: Future[None] = _done()
         sent = 0
@@ -440,6 +446,10 @@ class Island:
         else:  # finish() loaded the parameters from the base: its digest is theirs, with
             # no copy of the model made to compute it
             digest = state_digest(self.core.layout.unflatten(self.core.base))
+            fault_point("island_before_final_mark")
+            self._mark_final(digest)
+            fault_point("island_before_final_report")
+            self._report_final()
         if self.ranks is not None:
             self.ranks.check_equal(digest)
         wall = time.perf_counter() - t_start
@@ -460,6 +470,55 @@ class Island:
             ranks=1 if self.ranks is None else self.ranks.size,
         )
         return digest
+
+    @property
+    def _final_path(self) -> Path | None:
+        """``final``: written once this island holds the run's final state (its digest)."""
+        return None if self.state_path is None else self.state_path.parent / "final"
+
+    def _mark_final(self, digest: str) -> None:
+        """Keep that this island holds the final state before reporting it: started
+        again after its report (its relay may be gone by then), it only reports again."""
+        path = self._final_path
+        if path is not None and self.lead:
+            mark = {"run_id": self.cfg.run_id, "config": self.cfg.digest, "digest": digest}
+            atomic_write(path, json.dumps(mark, sort_keys=True).encode())
+
+    def _finished_before(self) -> str | None:
+        """Started again after it held the final state: report it (again) and end with
+        its digest; None when it has not finished yet."""
+        path = self._final_path
+        if path is None or not path.exists():
+            return None
+        mark = json.loads(path.read_text())
+        if mark.get("run_id") != self.cfg.run_id or mark.get("config") != self.cfg.digest:
+            raise ConfigError(f"{path} belongs to another run or config")
+        self._report_final()
+        self._log("done", role="island", island=self.island_id, step=self.cfg.steps,
+                  digest=mark["digest"], resumed=True)  # fmt: skip
+        return str(mark["digest"])
+
+    def _report_final(self) -> None:
+        """Report the final state kept to each relay it fetched it from (every shard, or
+        every fragment's relay): a relay ends once every member of the last step has
+        (``RelayNode.applied``).  Kept trying while a relay is down, for a while: the
+        island holds the final state either way."""
+        relays = self.fragment_relays or self.relays
+        if not relays or not self.lead:
+            return
+        give_up = time.monotonic() + FINAL_REPORT_WAIT_S
+
+        def report(relay: Patient) -> None:
+            try:
+                relay.report_applied(
+                    self.island_id, self.cfg.steps, lambda: time.monotonic() > give_up
+                )
+            except WireError as e:
+                self._log("warning", role="island", island=self.island_id,
+                          message=f"report of the final state not taken: {e}")  # fmt: skip
+
+        for relay in relays:
+            report(relay)
 
     def _member_request(self, change: str) -> MemberRequest:
         """A signed join or leave, issued now: later than any this island asked before

@@ -48,7 +48,7 @@ from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
-from hypertrain.wire.rounds import Intake, MergeBoard
+from hypertrain.wire.rounds import Intake, MergeBoard, refusal
 from hypertrain.wire.server import Shutdown, fragment_of, maps_errors, push_fragment
 from hypertrain.wire.tls import PLAINTEXT, Callers, Security
 from hypertrain.wire.upstream import GrpcUpstream, Patient
@@ -176,12 +176,8 @@ class RelayService:
             context,
         )
         header = self.board.header(merge)
+        # The final merge counts once its island reports it kept (Status), not here.
         yield from merge_chunks(header, merge.payload)
-        # merge.sync_step: a member left behind may be answered with the final merge
-        if merge.kind == "global" and node.machine.schedule.is_final(merge.sync_step):
-            with self.board.cond:
-                node.fetched_final(request.requester)
-            self.board.check_final(node, RELAY_DONE)
 
     @maps_errors
     def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
@@ -206,6 +202,13 @@ class RelayService:
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         m = self.node.machine
+        if request.requester or request.applied_step:  # an island reports a merge applied
+            self.callers.check(context, request.requester, "report")
+            with self.board.cond:
+                refused = self.node.applied(request.requester, request.applied_step)
+            if refused is not None:
+                raise refusal(refused)
+            self.board.check_final(self.node, RELAY_DONE)
         with self.board.cond:
             return pb.StatusReply(
                 run_id=self.cfg.run_id,

@@ -330,3 +330,32 @@ def test_a_pending_join_goes_through_when_the_rest_of_its_region_leaves(
         (LEAVE, "a-1"),
     ]
     assert a2.done and cluster.relays["relay-a"].node.done
+
+
+def test_a_relay_ends_when_each_member_reported_the_final_state(theta0: torch.Tensor) -> None:
+    """A relay counts an island as holding the final state when it reports it
+    (``RelayNode.applied``), not when the merge went out: an island killed in between
+    joins again after its restart, is told it is a member (not that the run is over),
+    fetches the merge once more and reports.  An island that is not a member at the
+    end is still told the run is over."""
+    from hypertrain.common.rounds.machines import PRECONDITION
+    from hypertrain.common.rounds.node import FORBIDDEN
+
+    node = RelayNode(CFG, "eu", theta0, None)
+    relay, n = node.machine, theta0.numel()
+    assert node.applied("us-0", 40).code == FORBIDDEN  # type: ignore[union-attr]
+    assert node.applied("eu-0", 40).code == PRECONDITION  # type: ignore[union-attr]
+    for step in range(5, 41, 5):
+        for k in (0, 1):
+            relay.on_delta(_delta(n, f"eu-{k}", step))
+        if step % 10 == 0:
+            _global(relay, step)
+    assert relay.done and not node.all_final()
+    assert node.applied("eu-0", 30) is None and not node.finals  # another step: nothing
+    again = relay.on_member(_req(JOIN, "eu-1", issued=1))[0]
+    assert again.accepted and again.duplicate and not again.over
+    late = relay.on_member(_req(JOIN, "eu-2", issued=1))[0]
+    assert not late.accepted and late.over and "the run is complete" in late.reason
+    assert node.applied("eu-0", 40) is None and not node.all_final()
+    assert node.applied("eu-0", 40) is None and node.finals == {"eu-0"}  # again: the same
+    assert node.applied("eu-1", 40) is None and node.all_final()
