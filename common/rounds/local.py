@@ -492,8 +492,7 @@ class IslandActor(_Client):
             return
         if self.rounds.finished and self.rounds.stops_early and not self.done:
             self.rounds.stop()  # its last delta is in: an anneal does not keep it
-            self.done = True
-            self.cluster.observer.finished(self.name, self.core.params())
+            self._finished()
             return
         if self.waiting:
             head = self.waiting[0]
@@ -572,21 +571,20 @@ class IslandActor(_Client):
         self.rounds.heal(merge.sync_step, payload)
         obs.applied(self.name, merge.kind, merge.sync_step, self.core.base, fragment)
         if self.rounds.finished:  # it rejoined at the run's end: the final merge
-            if self.rounds.stops_early:  # (an anneal stopped it: not a member at the end)
-                self.done = True
-                obs.finished(self.name, self.core.params())
-            else:
-                self._finished()
+            self._finished()
             return
         self._save()
         self._next()
 
     def _finished(self) -> None:
-        """It holds the run's final state: report it to each of its relays (every shard,
-        every fragment's), as the island daemon does; a relay's work ends once every
-        member of the last step has (``RelayNode.applied``)."""
+        """Its work is over.  Holding the run's final state, it reports that to each of
+        its relays (every shard, every fragment's), as the island daemon does: a relay's
+        work ends once every member of the last step has (``RelayNode.applied``).  An
+        island an ``islands:K`` anneal stopped is no member at the end: no report."""
         self.done = True
         self.cluster.observer.finished(self.name, self.core.params())
+        if self.rounds.stops_early:
+            return
         for name in dict.fromkeys(n for names in self.fragment_relays for n in names):
             self._report_final(name)
 

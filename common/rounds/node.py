@@ -20,7 +20,8 @@ Durability order (a crash may come between any two steps; ``crash(point)`` marks
 - a relay's global update: ``checkpoints/round-N.pt`` first (it holds the new
   parameters, which are not on the relay's tape), then the ``global_applied`` entry;
   with ``on_global(defer=True)`` the update is fetchable before both, and every push,
-  rejection, close or record of a final fetch (``fetched_final``) settles them first.
+  rejection, close or record of a member's final report (``record_final``) settles them
+  first.
 
 Restart (``recover``): load the latest checkpoint into a fresh machine, replay the tape
 after it through ``replay.py`` (every redone merge checked bit for bit against its
@@ -346,10 +347,10 @@ class _Node:
         if step == self.cfg.steps:
             if self.machine.merge_for(step) is None:
                 return Decision(PRECONDITION, f"the last step {step} is not applied here yet")
-            self.fetched_final(requester)
+            self.record_final(requester)
         return None
 
-    def fetched_final(self, requester: str) -> bool:
+    def record_final(self, requester: str) -> bool:
         """Record that ``requester`` holds the run's final merge (``applied``); True once
         every member does.
 

@@ -51,7 +51,7 @@ from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
-from hypertrain.wire.rounds import Intake, MergeBoard, refusal
+from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import (
     PartShutdown,
     Shutdown,
@@ -371,10 +371,7 @@ class AggregatorService:
         m = self.node.machine
         if request.requester or request.applied_step:
             self.callers.check(context, request.requester, "report")
-            with self.board.cond:
-                refused = self.node.applied(request.requester, request.applied_step)
-            if refused is not None:
-                raise refusal(refused)
+            self.intake.report(request.requester, request.applied_step)
             self._check_final()
         with self.board.cond:
             return pb.StatusReply(

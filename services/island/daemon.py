@@ -507,8 +507,7 @@ class Island:
         if not relays or not self.lead:
             return
         give_up = time.monotonic() + FINAL_REPORT_WAIT_S
-
-        def report(relay: Patient) -> None:
+        for relay in relays:
             try:
                 relay.report_applied(
                     self.island_id, self.cfg.steps, lambda: time.monotonic() > give_up
@@ -516,9 +515,6 @@ class Island:
             except WireError as e:
                 self._log("warning", role="island", island=self.island_id,
                           message=f"report of the final state not taken: {e}")  # fmt: skip
-
-        for relay in relays:
-            report(relay)
 
     def _member_request(self, change: str) -> MemberRequest:
         """A signed join or leave, issued now: later than any this island asked before

@@ -48,7 +48,7 @@ from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.peers import Peer
-from hypertrain.wire.rounds import Intake, MergeBoard, refusal
+from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, fragment_of, maps_errors, push_fragment
 from hypertrain.wire.tls import PLAINTEXT, Callers, Security
 from hypertrain.wire.upstream import GrpcUpstream, Patient
@@ -204,10 +204,7 @@ class RelayService:
         m = self.node.machine
         if request.requester or request.applied_step:  # an island reports a merge applied
             self.callers.check(context, request.requester, "report")
-            with self.board.cond:
-                refused = self.node.applied(request.requester, request.applied_step)
-            if refused is not None:
-                raise refusal(refused)
+            self.intake.report(request.requester, request.applied_step)
             self.board.check_final(self.node, RELAY_DONE)
         with self.board.cond:
             return pb.StatusReply(

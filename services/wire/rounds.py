@@ -264,6 +264,15 @@ class Intake:
         trim_heap()
         return pb.PushAck(digest=rx.digest)
 
+    def report(self, requester: str, step: int) -> None:
+        """A member's report that it applied and keeps the merge of ``step`` (an island
+        to its relay, a relay to the aggregator): recorded under the lock
+        (``applied``); a refusal is raised as its gRPC status."""
+        with self.board.cond:
+            refused = self.node.applied(requester, step)
+        if refused is not None:
+            raise refusal(refused)
+
     def member(self, request: MemberRequest) -> Decision:
         """An island's join or leave (a relay's intake): decided and taped under the lock;
         a refusal is raised as its gRPC status (nothing taped: it changes nothing)."""
