@@ -497,7 +497,7 @@ class RelayNode(_Node):
 
         ``defer``: only apply them (the merge is fetchable at once) and leave the checkpoint
         and the tape entry to ``write_checkpoint`` / ``settle``, which the driver calls
-        next, outside its lock, so that islands fetch the merge while the relay writes it;
+        next, outside its lock, so that islands fetch the merge before the relay writes it;
         any push, rejection or close settles first, so the tape order is the same.  A crash
         before the entry is taped loses nothing: the restarted relay sends its forward
         again and the aggregator, which keeps its last round, answers it the same."""

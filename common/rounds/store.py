@@ -21,7 +21,12 @@ memory).  A store opened with ``defer=True`` (the aggregator daemon) writes the
 checkpoints its node marks deferrable on a background thread, after the round's tape
 entry: the node calls ``settle()`` before it changes any tensor a pending checkpoint
 refers to, and a restart that finds the entry but not its checkpoint replays the round
-from the tape and the published inputs (the node's ``recover``).
+from the tape and the published inputs (the node's ``recover``).  With ``hold_s`` such a
+write also waits, up to that long, for ``release()``: the daemon releases it once every
+member has downloaded the round's merge, so that writing the model down does not take
+the cores from serving it (both are CPU work: the state's bytes copied into the page
+cache, beside the merge's hashing and copies on the receivers' side); ``settle()``
+releases what is held first.
 """
 
 from __future__ import annotations
@@ -138,11 +143,15 @@ class NodeStore:
         crash: Crash = no_crash,
         checkpoint_every: int | None = None,
         defer: bool = False,
+        hold_s: float = 0.0,
+        writer_init: Callable[[], None] | None = None,
     ) -> None:
         """``key``: the node's signing key; without one nothing is taped (and a restart
         cannot resume).  ``checkpoint_every``: tape entries between signed tape checkpoints
         (None: the tape's default).  ``defer``: write deferrable checkpoints on a background
-        thread (see the module docstring)."""
+        thread; ``hold_s``: each of them first waits up to this long for ``release()`` (see
+        the module docstring); ``writer_init``: run first on that thread (e.g. to lower
+        its CPU priority)."""
         self.folder = folder
         self.sync = sync
         self.crash = crash
@@ -160,9 +169,15 @@ class NodeStore:
         self.blobs = PublishedFolder(self.published)
         self.closed = False
         self._writer = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if defer else None
+            ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="checkpoint", initializer=writer_init
+            )
+            if defer
+            else None
         )
         self._pending: list[Future[None]] = []
+        self.hold_s = hold_s
+        self._held: list[threading.Event] = []
 
     @property
     def taped(self) -> bool:
@@ -204,9 +219,35 @@ class NodeStore:
         store opened with ``defer``): the tensors in ``state`` must then stay unchanged
         until ``settle()``."""
         if deferrable and self._writer is not None:
-            self._pending.append(self._writer.submit(self._write, round_, state, copy_as))
+            gate = threading.Event()
+            if self.hold_s > 0:
+                self._held.append(gate)
+            else:
+                gate.set()
+            self._pending.append(
+                self._writer.submit(self._write_after, gate, round_, state, copy_as)
+            )
         else:
             self._write(round_, state, copy_as)
+
+    def _write_after(
+        self, gate: threading.Event, round_: int, state: dict[str, Any], copy_as: str
+    ) -> None:
+        gate.wait(self.hold_s)
+        import time as _t
+
+        if os.environ.get("HT_TR"):
+            print(f"event=tr what=agg_ck_start t={_t.time():.4f}", flush=True)
+        self._write(round_, state, copy_as)
+        if os.environ.get("HT_TR"):
+            print(f"event=tr what=agg_ck_end t={_t.time():.4f}", flush=True)
+
+    def release(self) -> None:
+        """Let the held checkpoint writes start now (``hold_s``; the caller holds the
+        node's lock, as ``settle`` does)."""
+        held, self._held = self._held, []
+        for gate in held:
+            gate.set()
 
     def _write(self, round_: int, state: dict[str, Any], copy_as: str) -> None:
         path = self.checkpoints / f"round-{round_:06d}.pt"
@@ -216,7 +257,9 @@ class NodeStore:
             atomic_link(path, self.folder / copy_as, self.sync)
 
     def settle(self) -> None:
-        """Wait for the deferred checkpoint writes; a failed one is raised here."""
+        """Wait for the deferred checkpoint writes (releasing the held ones); a failed one
+        is raised here."""
+        self.release()
         pending, self._pending = self._pending, []
         for future in pending:
             try:

@@ -18,9 +18,7 @@ delays the round) and logged as ``event=eval``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import queue
 import threading
 import time
@@ -47,11 +45,10 @@ from hypertrain.common.shards import relay_members
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import flat_digest, relay_key
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.metrics import Metrics
-from hypertrain.wire.options import trim_heap
-from hypertrain.wire.rounds import Intake, MergeBoard
+from hypertrain.wire.options import CHECKPOINT_NICE, lower_priority, trim_heap
+from hypertrain.wire.rounds import CHECKPOINT_HOLD_S, Intake, MergeBoard
 from hypertrain.wire.server import (
     PartShutdown,
     Shutdown,
@@ -155,8 +152,7 @@ class Evaluator:
     def _run(self) -> None:
         # Held-out loss is for people, not for the run: at the lowest CPU priority
         # (per thread on Linux) it never steals time from islands on a shared host.
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        lower_priority(19)
         while (job := self._take()) is not None:
             round_, step, theta = job
             with self._lock:
@@ -273,7 +269,15 @@ class AggregatorService:
             cfg,
             theta0,
             # checkpoints written while the islands train on (the tape entry decides a round)
-            NodeStore(state_dir, cfg.run_id, key, crash=fault_point, defer=True),
+            NodeStore(
+                state_dir,
+                cfg.run_id,
+                key,
+                crash=fault_point,
+                defer=True,
+                hold_s=CHECKPOINT_HOLD_S,
+                writer_init=lambda: lower_priority(CHECKPOINT_NICE),
+            ),
             trusted,
             security.ca_fingerprint,
             fragment=self.fragment,
@@ -364,7 +368,15 @@ class AggregatorService:
         merge = self.board.wait(
             lambda s: node.fetch(request.run_id, request.requester, s), request.sync_step, context
         )
-        yield from merge_chunks(self.board.header(merge), merge.payload)
+        store = node.store
+        # The round's checkpoint, held back while its relays download it, is written once
+        # they all have it (CHECKPOINT_HOLD_S).
+        yield from self.board.serve(
+            merge,
+            request.requester,
+            merge.commitment.members,
+            None if store is None else store.release,
+        )
 
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
@@ -402,12 +414,15 @@ class AggregatorService:
             for c in done:
                 log_event("round", role="aggregator", fragment=self.fragment, round=c.round,
                           step=c.sync_step, members=",".join(c.commitment.members),
-                          bytes=c.input_bytes, state=flat_digest(c.payload)[:16],
+                          bytes=c.input_bytes, state=(c.payload_digest or flat_digest(c.payload))[:16],
                           **memory_fields())  # fmt: skip
             self.joint.rounds_done(self, done)
             return
         for c in done:
-            digest = state_digest(self.layout.unflatten(c.payload))
+            # The round's line names its parameters by the digest its tape entry and the
+            # merge's header carry (known: no model-sized hash beside the relays'
+            # downloads); the final line by the state digest the islands end on.
+            flat = c.payload_digest or flat_digest(c.payload)
             log_event(
                 "round",
                 seconds=round(time.perf_counter() - t_first, 4) if t_first else 0.0,
@@ -421,10 +436,11 @@ class AggregatorService:
                     else {}
                 ),
                 bytes=c.input_bytes,
-                state=digest[:16],
+                state=flat[:16],
                 **memory_fields(),
             )
             if c.sync_step == self.cfg.steps:
+                digest = state_digest(self.layout.unflatten(c.payload))
                 log_event("final", role="aggregator", step=c.sync_step, digest=digest)
                 if (a := self.node.averaged) is not None:  # published with the last round
                     rounds = f"{a.record.first_round}..{a.record.last_round}"

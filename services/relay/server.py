@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,10 @@ from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import island_key
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.chunks import merge_chunks
 from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
-from hypertrain.wire.options import trim_heap
+from hypertrain.wire.options import CHECKPOINT_NICE, lower_priority, trim_heap
 from hypertrain.wire.peers import Peer
 from hypertrain.wire.rounds import Intake, MergeBoard
 from hypertrain.wire.server import Shutdown, fragment_of, maps_errors, push_fragment
@@ -150,6 +150,13 @@ class RelayService:
         self._closing = False
         self._recover()
         self.intake.rearm()
+        # Checkpoints are written on a thread of their own, at a lower CPU priority than
+        # the forwarder's transfers (CHECKPOINT_NICE).
+        self.checkpointer = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="checkpoint",
+            initializer=lambda: lower_priority(CHECKPOINT_NICE),
+        )
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
         self.forwarder.start()
 
@@ -175,9 +182,8 @@ class RelayService:
             request.sync_step,
             context,
         )
-        header = self.board.header(merge)
         # The final merge counts once its island reports it kept (Status), not here.
-        yield from merge_chunks(header, merge.payload)
+        yield from self.board.serve(merge, request.requester)
 
     @maps_errors
     def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
@@ -272,7 +278,11 @@ class RelayService:
             merge = self.node.on_global(got, defer=True)
             self.board.cond.notify_all()
         del got
-        self.node.write_checkpoint()
+        # The checkpoint once the step's islands have the merge (or CHECKPOINT_HOLD_S):
+        # written beside their downloads it took the cores from them.
+        members = self.node.machine.level.members_of(merge.sync_step)
+        self.board.wait_served(merge.sync_step, merge.kind, members, lambda: self._closing)
+        self.checkpointer.submit(self.node.write_checkpoint).result()
         with self.board.cond:
             self.node.settle()
         trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
@@ -368,6 +378,7 @@ class RelayService:
         self._closing = True
         self.wake.set()
         self.forwarder.join(timeout=FINAL_REPORT_WAIT_S)
+        self.checkpointer.shutdown(wait=True)
         self.intake.close()
         with self.board.cond:
             self.board.cond.notify_all()

@@ -111,6 +111,25 @@ def tune_allocator() -> bool:
 _trim: Any = None
 
 
+#: The CPU priority (nice) of the threads that write a relay's or the aggregator's
+#: checkpoints: below the islands' (``hypertrain up`` starts them at nice 5) and the
+#: daemons' serving threads (0), above the held-out evaluation (19).  A checkpoint is
+#: not on the round's path (the tape entry made the round durable); on a host shared
+#: with islands it takes the cores they leave, and a push that must wait for it
+#: (``NodeStore.settle``) comes while the islands wait, which leaves it the cores.
+CHECKPOINT_NICE = 10
+
+
+def lower_priority(nice: int) -> None:
+    """Run the calling thread at CPU priority ``nice`` (per thread on Linux; nothing
+    elsewhere, or where not allowed)."""
+    import contextlib
+    import os
+
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
 def trim_heap() -> None:
     """Give the heap's free pages back to the kernel (glibc ``malloc_trim``; nothing
     elsewhere).  The island calls it before each sync: the gradients freed after the

@@ -6,8 +6,9 @@ gRPC transport, in front of a node (common/rounds/node.py).
   decision's status.  A transfer refused before it is a delta (bad framing, too large,
   corrupt) is only counted (``hypertrain_refusals_untaped_total``), never taped: it
   comes from nobody known (``RelayNode.tapes_refusal`` says what a node tapes).
-- :class:`MergeBoard`: the lock every node call runs under, and the condition blocked
-  fetches wait on.
+- :class:`MergeBoard`: the lock every node call runs under, the condition blocked
+  fetches wait on, and who has downloaded each merge (``serve``): a node writes a round's
+  checkpoint once every member has it (``CHECKPOINT_HOLD_S``).
 - The cutoff clock (in ``Intake``): when the node's machine asks for one (an
   ``ArmCutoff`` effect: the first delivery of a step, at a level with a cutoff), a timer
   raises ``node.cutoff(step)`` that many seconds later, under the same lock; the node
@@ -45,7 +46,7 @@ from hypertrain.common.rounds.machines import (
 )
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.chunks import discard, publish, receive_delta
+from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
 from hypertrain.wire.daemon import log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
@@ -59,6 +60,14 @@ WAIT_SLICE_S = 0.5
 #: waiting caller gets to check whether it was asked to stop, and the caller's own
 #: deadline is left for the download.
 HOLD_S = 2.0
+#: The longest a relay or the aggregator holds back a round's checkpoint for its members
+#: to download the round's merge first (``MergeBoard.wait_served``, ``NodeStore.hold_s``).
+#: Writing a model-sized state is CPU work (its bytes copied into the page cache) that
+#: took the cores from serving the merge on a small host; the round is durable by its
+#: tape entry before the merge is served, so the checkpoint only shortens a restart.  A
+#: member that never fetches (dead) delays it this long, and the next push settles it
+#: first in any case.
+CHECKPOINT_HOLD_S = 10.0
 
 
 def merge_header(cfg: RunConfig, merge: Committed, fragment: int | None = None) -> pb.MergeHeader:
@@ -114,6 +123,9 @@ class MergeBoard:
         self.cond = threading.Condition()
         self.headers: dict[tuple[int, str, int, int], pb.MergeHeader] = {}
         self._headers_lock = threading.Lock()  # header() is called outside ``cond``
+        self.served: dict[tuple[int, str], set[str]] = {}
+        """(sync step, kind) -> who downloaded that merge to its last byte (the two
+        newest steps)."""
 
     def wait(
         self,
@@ -160,6 +172,43 @@ class MergeBoard:
                 for old in [k for k in self.headers if k[0] not in steps[-2:]]:
                     del self.headers[old]
         return h
+
+    def serve(
+        self,
+        merge: Committed,
+        requester: str,
+        members: tuple[str, ...] = (),
+        when_all: Callable[[], None] | None = None,
+    ) -> Iterator[Any]:
+        """The parts of ``merge`` for ``requester``; once its last part was taken, note
+        that ``requester`` has it and, when every one of ``members`` has it, call
+        ``when_all`` (under ``cond``).  A download cut short counts for nothing."""
+        yield from merge_chunks(self.header(merge), merge.payload)
+        key = (merge.sync_step, merge.kind)
+        with self.cond:
+            got = self.served.setdefault(key, set())
+            got.add(requester)
+            for old in sorted(self.served)[:-2]:
+                del self.served[old]
+            if when_all is not None and set(members) <= got:
+                when_all()
+            self.cond.notify_all()
+
+    def wait_served(
+        self, sync_step: int, kind: str, members: tuple[str, ...], stop: Callable[[], bool]
+    ) -> bool:
+        """Wait until every one of ``members`` has downloaded the merge (``serve``), at
+        most ``CHECKPOINT_HOLD_S`` and not once ``stop()`` or a shutdown is asked for;
+        True if they all have it."""
+        want = set(members)
+        until = time.monotonic() + CHECKPOINT_HOLD_S
+        with self.cond:
+            while not want <= self.served.get((sync_step, kind), set()):
+                left = until - time.monotonic()
+                if left <= 0 or stop() or self.shutdown.requested:
+                    return False
+                self.cond.wait(min(WAIT_SLICE_S, left))
+            return True
 
     def check_final(self, node: RelayNode | AggregatorNode, reason: str) -> None:
         """Ask to shut down with ``reason`` once every member has the final merge."""

@@ -1,8 +1,9 @@
-"""The node store's checkpoints: streamed, linked, and deferred until settled."""
+"""The node store's checkpoints: streamed, linked, deferred until settled, and held until released."""
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,55 @@ def test_a_failed_deferred_write_is_raised_by_settle(tmp_path: Path) -> None:
         store.settle()
     store.settle()  # reported once
     assert not (tmp_path / "checkpoints" / "round-000000.pt").exists()
+
+
+def _checkpoint_written(tmp_path: Path, round_: int, within_s: float) -> bool:
+    path = tmp_path / "checkpoints" / f"round-{round_:06d}.pt"
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        if path.exists():
+            return True
+        time.sleep(0.01)
+    return path.exists()
+
+
+def test_a_held_checkpoint_waits_for_release(tmp_path: Path) -> None:
+    """With ``hold_s`` a deferred write starts only once released (every member has the
+    round's merge); a second round's write queues behind it, and the writer thread runs
+    ``writer_init`` first."""
+    inits: list[str] = []
+    store = NodeStore(
+        tmp_path,
+        "run",
+        None,
+        defer=True,
+        hold_s=60.0,
+        writer_init=lambda: inits.append(threading.current_thread().name),
+    )
+    store.write_checkpoint(0, {"round": 0}, copy_as="state.pt", deferrable=True)
+    assert not _checkpoint_written(tmp_path, 0, 0.3)  # held
+    store.release()
+    assert _checkpoint_written(tmp_path, 0, 10.0)
+    assert load_state(tmp_path / "state.pt") == {"round": 0}
+    assert len(inits) == 1 and inits[0].startswith("checkpoint")
+    store.close()
+
+
+def test_settle_writes_a_held_checkpoint_at_once(tmp_path: Path) -> None:
+    """A push that comes before the members fetched (or one of them is dead) settles the
+    held write itself: released and waited for, not after the hold."""
+    store = NodeStore(tmp_path, "run", None, defer=True, hold_s=60.0)
+    store.write_checkpoint(0, {"round": 0}, copy_as="state.pt", deferrable=True)
+    t0 = time.monotonic()
+    store.settle()
+    assert time.monotonic() - t0 < 30.0
+    assert load_state(tmp_path / "state.pt") == {"round": 0}
+    store.close()
+
+
+def test_a_held_checkpoint_is_written_after_the_hold_without_release(tmp_path: Path) -> None:
+    """A member that never fetches delays the write by ``hold_s``, no longer."""
+    store = NodeStore(tmp_path, "run", None, defer=True, hold_s=0.2)
+    store.write_checkpoint(0, {"round": 0}, deferrable=True)
+    assert _checkpoint_written(tmp_path, 0, 10.0)
+    store.close()
