@@ -677,8 +677,12 @@ class Islands:
         return [got[i] for i in range(len(self.conns))]
 
     def send(self, msg: str) -> None:
+        """Send ``msg`` to every island; one that has ended is skipped (a worker that ran
+        all its rounds says "bye" and exits without waiting for "stop"; what it sent
+        before is still read by ``gather``)."""
         for c in self.conns:
-            c.send(msg)
+            with contextlib.suppress(BrokenPipeError):
+                c.send(msg)
 
     def stop(self) -> None:
         for p in self.procs:
