@@ -681,7 +681,7 @@ class Islands:
         all its rounds says "bye" and exits without waiting for "stop"; what it sent
         before is still read by ``gather``)."""
         for c in self.conns:
-            with contextlib.suppress(BrokenPipeError):
+            with contextlib.suppress(ConnectionError):  # BrokenPipe, ConnectionReset
                 c.send(msg)
 
     def stop(self) -> None:

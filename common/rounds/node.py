@@ -518,6 +518,11 @@ class RelayNode(_Node):
             self.settle()
         return applied.merge
 
+    @property
+    def settled(self) -> bool:
+        """No global update applied with ``defer`` waits for its checkpoint or entry."""
+        return self._unsettled is None
+
     def write_checkpoint(self) -> None:
         """Write the checkpoint of a global update applied with ``defer`` (not its entry).
         Safe outside the driver's lock: the state it reads does not change until

@@ -234,13 +234,7 @@ class NodeStore:
         self, gate: threading.Event, round_: int, state: dict[str, Any], copy_as: str
     ) -> None:
         gate.wait(self.hold_s)
-        import time as _t
-
-        if os.environ.get("HT_TR"):
-            print(f"event=tr what=agg_ck_start t={_t.time():.4f}", flush=True)
         self._write(round_, state, copy_as)
-        if os.environ.get("HT_TR"):
-            print(f"event=tr what=agg_ck_end t={_t.time():.4f}", flush=True)
 
     def release(self) -> None:
         """Let the held checkpoint writes start now (``hold_s``; the caller holds the

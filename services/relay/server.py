@@ -276,13 +276,24 @@ class RelayService:
             # A later round than ``step`` when the rounds went on without this region: the
             # node rejoins it there (RelayMachine.on_global).
             merge = self.node.on_global(got, defer=True)
+            members = self.node.machine.level.members_of(merge.sync_step)
             self.board.cond.notify_all()
         del got
         # The checkpoint once the step's islands have the merge (or CHECKPOINT_HOLD_S):
-        # written beside their downloads it took the cores from them.
-        members = self.node.machine.level.members_of(merge.sync_step)
-        self.board.wait_served(merge.sync_step, merge.kind, members, lambda: self._closing)
-        self.checkpointer.submit(self.node.write_checkpoint).result()
+        # written beside their downloads it took the cores from them.  Not longer than
+        # the round stays unsettled (a push settled it: an island the anneal stopped, or
+        # one that left, never downloads) or until the next forward is ready.
+        node = self.node
+        self.board.wait_served(
+            merge.sync_step,
+            merge.kind,
+            members,
+            lambda: self._closing or node.settled or node.outbox is not None,
+        )
+        try:
+            self.checkpointer.submit(node.write_checkpoint).result()
+        except RuntimeError:  # closed while this thread outlived its join: write it here
+            node.write_checkpoint()
         with self.board.cond:
             self.node.settle()
         trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
@@ -378,7 +389,7 @@ class RelayService:
         self._closing = True
         self.wake.set()
         self.forwarder.join(timeout=FINAL_REPORT_WAIT_S)
-        self.checkpointer.shutdown(wait=True)
+        self.checkpointer.shutdown(wait=not self.forwarder.is_alive())
         self.intake.close()
         with self.board.cond:
             self.board.cond.notify_all()
