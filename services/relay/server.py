@@ -276,13 +276,12 @@ class RelayService:
             # A later round than ``step`` when the rounds went on without this region: the
             # node rejoins it there (RelayMachine.on_global).
             merge = self.node.on_global(got, defer=True)
-            members = self.node.machine.level.members_of(merge.sync_step)
+            members = self._takers(merge.sync_step)
             self.board.cond.notify_all()
         del got
-        # The checkpoint once the step's islands have the merge (or CHECKPOINT_HOLD_S):
-        # written beside their downloads it took the cores from them.  Not longer than
-        # the round stays unsettled (a push settled it: an island the anneal stopped, or
-        # one that left, never downloads) or until the next forward is ready.
+        # The checkpoint once the islands that take the merge have it (or
+        # CHECKPOINT_HOLD_S): written beside their downloads it took the cores from them.
+        # Not longer than the round stays unsettled, or until the next forward is ready.
         node = self.node
         self.board.wait_served(
             merge.sync_step,
@@ -333,6 +332,17 @@ class RelayService:
         if self.node.done:
             self._report_final()
             self.board.check_final(self.node, RELAY_DONE)  # no island waits for it
+
+    def _takers(self, sync_step: int) -> tuple[str, ...]:
+        """The islands that download the global merge of ``sync_step`` (under the lock):
+        the step's members that go on from it (an island an islands:K anneal stops there,
+        or one that leaves, does not), or all of them at the run's last step."""
+        m = self.node.machine
+        members = m.level.members_of(sync_step)
+        if m.done:
+            return members
+        going_on = set(m.level.members)
+        return tuple(x for x in members if x in going_on)
 
     def _report_final(self) -> None:
         """Report the final state applied and durable; keep trying for a while even when
