@@ -290,9 +290,11 @@ class RelayService:
             lambda: self._closing or node.settled or node.outbox is not None,
         )
         try:
-            self.checkpointer.submit(node.write_checkpoint).result()
+            job = self.checkpointer.submit(node.write_checkpoint)
         except RuntimeError:  # closed while this thread outlived its join: write it here
             node.write_checkpoint()
+        else:
+            job.result()
         with self.board.cond:
             self.node.settle()
         trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
