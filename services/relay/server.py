@@ -281,13 +281,11 @@ class RelayService:
         del got
         # The checkpoint once the islands that take the merge have it (or
         # CHECKPOINT_HOLD_S): written beside their downloads it took the cores from them.
-        # Not longer than the round stays unsettled, or until the next forward is ready.
+        # Not longer than the round stays unsettled (a push settles it first, the one
+        # that makes the next forward too).
         node = self.node
         self.board.wait_served(
-            merge.sync_step,
-            merge.kind,
-            members,
-            lambda: self._closing or node.settled or node.outbox is not None,
+            merge.sync_step, merge.kind, members, lambda: self._closing or node.settled
         )
         try:
             job = self.checkpointer.submit(node.write_checkpoint)

@@ -34,8 +34,10 @@ One list, used on both ends, so that message limits and keepalive agree.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import os
 import threading
 from typing import Any
 
@@ -123,9 +125,6 @@ CHECKPOINT_NICE = 10
 def lower_priority(nice: int) -> None:
     """Run the calling thread at CPU priority ``nice`` (per thread on Linux; nothing
     elsewhere, or where not allowed)."""
-    import contextlib
-    import os
-
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 

@@ -125,7 +125,7 @@ class MergeBoard:
         self._headers_lock = threading.Lock()  # header() is called outside ``cond``
         self.served: dict[tuple[int, str], set[str]] = {}
         """(sync step, kind) -> who downloaded that merge to its last byte (the two
-        newest steps)."""
+        newest such keys)."""
 
     def wait(
         self,
