@@ -29,7 +29,8 @@ stamp_now=$( { cat pyproject.toml requirements/constraints.txt; \
                { find entry common services proto experiments -name '*.py' 2>/dev/null || true; } | sort; } \
              | sha256sum | cut -c1-16 )
 stamp_file="$VENV/.hypertrain-stamp"
-if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_now" ]; then
+# The link tree lives in build/, which a clean of ignored files removes: reinstall then too.
+if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_now" ] || ! "$PY" -c "import hypertrain.common" 2>/dev/null; then
     echo "setup: installing hypertrain and its dependencies into $VENV" >&2
     pipq -c requirements/constraints.txt -e ".[dev]" --config-settings editable_mode=strict
     "$PY" -c "import hypertrain.common" || { echo "setup: install failed" >&2; exit 1; }
