@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ready=lambda: announce("aggregator", address),
     )
     log_event("stopped", role="aggregator", reason=shutdown.reason)
-    return code
+    return 1 if shutdown.failed else code
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ready=lambda: announce("relay", address),
     )
     log_event("stopped", role="relay", region=region, **service.where, reason=shutdown.reason)
-    return 1 if shutdown.reason and shutdown.reason.startswith("forwarding failed") else code
+    return 1 if shutdown.failed else code
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ class RelayService:
                 self._forward()
             except Exception as e:  # the run cannot go on without the aggregator
                 log_event("error", role="relay", region=self.region, **self.where, message=str(e))
-                self.shutdown.request(f"forwarding failed: {e}")
+                self.shutdown.request(f"forwarding failed: {e}", failed=True)
                 return
 
     def _forward(self) -> None:

@@ -68,9 +68,23 @@ class ReceivedDelta:
     data: memoryview
     #: sha256 hex of ``data``, equal to ``header.digest``.
     digest: str
-    #: The fsync'd temp file holding ``data`` until ``publish`` or ``discard``; None if
-    #: the transfer was not spooled or was already published or discarded.
+    #: The temp file holding ``data`` until ``publish`` or ``discard``; None if the
+    #: transfer was not spooled or was already published or discarded.
     spool_path: Path | None = None
+    #: The spool's sink while its fsync may still run (``receive_delta(wait=False)``):
+    #: ``publish`` waits for it, ``discard`` for it too before removing the file.
+    sink: spool.Sink | None = None
+
+    def durable(self) -> None:
+        """Wait until the spooled bytes are on disk (at once if they are, or not spooled);
+        raises ``WireError`` (INTERNAL) if the fsync failed, the temp file removed."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            try:
+                sink.durable()
+            except WireError:
+                self.spool_path = None
+                raise
 
 
 def _byte_view(data: Data) -> memoryview:
@@ -141,10 +155,13 @@ def receive_delta(
     max_size: int,
     spool_dir: Path | None = None,
     admit: Callable[[pb.TransferHeader], None] = lambda header: None,
+    wait: bool = True,
 ) -> ReceivedDelta:
     """Read, verify and (optionally) spool one delta transfer; see the module docstring.
     ``admit`` sees the header before any data is read, and refuses the transfer by
-    raising (e.g. the caller's certificate is not the sender's)."""
+    raising (e.g. the caller's certificate is not the sender's).  ``wait=False``: return
+    before the spooled file's fsync ends (``spool.Sink.commit``); the caller must
+    ``publish`` or ``discard`` it, and they wait for it."""
     parts = iter(chunks)
     header = _first_header(parts, pb.DeltaChunk)
     assert isinstance(header, pb.TransferHeader)
@@ -175,11 +192,17 @@ def receive_delta(
                 grpc.StatusCode.DATA_LOSS,
                 f"corrupt transfer: sha256 {digest} != header digest {header.digest}",
             )
-        sink.commit()
+        sink.commit(wait=wait)
     except BaseException:
         sink.abort()
         raise
-    return ReceivedDelta(header=header, data=sink.buffer, digest=digest, spool_path=sink.path)
+    return ReceivedDelta(
+        header=header,
+        data=sink.buffer,
+        digest=digest,
+        spool_path=sink.path,
+        sink=None if wait else sink,
+    )
 
 
 def publish(received: ReceivedDelta, dest_dir: Path) -> Path:
@@ -188,6 +211,7 @@ def publish(received: ReceivedDelta, dest_dir: Path) -> Path:
     With a spooled transfer the temp file is linked into place (same filesystem);
     without one the bytes are written and fsync'd now.
     """
+    received.durable()
     if received.spool_path is not None:
         path = spool.publish_file(received.spool_path, received.digest, dest_dir)
         received.spool_path = None
@@ -197,6 +221,9 @@ def publish(received: ReceivedDelta, dest_dir: Path) -> Path:
 
 def discard(received: ReceivedDelta) -> None:
     """Drop the spooled temp file of a transfer that will not be published."""
+    sink, received.sink = received.sink, None
+    if sink is not None:
+        sink.abort()  # waits for its fsync, closes and removes the file
     if received.spool_path is not None:
         received.spool_path.unlink(missing_ok=True)
         received.spool_path = None

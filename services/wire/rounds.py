@@ -31,6 +31,7 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
+from hypertrain.common.errors import HypertrainError, TapeError
 from hypertrain.common.rounds.machines import (
     JOIN,
     LEAVE,
@@ -271,7 +272,11 @@ class Intake:
         """Receive a delta and hand it to the node; ``admit`` may refuse it on its header
         (``receive_delta``)."""
         try:
-            rx = receive_delta(chunks, max_size=self.max_size, spool_dir=self.spool, admit=admit)
+            # The spool file's fsync overlaps the node's decoding and merge; the publisher
+            # waits for it before the delta is linked into place and taped.
+            rx = receive_delta(
+                chunks, max_size=self.max_size, spool_dir=self.spool, admit=admit, wait=False
+            )
         except WireError as e:  # not a delta yet, from nobody known: counted, not taped
             self.metrics.rejected.labels(*self.labels, e.code.name.lower()).inc()
             self.metrics.untaped.labels(*self.labels).inc()
@@ -297,7 +302,21 @@ class Intake:
 
         with self.board.cond:
             t0 = time.perf_counter()
-            decision, effects = self.node.push(delta, publisher)
+            try:
+                decision, effects = self.node.push(delta, publisher)
+            except Exception as e:
+                discard(rx)
+                if isinstance(e, HypertrainError) and not isinstance(e, TapeError):
+                    raise  # bad input, refused before anything changed
+                # The store failed (a spool fsync, the tape, a published file) after the
+                # machine decided: its live state may be ahead of its tape, so the node
+                # stops; a restart recovers from the tape.
+                why = f"push from {h.sender} for step {h.sync_step} could not be made durable"
+                self.board.shutdown.request(f"{why}: {e}", failed=True)
+                self.board.cond.notify_all()
+                raise WireError(
+                    grpc.StatusCode.INTERNAL, f"{why}; this {self.metrics.role} stops: {e}"
+                ) from e
             if not decision.accepted or decision.duplicate:
                 discard(rx)
                 if not decision.accepted:
@@ -437,7 +456,7 @@ class Intake:
                 self.board.cond.notify_all()
             self.after_cutoff()
         except Exception as e:  # the tape could not be written: the node cannot go on
-            self.board.shutdown.request(f"cutoff of step {step} failed: {e}")
+            self.board.shutdown.request(f"cutoff of step {step} failed: {e}", failed=True)
             raise
 
     def close(self) -> None:

@@ -226,12 +226,15 @@ class Shutdown:
         self._event = threading.Event()
         self._lock = threading.Lock()
         self.reason: str | None = None
+        self.failed = False
+        """Set with the first reason when that stop is a failure (the daemon exits 1)."""
 
-    def request(self, reason: str) -> None:
-        """Ask the daemon to stop; the first reason is kept (and logged)."""
+    def request(self, reason: str, failed: bool = False) -> None:
+        """Ask the daemon to stop; the first reason is kept (and logged).  ``failed``: the
+        daemon cannot go on (its store failed, say) and exits with code 1."""
         with self._lock:
             if self.reason is None:
-                self.reason = reason
+                self.reason, self.failed = reason, failed
         self._event.set()
 
     @property
@@ -258,11 +261,11 @@ class PartShutdown(Shutdown):
         self.count = count
         parts.append(self)
 
-    def request(self, reason: str) -> None:
-        super().request(reason)
+    def request(self, reason: str, failed: bool = False) -> None:
+        super().request(reason, failed)
         done = sum(p._event.is_set() for p in self.parts)
-        if not reason.startswith(self.final) or done == self.count:
-            self.whole.request(reason)
+        if failed or not reason.startswith(self.final) or done == self.count:
+            self.whole.request(reason, failed)
 
     @property
     def requested(self) -> bool:

@@ -15,7 +15,11 @@ file only (no second copy in anonymous memory) and maps the file's page cache as
 
 Durability: while writing, the sink asks the kernel to start writeback every
 ``WRITEBACK_BYTES`` (``sync_file_range``, Linux; a no-op elsewhere), so the final
-``fsync`` in ``commit`` waits for the tail only, not for the whole payload.
+``fsync`` in ``commit`` waits for the tail only, not for the whole payload.  A node's
+intake lets that fsync run on a thread of its own (``commit(wait=False)``) while the node
+decodes the delta and, when it completes a round, computes the merge: the fsync is
+disk-bound and that work is CPU-bound.  ``durable`` joins it before the file is published,
+so no tape entry names a delta whose bytes are not on disk.
 
 Files on disk: ``<spool_dir>/.incoming-*.part`` while a transfer is in flight;
 ``publish_file`` turns one into ``<dest_dir>/<digest>`` with a hard link (atomic,
@@ -159,6 +163,8 @@ class Sink:
         self._written = 0
         self._synced = 0
         self._error: BaseException | None = None
+        self._syncer: threading.Thread | None = None
+        self._sync_error: OSError | None = None
         stages = [("wire-hash", self._hash_chunk)]
         if spool_dir is not None:
             try:
@@ -192,12 +198,14 @@ class Sink:
             raise failure(self._error)
         return self._hash.hexdigest()
 
-    def commit(self) -> None:
-        """fsync the temp file and map it as ``buffer`` (after ``finish``); it stays at ``path``."""
+    def commit(self, wait: bool = True) -> None:
+        """Map the temp file as ``buffer`` and fsync it (after ``finish``); it stays at
+        ``path``.  ``wait=False``: the fsync runs on a thread of its own while the caller
+        reads ``buffer`` (the bytes are in the page cache already), and ``durable`` waits
+        for it; nothing may refer to the file as durable before that."""
         if self._fd < 0:
             return
         try:
-            os.fsync(self._fd)
             if self.size and self.path is not None:
                 # A private map (copy-on-write: writes never reach the file) that keeps
                 # no file descriptor open, unlike mmap.mmap on Python < 3.13.
@@ -209,13 +217,41 @@ class Sink:
                 self.buffer = array.data
         except (OSError, RuntimeError) as exc:
             self.abort()
+            raise WireError(grpc.StatusCode.INTERNAL, f"spool map failed: {exc}") from exc
+        if wait:
+            self._fsync()
+            self.durable()
+            return
+        self._syncer = threading.Thread(target=self._fsync, name="wire-fsync", daemon=True)
+        self._syncer.start()
+
+    def _fsync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._sync_error = exc
+
+    def durable(self) -> None:
+        """Wait for ``commit``'s fsync and close the file, which stays at ``path``; if the
+        fsync failed, remove the file and raise (a ``WireError``, INTERNAL)."""
+        self._join()
+        if self._sync_error is not None:
+            exc, self._sync_error = self._sync_error, None
+            self.abort()
             raise WireError(grpc.StatusCode.INTERNAL, f"spool fsync failed: {exc}") from exc
-        os.close(self._fd)
-        self._fd = -1
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _join(self) -> None:
+        if self._syncer is not None:
+            self._syncer.join()
+            self._syncer = None
 
     def abort(self) -> None:
         """Stop the workers, close and remove the temp file; safe to call twice."""
         self._stop()
+        self._join()  # never close the descriptor under a running fsync
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

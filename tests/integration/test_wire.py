@@ -256,6 +256,60 @@ def test_local_storage_failure_is_internal_and_cleans_up(
     assert _files(tmp_path) == []
 
 
+def test_a_deferred_fsync_is_waited_for_before_publishing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait=False``: the bytes are readable while the spool file's fsync still runs;
+    ``publish`` links the file only once the fsync returned, ``discard`` waits for it
+    before removing the file, and a failed fsync publishes nothing."""
+    data = os.urandom(3 * CHUNK_BYTES + 7)
+    header = pb.TransferHeader(digest=_sha(data), size=len(data))
+    real_fsync, gate, started = os.fsync, threading.Event(), threading.Event()
+
+    def held_fsync(fd: int) -> None:
+        started.set()
+        assert gate.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(spool.os, "fsync", held_fsync)
+    got = receive_delta(
+        delta_chunks(header, data), max_size=len(data), spool_dir=tmp_path, wait=False
+    )
+    assert started.wait(30) and bytes(got.data) == data  # read while the fsync waits
+    done: list[Path] = []
+    publisher = threading.Thread(target=lambda: done.append(publish(got, tmp_path / "pub")))
+    publisher.start()
+    publisher.join(0.3)
+    assert publisher.is_alive() and not done and _files(tmp_path / "pub") == []
+    gate.set()
+    publisher.join(30)
+    assert done and done[0].read_bytes() == data and got.spool_path is None
+
+    gate.clear()
+    pending = receive_delta(
+        delta_chunks(header, data), max_size=len(data), spool_dir=tmp_path, wait=False
+    )
+    dropper = threading.Thread(target=discard, args=(pending,))
+    dropper.start()
+    dropper.join(0.3)
+    assert dropper.is_alive()  # never closes the file under a running fsync
+    gate.set()
+    dropper.join(30)
+    assert [p.name for p in tmp_path.iterdir()] == ["pub"]
+
+    def failed_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(spool.os, "fsync", failed_fsync)
+    bad = receive_delta(
+        delta_chunks(header, data), max_size=len(data), spool_dir=tmp_path, wait=False
+    )
+    with pytest.raises(WireError, match=r"spool fsync failed: .*Input/output error") as caught:
+        publish(bad, tmp_path / "pub2")
+    assert caught.value.code == grpc.StatusCode.INTERNAL
+    assert [p.name for p in tmp_path.iterdir()] == ["pub"] and bad.spool_path is None
+
+
 def test_empty_delta(tmp_path: Path) -> None:
     header = pb.TransferHeader(digest=_sha(b""), size=0)
     got = receive_delta(delta_chunks(header, b""), max_size=0, spool_dir=tmp_path)
