@@ -112,6 +112,10 @@ Publisher = Callable[[Delta], None]
 #: is only counted and logged, so no sender, even with a valid key, can grow a tape
 #: without bound.
 MAX_TAPED_REFUSALS = 8
+#: A taped refusal's reason is cut to this many characters: it quotes fields the sender
+#: chose (a run id, a codec name), and an entry over the tape's record limit would fail
+#: the store, which stops the node.
+MAX_TAPED_REASON = 1000
 
 
 class _Node:
@@ -257,6 +261,8 @@ class _Node:
         self.refusal_taped = False
         if self.store is None or self.store.closed or not self.tapes_refusal(delta):
             return False
+        if len(reason) > MAX_TAPED_REASON:  # it quotes the sender's fields, of any length
+            reason = f"{reason[:MAX_TAPED_REASON]}... ({len(reason)} characters)"
         rec = RejectionEntry(
             fragment=self.fragment,
             code=code,

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -56,6 +56,17 @@ def log_time(now: float | None = None) -> str:
     default the clock now)."""
     when = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC)
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def die(role: str, reason: str, **where: object) -> NoReturn:
+    """End this process at once with exit code 1, after an ``event=stopped`` line naming
+    ``reason``: a node whose store failed after its machine decided may hold live state
+    its tape does not, so no thread may tape or serve anything more.  The same as a kill
+    at the caller's line, which every node recovers from (its tape, on restart)."""
+    log_event("stopped", role=role, **where, failed=True, reason=reason)
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os._exit(1)
 
 
 def log_event(event: str, **fields: object) -> None:

@@ -31,7 +31,6 @@ import grpc
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
-from hypertrain.common.errors import HypertrainError, TapeError
 from hypertrain.common.rounds.machines import (
     JOIN,
     LEAVE,
@@ -48,7 +47,7 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
-from hypertrain.wire.daemon import log_event
+from hypertrain.wire.daemon import die, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
@@ -300,33 +299,44 @@ class Intake:
             assert published is not None
             publish(rx, published)
 
+        stopping, taped = False, False
         with self.board.cond:
-            t0 = time.perf_counter()
-            try:
-                decision, effects = self.node.push(delta, publisher)
-            except Exception as e:
-                discard(rx)
-                if isinstance(e, HypertrainError) and not isinstance(e, TapeError):
-                    raise  # bad input, refused before anything changed
-                # The store failed (a spool fsync, the tape, a published file) after the
-                # machine decided: its live state may be ahead of its tape, so the node
-                # stops; a restart recovers from the tape.
-                why = f"push from {h.sender} for step {h.sync_step} could not be made durable"
-                self.board.shutdown.request(f"{why}: {e}", failed=True)
-                self.board.cond.notify_all()
-                raise WireError(
-                    grpc.StatusCode.INTERNAL, f"{why}; this {self.metrics.role} stops: {e}"
-                ) from e
-            if not decision.accepted or decision.duplicate:
-                discard(rx)
-                if not decision.accepted:
-                    self.metrics.rejected.labels(*self.labels, decision.code).inc()
-                    if not self.node.refusal_taped:
-                        self.metrics.untaped.labels(*self.labels).inc()
-                    raise refusal(decision)
-                return pb.PushAck(digest=rx.digest, duplicate=True)
-            self._handle(effects, t0)
-            self.board.cond.notify_all()
+            if self._closed:
+                stopping = True
+            else:
+                t0 = time.perf_counter()
+                try:
+                    decision, effects = self.node.push(delta, publisher)
+                except Exception as e:
+                    # Refusals are decisions, not exceptions: this is the store failing
+                    # (a spool fsync, the tape, a published file, a checkpoint) after
+                    # the machine decided, so its live state may be ahead of its tape.
+                    # Nothing more may be taped or served: the process ends here, as a
+                    # kill at this line would end it, and a restart recovers from the
+                    # tape (the lock stays held until then).
+                    die(
+                        self.metrics.role,
+                        f"push from {h.sender} for step {h.sync_step} could not be made "
+                        f"durable: {e}",
+                        **self.where,
+                    )
+                if decision.accepted and not decision.duplicate:
+                    self._handle(effects, t0)
+                    self.board.cond.notify_all()
+                taped = self.node.refusal_taped
+        if stopping:
+            discard(rx)
+            raise WireError(
+                grpc.StatusCode.UNAVAILABLE, f"this {self.metrics.role} is stopping: push again"
+            )
+        if not decision.accepted or decision.duplicate:
+            discard(rx)  # outside the lock: it may wait for the file's fsync
+            if not decision.accepted:
+                self.metrics.rejected.labels(*self.labels, decision.code).inc()
+                if not taped:
+                    self.metrics.untaped.labels(*self.labels).inc()
+                raise refusal(decision)
+            return pb.PushAck(digest=rx.digest, duplicate=True)
         # Validating the input (decompressing, decoding its positions) allocated and freed
         # on this gRPC thread's own heap: give that memory back before the next transfer.
         trim_heap()
@@ -349,7 +359,14 @@ class Intake:
             raise WireError(grpc.StatusCode.UNIMPLEMENTED, "joins and leaves go to a relay")
         with self.board.cond:
             t0 = time.perf_counter()
-            decision, effects = node.on_member(request)
+            try:
+                decision, effects = node.on_member(request)
+            except Exception as e:  # the store failed after the decision (see ``push``)
+                die(
+                    "relay",
+                    f"{request.change} of {request.member} could not be made durable: {e}",
+                    **self.where,
+                )
             if decision.accepted and not decision.duplicate:
                 self._handle(effects, t0)
             self.board.cond.notify_all()
@@ -455,9 +472,12 @@ class Intake:
                     self._handle(effects, t0)
                 self.board.cond.notify_all()
             self.after_cutoff()
-        except Exception as e:  # the tape could not be written: the node cannot go on
-            self.board.shutdown.request(f"cutoff of step {step} failed: {e}", failed=True)
-            raise
+        except Exception as e:  # the tape could not be written (see ``push``)
+            die(
+                self.metrics.role,
+                f"cutoff of step {step} could not be made durable: {e}",
+                **self.where,
+            )
 
     def close(self) -> None:
         """On shutdown: no more cutoffs, a final signed tape checkpoint, then no more

@@ -234,7 +234,8 @@ class Shutdown:
         daemon cannot go on (its store failed, say) and exits with code 1."""
         with self._lock:
             if self.reason is None:
-                self.reason, self.failed = reason, failed
+                self.reason = reason
+            self.failed = self.failed or failed
         self._event.set()
 
     @property

@@ -150,8 +150,8 @@ class Sink:
     uninitialized: its pages are first touched by the copy worker, not up front).
     With ``spool_dir`` they are written to a temp file only; after ``commit``,
     ``buffer`` is a private memory map of that file (its pages are the page cache the
-    write just filled: no second copy of the payload in memory, and no descriptor
-    kept open per transfer).
+    write just filled: no second copy of the payload in memory; the file's descriptor
+    stays open only until its fsync is done, ``durable``).
     """
 
     def __init__(self, size: int, spool_dir: Path | None, *, depth: int = DEPTH) -> None:
@@ -222,8 +222,9 @@ class Sink:
             self._fsync()
             self.durable()
             return
-        self._syncer = threading.Thread(target=self._fsync, name="wire-fsync", daemon=True)
-        self._syncer.start()
+        syncer = threading.Thread(target=self._fsync, name="wire-fsync", daemon=True)
+        syncer.start()
+        self._syncer = syncer
 
     def _fsync(self) -> None:
         try:
