@@ -659,6 +659,14 @@ class _Level:
             norm = delta_norm(self.codec, header, prepared, numel) if max_norm else 0.0
         except HypertrainError as e:
             return Decision(INVALID, f"rejected delta from {d.sender} for step {s}: {e}")
+        except MemoryError:
+            raise
+        except Exception as e:  # a codec's bug met by crafted bytes: refused, the node goes on
+            return Decision(
+                INVALID,
+                f"rejected delta from {d.sender} for step {s}: its bytes could not be "
+                f"validated ({type(e).__name__}: {e})",
+            )
         finally:
             drop_pages(d.data)  # read whole; not needed resident until the commit
         if norm > max_norm:

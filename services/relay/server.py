@@ -43,7 +43,7 @@ from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import island_key
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
+from hypertrain.wire.daemon import die, fault_point, log_event, memory_fields, starting_parameters
 from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import CHECKPOINT_NICE, lower_priority, trim_heap
@@ -288,13 +288,17 @@ class RelayService:
             merge.sync_step, merge.kind, members, lambda: self._closing or node.settled
         )
         try:
-            job = self.checkpointer.submit(node.write_checkpoint)
-        except RuntimeError:  # closed while this thread outlived its join: write it here
-            node.write_checkpoint()
-        else:
-            job.result()
-        with self.board.cond:
-            self.node.settle()
+            try:
+                job = self.checkpointer.submit(node.write_checkpoint)
+            except RuntimeError:  # closed while this thread outlived its join: write it here
+                node.write_checkpoint()
+            else:
+                job.result()
+            with self.board.cond:
+                self.node.settle()
+        except Exception as e:  # the store failed: as in Intake.push, the process ends
+            die("relay", f"global step {merge.sync_step} could not be made durable: {e}",
+                region=self.region, **self.where)  # fmt: skip
         trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
         log_event(
             "global",

@@ -4,6 +4,7 @@ absolute norm bound at acceptance, taped as evidence."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from hypertrain.common.digest import blob_digest
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.machines import INVALID, Delta
-from hypertrain.common.rounds.node import RelayNode
+from hypertrain.common.rounds.node import MAX_TAPED_REASON, RelayNode
 from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.schema import RejectionEntry
@@ -146,6 +147,55 @@ def test_a_delta_over_max_norm_is_refused_with_its_norm_and_taped_as_evidence(
     rejections = [RejectionEntry.from_body(e.body) for e in entries if e.kind == "rejection"]
     assert [(r.sender, r.digest) for r in rejections] == [("eu-1", big.digest)]
     assert "robust.max_norm" in rejections[0].reason
+
+
+def test_a_codec_failing_on_crafted_bytes_refuses_the_delta_and_the_node_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception from a codec's validation that is not a CodecError (a bug crafted
+    bytes reach) refuses the delta, changing nothing, instead of escaping ``push``, which
+    a daemon takes for a store failure and ends on.  A MemoryError is not a refusal."""
+    cfg = MACHINE_CFG
+    theta0 = initial_parameters(cfg)[1]
+    node = RelayNode(cfg, "eu", theta0, NodeStore(tmp_path, cfg.run_id, SigningKey.generate("r")))
+    codec = node.machine.level.codec
+    good = _delta_of(cfg, torch.full((theta0.numel(),), 1e-4), "eu-0")
+
+    def buggy(*args: object) -> float:
+        raise IndexError("index 7 is out of bounds")
+
+    monkeypatch.setattr(codec, "magnitude", buggy)
+    decision, effects = node.push(good)
+    assert decision.code == INVALID and not effects
+    assert "could not be validated (IndexError: index 7 is out of bounds)" in decision.reason
+
+    def no_memory(*args: object) -> float:
+        raise MemoryError
+
+    monkeypatch.setattr(codec, "magnitude", no_memory)
+    with pytest.raises(MemoryError):
+        node.push(good)
+    monkeypatch.undo()
+    assert node.push(good)[0].accepted  # nothing was counted before
+    node.close()
+
+
+def test_a_taped_refusal_quotes_at_most_max_taped_reason_characters(tmp_path: Path) -> None:
+    cfg = MACHINE_CFG
+    theta0 = initial_parameters(cfg)[1]
+    key = SigningKey.generate("relay-eu")
+    node = RelayNode(cfg, "eu", theta0, NodeStore(tmp_path, cfg.run_id, key))
+    bad = _delta_of(cfg, torch.full((theta0.numel(),), 1e-4), "eu-0")
+    bad = dataclasses.replace(bad, run_id="x" * 100_000)
+    decision, _ = node.push(bad)
+    assert decision.code == INVALID and len(decision.reason) > 100_000 and node.refusal_taped
+    node.close()
+    entries = verify_tape(tmp_path / "tape", TrustedKeys.of([key])).entries
+    (rejection,) = [RejectionEntry.from_body(e.body) for e in entries if e.kind == "rejection"]
+    assert (
+        rejection.reason
+        == f"{decision.reason[:MAX_TAPED_REASON]}... ({len(decision.reason)} characters)"
+    )
 
 
 def _delta_of(cfg: RunConfig, x: torch.Tensor, sender: str, step: int = 5) -> Delta:
