@@ -273,6 +273,8 @@ class RelayService:
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(size)
         got = self.aggregator.fetch(self.member, step, "global")
         with self.board.cond:  # islands fetch it now, while the relay writes it down
+            if self.intake.closed:  # this thread outlived close's join: a restart fetches it
+                return
             # A later round than ``step`` when the rounds went on without this region: the
             # node rejoins it there (RelayMachine.on_global).
             merge = self.node.on_global(got, defer=True)
@@ -287,6 +289,8 @@ class RelayService:
         self.board.wait_served(
             merge.sync_step, merge.kind, members, lambda: self._closing or node.settled
         )
+        if self.intake.closed:
+            return  # as above: the restarted relay fetches the merge again
         try:
             try:
                 job = self.checkpointer.submit(node.write_checkpoint)
@@ -297,7 +301,7 @@ class RelayService:
             with self.board.cond:
                 self.node.settle()
         except Exception as e:  # the store failed: as in Intake.push, the process ends
-            die("relay", f"global step {merge.sync_step} could not be made durable: {e}",
+            die("relay", f"global step {merge.sync_step} could not be made durable: {e!r}",
                 region=self.region, **self.where)  # fmt: skip
         trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
         log_event(
@@ -327,8 +331,8 @@ class RelayService:
         if not isinstance(got, Committed):
             return  # not committed yet (or refused: said at the next forward)
         with self.board.cond:
-            if not self.node.machine.idle:
-                return  # an island joined meanwhile: its region carries itself again
+            if self.intake.closed or not self.node.machine.idle:
+                return  # closed; or an island joined meanwhile: its region carries itself
             merge = self.node.on_global(got)
             self.board.cond.notify_all()
         log_event("global", role="relay", region=self.region, **self.where, round=merge.round,

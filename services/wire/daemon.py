@@ -63,10 +63,15 @@ def die(role: str, reason: str, **where: object) -> NoReturn:
     ``reason``: a node whose store failed after its machine decided may hold live state
     its tape does not, so no thread may tape or serve anything more.  The same as a kill
     at the caller's line, which every node recovers from (its tape, on restart)."""
-    log_event("stopped", role=role, **where, failed=True, reason=reason)
-    with contextlib.suppress(Exception):
-        sys.stderr.flush()
-    os._exit(1)
+    try:
+        with contextlib.suppress(BaseException):  # a broken stdout must not keep it alive
+            log_event(
+                "stopped",
+                **{**where, "role": role, "failed": True, "reason": " ".join(reason.split())},
+            )
+            sys.stderr.flush()
+    finally:
+        os._exit(1)
 
 
 def log_event(event: str, **fields: object) -> None:

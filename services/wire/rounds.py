@@ -317,7 +317,7 @@ class Intake:
                     die(
                         self.metrics.role,
                         f"push from {h.sender} for step {h.sync_step} could not be made "
-                        f"durable: {e}",
+                        f"durable: {e!r}",
                         **self.where,
                     )
                 if decision.accepted and not decision.duplicate:
@@ -358,13 +358,15 @@ class Intake:
         if not isinstance(node, RelayNode):
             raise WireError(grpc.StatusCode.UNIMPLEMENTED, "joins and leaves go to a relay")
         with self.board.cond:
+            if self._closed:
+                raise WireError(grpc.StatusCode.UNAVAILABLE, "this relay is stopping: ask again")
             t0 = time.perf_counter()
             try:
                 decision, effects = node.on_member(request)
             except Exception as e:  # the store failed after the decision (see ``push``)
                 die(
                     "relay",
-                    f"{request.change} of {request.member} could not be made durable: {e}",
+                    f"{request.change} of {request.member} could not be made durable: {e!r}",
                     **self.where,
                 )
             if decision.accepted and not decision.duplicate:
@@ -460,24 +462,29 @@ class Intake:
         self.timers[arm.sync_step] = timer
         timer.start()
 
+    @property
+    def closed(self) -> bool:
+        """The node is closed (``close``): nothing more is decided or taped here."""
+        return self._closed
+
     def _fire(self, step: int) -> None:
-        try:
-            with self.board.cond:
-                self.timers.pop(step, None)
-                if self._closed:
-                    return
-                t0 = time.perf_counter()
+        with self.board.cond:
+            self.timers.pop(step, None)
+            if self._closed:
+                return
+            t0 = time.perf_counter()
+            try:
                 decision, effects = self.node.cutoff(step)
-                if decision.accepted and not decision.duplicate:
-                    self._handle(effects, t0)
-                self.board.cond.notify_all()
-            self.after_cutoff()
-        except Exception as e:  # the tape could not be written (see ``push``)
-            die(
-                self.metrics.role,
-                f"cutoff of step {step} could not be made durable: {e}",
-                **self.where,
-            )
+            except Exception as e:  # the tape could not be written (see ``push``)
+                die(
+                    self.metrics.role,
+                    f"cutoff of step {step} could not be made durable: {e!r}",
+                    **self.where,
+                )
+            if decision.accepted and not decision.duplicate:
+                self._handle(effects, t0)
+            self.board.cond.notify_all()
+        self.after_cutoff()
 
     def close(self) -> None:
         """On shutdown: no more cutoffs, a final signed tape checkpoint, then no more

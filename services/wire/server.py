@@ -227,15 +227,15 @@ class Shutdown:
         self._lock = threading.Lock()
         self.reason: str | None = None
         self.failed = False
-        """Set with the first reason when that stop is a failure (the daemon exits 1)."""
+        """Set with the first reason when that stop is a failure (the daemon exits 1): a
+        failure after a clean stop was asked (a call cut short by it) does not count."""
 
     def request(self, reason: str, failed: bool = False) -> None:
         """Ask the daemon to stop; the first reason is kept (and logged).  ``failed``: the
         daemon cannot go on (its store failed, say) and exits with code 1."""
         with self._lock:
             if self.reason is None:
-                self.reason = reason
-            self.failed = self.failed or failed
+                self.reason, self.failed = reason, failed
         self._event.set()
 
     @property
