@@ -43,7 +43,13 @@ from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import island_key
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.daemon import die, fault_point, log_event, memory_fields, starting_parameters
+from hypertrain.wire.daemon import (
+    durable_or_die,
+    fault_point,
+    log_event,
+    memory_fields,
+    starting_parameters,
+)
 from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import CHECKPOINT_NICE, lower_priority, trim_heap
@@ -291,7 +297,9 @@ class RelayService:
         )
         if self.intake.closed:
             return  # as above: the restarted relay fetches the merge again
-        try:
+        with durable_or_die(
+            "relay", f"global step {merge.sync_step}", region=self.region, **self.where
+        ):
             try:
                 job = self.checkpointer.submit(node.write_checkpoint)
             except RuntimeError:  # closed while this thread outlived its join: write it here
@@ -300,9 +308,6 @@ class RelayService:
                 job.result()
             with self.board.cond:
                 self.node.settle()
-        except Exception as e:  # the store failed: as in Intake.push, the process ends
-            die("relay", f"global step {merge.sync_step} could not be made durable: {e!r}",
-                region=self.region, **self.where)  # fmt: skip
         trim_heap()  # the round's transfer buffers, freed on the gRPC threads' heaps
         log_event(
             "global",

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -72,6 +73,19 @@ def die(role: str, reason: str, **where: object) -> NoReturn:
             sys.stderr.flush()
     finally:
         os._exit(1)
+
+
+@contextlib.contextmanager
+def durable_or_die(role: str, what: str, **where: object) -> Iterator[None]:
+    """Around a node's step that writes its store after its machine decided (a push, a
+    join or leave, a cutoff, a relay's global update): refusals are decisions, not
+    exceptions, so any exception there is the store failing, and the process ends
+    (``die``) saying that ``what`` could not be made durable.  Called holding the node's
+    lock, it ends the process still holding it."""
+    try:
+        yield
+    except Exception as e:
+        die(role, f"{what} could not be made durable: {e!r}", **where)
 
 
 def log_event(event: str, **fields: object) -> None:

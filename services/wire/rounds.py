@@ -47,7 +47,7 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
-from hypertrain.wire.daemon import die, log_event
+from hypertrain.wire.daemon import durable_or_die, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
@@ -305,21 +305,14 @@ class Intake:
                 stopping = True
             else:
                 t0 = time.perf_counter()
-                try:
+                # A store failure here (a spool fsync, the tape, a published file, a
+                # checkpoint) leaves the live state ahead of the tape: nothing more may be
+                # taped or served, so the process ends, as a kill at this line would end
+                # it, and a restart recovers from the tape.
+                with durable_or_die(
+                    self.metrics.role, f"push from {h.sender} for step {h.sync_step}", **self.where
+                ):
                     decision, effects = self.node.push(delta, publisher)
-                except Exception as e:
-                    # Refusals are decisions, not exceptions: this is the store failing
-                    # (a spool fsync, the tape, a published file, a checkpoint) after
-                    # the machine decided, so its live state may be ahead of its tape.
-                    # Nothing more may be taped or served: the process ends here, as a
-                    # kill at this line would end it, and a restart recovers from the
-                    # tape (the lock stays held until then).
-                    die(
-                        self.metrics.role,
-                        f"push from {h.sender} for step {h.sync_step} could not be made "
-                        f"durable: {e!r}",
-                        **self.where,
-                    )
                 if decision.accepted and not decision.duplicate:
                     self._handle(effects, t0)
                     self.board.cond.notify_all()
@@ -361,14 +354,8 @@ class Intake:
             if self._closed:
                 raise WireError(grpc.StatusCode.UNAVAILABLE, "this relay is stopping: ask again")
             t0 = time.perf_counter()
-            try:
+            with durable_or_die("relay", f"{request.change} of {request.member}", **self.where):
                 decision, effects = node.on_member(request)
-            except Exception as e:  # the store failed after the decision (see ``push``)
-                die(
-                    "relay",
-                    f"{request.change} of {request.member} could not be made durable: {e!r}",
-                    **self.where,
-                )
             if decision.accepted and not decision.duplicate:
                 self._handle(effects, t0)
             self.board.cond.notify_all()
@@ -473,14 +460,8 @@ class Intake:
             if self._closed:
                 return
             t0 = time.perf_counter()
-            try:
+            with durable_or_die(self.metrics.role, f"cutoff of step {step}", **self.where):
                 decision, effects = self.node.cutoff(step)
-            except Exception as e:  # the tape could not be written (see ``push``)
-                die(
-                    self.metrics.role,
-                    f"cutoff of step {step} could not be made durable: {e!r}",
-                    **self.where,
-                )
             if decision.accepted and not decision.duplicate:
                 self._handle(effects, t0)
             self.board.cond.notify_all()

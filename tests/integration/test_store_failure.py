@@ -11,45 +11,22 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
-from hypertrain.common.codec import make_codec
-from hypertrain.common.config import RunConfig
-from hypertrain.common.digest import blob_digest
-from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.trust.certs import init_daemons
 from hypertrain.common.trust.keys import daemon_key_names, load_signing_key
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.client import connect, push_delta, relay_stub
 from tests.integration.conftest import Cluster
-
-CFG = RunConfig.from_dict(
-    {
-        "steps": 20,
-        "holdout_windows": 16,
-        "topology": {"regions": ["eu"], "islands_per_region": 2, "h_r": 5, "h_g": 10},
-    }
-)
+from tests.integration.test_bad_input import CFG, GOOD, _header
 
 
 def _delta(keys: Path) -> tuple[pb.TransferHeader, bytes]:
-    codec = make_codec(CFG.regional_codec)
-    numel = initial_parameters(CFG)[0].numel
-    data = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3)
-    delta = Delta(CFG.run_id, 0, 5, "eu-0", blob_digest(data), str(codec.spec), data, b"")
+    """eu-0's delta for step 5 (test_bad_input's), signed with its key."""
+    h = _header(GOOD)
+    delta = Delta(h.run_id, h.round, h.sync_step, h.sender, h.digest, h.codec, GOOD, b"")
     key = load_signing_key(keys / "island-eu-0.key")
-    header = pb.TransferHeader(
-        signature=key.sign(delta.transfer_message()),
-        run_id=CFG.run_id,
-        round=0,
-        sync_step=5,
-        sender="eu-0",
-        digest=blob_digest(data),
-        size=len(data),
-        codec=str(codec.spec),
-    )
-    return header, data
+    return _header(GOOD, signature=key.sign(delta.transfer_message())), GOOD
 
 
 def _push(address: str, header: pb.TransferHeader, data: bytes) -> pb.PushAck:
