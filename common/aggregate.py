@@ -33,7 +33,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from statistics import median_low
 from typing import TYPE_CHECKING, Any
@@ -114,7 +116,53 @@ class Commitment:
 MERGE_RANGE = 1 << 20
 
 Visit = Callable[[int, torch.Tensor], None]
-"""Called with (start, mean[start : start + n]) for each range of a streamed mean, in order."""
+"""Called with (start, mean[start : start + n]) for each range of a streamed mean, in
+order; with ``parallel`` (``segmented_mean``), from several threads at once, each on its
+own range (a wave of ranges at a time, the waves in order)."""
+
+_WORKERS = max(1, min(8, os.cpu_count() or 1))
+"""Ranges a parallel mean works on at once: one per core (at most 8)."""
+_helpers: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _helper_pool() -> ThreadPoolExecutor | None:
+    """The threads that work on ranges beside the calling thread (None on one core).
+    Per process: a forked child inherits the object but not its threads."""
+    global _helpers
+    if _WORKERS < 2:
+        return None
+    if _helpers is None or _helpers[0] != os.getpid():
+        _helpers = (os.getpid(), ThreadPoolExecutor(_WORKERS - 1, thread_name_prefix="ranges"))
+    return _helpers[1]
+
+
+def _in_waves(count: int, job: Callable[[int, int], None], after_wave: Callable[[], None]) -> None:
+    """``job(k, slot)`` for k in ``range(count)``, ``_WORKERS`` at a time: each wave's
+    first job on the calling thread, the others on the helpers (``slot``: its place in
+    the wave, for a scratch buffer of its own), then ``after_wave``.  Torch's kernels
+    and hashlib release the GIL, so a wave's jobs run on that many cores.  A job's
+    exception is raised once its whole wave has ended (no job of this call runs after
+    it is raised)."""
+    pool = _helper_pool()
+    width = _WORKERS if pool is not None else 1
+    for first in range(0, count, width):
+        ks = range(first, min(count, first + width))
+        jobs: list[Future[None]] = (
+            [pool.submit(job, k, slot) for slot, k in enumerate(ks) if slot] if pool else []
+        )
+        error: BaseException | None = None
+        try:
+            job(ks[0], 0)
+        except BaseException as e:  # the helpers' jobs of this wave still end first
+            error = e
+        for f in jobs:
+            try:
+                f.result()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+        after_wave()
 
 
 def _range_length(codec: Codec) -> int:
@@ -214,6 +262,7 @@ def streamed_mean(
     prepare: Callable[[], None] | None = None,
     early: EarlySum | None = None,
     robust: RobustConfig | None = None,
+    parallel: bool = False,
 ) -> Commitment:
     """The fixed-order fp32 mean of ``inputs``, one range of values at a time.
 
@@ -234,11 +283,17 @@ def streamed_mean(
     be None.
 
     ``robust``: the rule that replaces the mean where it is not the plain one
-    (``_Rule``; no early sum then)."""
+    (``_Rule``; no early sum then).
+
+    ``parallel``: work on several ranges at once, one per core (``_in_waves``); ``visit``
+    must then take ranges from several threads at once.  Each value's operations, the
+    digest's leaves and so the results are the same bits either way."""
     if not inputs:
         raise HypertrainError("aggregate: no inputs")
     segment = Segment(0, math.prod(shape), inputs)
-    return segmented_mean([segment], codec, shape, visit, out, digests, prepare, early, robust)
+    return segmented_mean(
+        [segment], codec, shape, visit, out, digests, prepare, early, robust, parallel
+    )
 
 
 def segmented_mean(
@@ -251,6 +306,7 @@ def segmented_mean(
     prepare: Callable[[], None] | None = None,
     early: EarlySum | None = None,
     robust: RobustConfig | None = None,
+    parallel: bool = False,
 ) -> Commitment:
     """``streamed_mean`` of a tensor whose ranges have their own inputs: ``segments`` tile
     ``[0, numel)`` in order, and each range is the fixed-order mean of its segment's
@@ -330,21 +386,47 @@ def segmented_mean(
         )
     if prepare is not None:
         prepare()
-    for seg, ops in zip(segments, opened, strict=True):
-        for start in range(0, seg.numel, step):
-            n = min(step, seg.numel - start)
-            at = seg.start + start
-            acc = flat[at : at + n] if flat is not None else scratch[:n]  # type: ignore[index]
-            if early is None:
-                acc.zero_()
-            for header, prepared in ops:
-                codec.accumulate_range(header, prepared, acc, start)
-            for blob in seg.inputs.values():  # what this range read of a spooled input
+    ranges = [
+        (seg, ops, start, min(step, seg.numel - start))
+        for seg, ops in zip(segments, opened, strict=True)
+        for start in range(0, seg.numel, step)
+    ]
+    # In parallel only where every range starts on a digest chunk (segments that start
+    # inside one, relay shards of any size, are hashed in order).
+    waves = (
+        parallel
+        and len(ranges) > 1
+        and _helper_pool() is not None
+        and all(4 * s.start % CHUNK_BYTES == 0 for s in segments)
+    )
+    scratches = [scratch] if scratch is not None else []
+    if waves and scratch is not None:
+        scratches += [torch.empty_like(scratch) for _ in range(_WORKERS - 1)]
+
+    def one_range(k: int, slot: int) -> None:
+        seg, ops, start, n = ranges[k]
+        at = seg.start + start
+        acc = flat[at : at + n] if flat is not None else scratches[slot][:n]
+        if early is None:
+            acc.zero_()
+        for header, prepared in ops:
+            codec.accumulate_range(header, prepared, acc, start)
+        acc.div_(len(seg.inputs))
+        hasher.put(4 * at, acc)
+        if visit is not None:
+            visit(at, acc)
+
+    def read(segs: Sequence[Segment]) -> None:  # what the ranges read of spooled inputs
+        for seg in segs:
+            for blob in seg.inputs.values():
                 drop_pages(blob)
-            acc.div_(len(seg.inputs))
-            hasher.update(acc)
-            if visit is not None:
-                visit(at, acc)
+
+    if waves:
+        _in_waves(len(ranges), one_range, lambda: read(segments))
+    else:
+        for k, (seg, *_) in enumerate(ranges):
+            one_range(k, 0)
+            read([seg])
     members: list[str] = []
     input_digests: list[str] = []
     for seg in segments:

@@ -19,6 +19,7 @@ import hashlib
 import math
 import os
 import struct
+import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -151,8 +152,12 @@ class TensorHasher:
         self._leaves: list[bytes] = []
         self._seen = 0
         self._tail = bytearray()  # the start of a chunk the last piece ended inside
+        self._placed: dict[int, list[bytes]] = {}  # update_at: first chunk -> its leaves
+        self._lock = threading.Lock()
 
     def update(self, piece: torch.Tensor) -> None:
+        if self._placed:
+            raise ValueError("TensorHasher: update after update_at")
         raw = _raw(piece)
         self._seen += len(raw)
         if self._tail:
@@ -175,10 +180,58 @@ class TensorHasher:
             for task in tasks:
                 self._leaves.extend(task.result())
 
+    def update_at(self, offset: int, piece: torch.Tensor) -> None:
+        """Hash ``piece``, the tensor's bytes from byte ``offset`` on, where pieces come
+        in any order, from several threads (``aggregate.segmented_mean`` in parallel):
+        ``offset`` and the piece's length are whole chunks, but for a piece that ends
+        the tensor.  Its leaves are computed on the calling thread.  Not to be mixed
+        with ``update``; ``hexdigest`` checks that the pieces tile the tensor."""
+        raw = _raw(piece)
+        end = offset + len(raw)
+        if (
+            offset % CHUNK_BYTES
+            or end > self.nbytes
+            or (len(raw) % CHUNK_BYTES and end != self.nbytes)
+        ):
+            raise ValueError(
+                f"TensorHasher: bytes [{offset}, {end}) of {self.nbytes} are not whole chunks"
+            )
+        leaves = _leaves([raw[i : i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES)])
+        with self._lock:
+            if self._leaves or self._tail or offset // CHUNK_BYTES in self._placed:
+                raise ValueError(f"TensorHasher: bytes from {offset} hashed twice")
+            self._placed[offset // CHUNK_BYTES] = leaves
+            self._seen += len(raw)
+
+    def put(self, offset: int, piece: torch.Tensor) -> None:
+        """Hash ``piece``, the tensor's bytes from byte ``offset`` on, as it comes: pieces
+        on whole chunks in any order (``update_at``), others in order (``update``).
+        What ``aggregate.segmented_mean`` hands a visit: ranges on whole chunks, from
+        several threads, or any ranges in order from one."""
+        n = piece.numel() * piece.element_size()
+        whole = offset % CHUNK_BYTES == 0 and (n % CHUNK_BYTES == 0 or offset + n == self.nbytes)
+        with self._lock:
+            ordered = bool(self._leaves or self._tail)
+            if not (whole and not ordered):  # in order from here: the pieces placed first
+                for first in sorted(self._placed):
+                    if first != len(self._leaves):
+                        raise ValueError(f"TensorHasher: chunk {len(self._leaves)} not hashed")
+                    self._leaves += self._placed.pop(first)
+                if self._seen != offset:
+                    raise ValueError(f"TensorHasher: bytes from {offset} after {self._seen}")
+        if whole and not ordered:
+            self.update_at(offset, piece)
+        else:
+            self.update(piece)
+
     def hexdigest(self) -> str:
         if self._seen != self.nbytes:
             raise ValueError(f"TensorHasher: {self._seen} of {self.nbytes} bytes hashed")
         leaves = self._leaves + ([hashlib.sha256(self._tail).digest()] if self._tail else [])
+        for first in sorted(self._placed):  # placed pieces tile the tensor: no gap, no overlap
+            if first != len(leaves):
+                raise ValueError(f"TensorHasher: chunk {len(leaves)} not hashed")
+            leaves += self._placed[first]
         return _root(self.dtype, self.shape, self.nbytes, leaves).hex()
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -39,6 +39,7 @@ from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.codec.base import alloc_raw, tensor_view
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
+from hypertrain.common.digest import TensorHasher
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.fragments import Fragment
@@ -439,6 +440,9 @@ class RegionCore:
         around the delta computed there (``encode_global_delta``), never copied."""
         self._early: EarlySum | None = None
         """The open step's sum so far (``offer``), kept in the base's buffer."""
+        self.merged_base: str | None = None
+        """``flat_digest`` of the base as the last ``merge`` left it, hashed range by
+        range as it was written (None until a merge, or after one that failed)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """For pickling (the simulator's job checkpoints): the base as a plain tensor, not
@@ -545,6 +549,7 @@ class RegionCore:
             early = None  # not these inputs (the step closed without some): sum them all
         theta, base = self.theta.view(-1), self._buffer().view(-1)
         flat_mean = None if mean is None else mean.view(-1)
+        hasher = TensorHasher(base.dtype, tuple(self.theta.shape))
 
         def fold(start: int, part: torch.Tensor) -> None:
             end = start + part.numel()
@@ -554,7 +559,9 @@ class RegionCore:
                 torch.sub(theta[start:end], part, out=base[start:end])
             else:
                 base[start:end].sub_(part)
+            hasher.put(4 * start, base[start:end])  # the new base's range, while in cache
 
+        self.merged_base = None
         commitment = streamed_mean(
             inputs,
             self.codec,
@@ -564,8 +571,10 @@ class RegionCore:
             digests=digests,
             early=early,
             robust=self.cfg.robust,
+            parallel=True,
         )
         self._base_is_theta = False
+        self.merged_base = hasher.hexdigest()
         return mean, commitment
 
     def encode_global_delta(self) -> bytes | bytearray | memoryview:
@@ -609,6 +618,15 @@ class RegionCore:
         self._base_is_theta = True
 
 
+class StepDigests(NamedTuple):
+    """What an outer step (``GlobalCore.step``) left, by digest."""
+
+    theta: str
+    """``flat_digest`` of the new theta."""
+    outer: dict[str, str]
+    """``tensor_digest`` of each parameter-sized tensor of the outer state, by name."""
+
+
 class GlobalCore:
     """The aggregator's numerical state: global parameters and the outer optimizer."""
 
@@ -622,6 +640,9 @@ class GlobalCore:
         self.shards = cfg.shards(theta0.numel())
         self.members = self.shards.members(cfg.topology.regions)
         """Who sends a delta each global round: the regions' relays, or their shards."""
+        self.stepped: StepDigests | None = None
+        """The digests of ``theta`` and the outer state's tensors as the last ``step`` left
+        them, hashed range by range as they were written (None until a step)."""
         self.before_step: Callable[[], None] = lambda: None
         """Called before an outer step allocates the new parameters: the aggregator daemon
         lets its evaluator drop any state but ``theta`` there (its memory bound)."""
@@ -658,21 +679,38 @@ class GlobalCore:
         self.before_step()
         old, new = self.theta.view(-1), torch.empty_like(self.theta)
         flat = new.view(-1)
+        theta_hasher = TensorHasher(new.dtype, tuple(new.shape))
+        states: dict[str, tuple[torch.Tensor, TensorHasher]] = {}
+
+        def begin() -> None:
+            self.outer.begin(old.numel())
+            for name, value in self.outer.state_view().items():
+                if isinstance(value, torch.Tensor) and value.numel() == old.numel():
+                    states[name] = (value.view(-1), TensorHasher(value.dtype, tuple(value.shape)))
 
         def outer_step(start: int, grad: torch.Tensor) -> None:
             end = start + grad.numel()
             self.outer.step_range(start, old[start:end], grad, flat[start:end])
+            # Hashed while in cache: the ranges of theta and of the state the step wrote.
+            theta_hasher.put(4 * start, flat[start:end])
+            for value, hasher in states.values():
+                hasher.put(start * value.element_size(), value[start:end])
 
+        self.stepped = None
         commitment = segmented_mean(
             self.segments(inputs),
             self.codec,
             tuple(self.theta.shape),
             outer_step,
             digests=digests,
-            prepare=lambda: self.outer.begin(old.numel()),
+            prepare=begin,
+            parallel=True,
         )
         self.outer.end()
         self.theta = new
+        self.stepped = StepDigests(
+            theta_hasher.hexdigest(), {name: h.hexdigest() for name, (_, h) in states.items()}
+        )
         return commitment
 
     def regions_of(self, inputs: Mapping[str, Blob]) -> tuple[str, ...]:

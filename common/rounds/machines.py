@@ -1073,7 +1073,7 @@ class RelayMachine:
         # moves only once every input decoded (``RegionCore.merge``); the step closes after.
         _, commitment = self.core.merge(blobs, digests, keep=False)
         self.level.close(absent)
-        post = self._base_digest = flat_digest(self.core.base_view())
+        post = self._base_digest = self.core.merged_base or flat_digest(self.core.base_view())
         global_sync = sched.sync_kind(step) == "global"
         self.bases[step] = post
         g = sched.round_of(step)
@@ -1375,8 +1375,10 @@ class AggregatorMachine:
         pre_outer = self._outer_digest or outer_state_digest(core.outer.state_view())
         commitment = core.step(blobs, digests)  # theta moves once every input decoded
         self.level.close(absent)
-        post = self._theta_digest = flat_digest(core.theta)
-        post_outer = self._outer_digest = outer_state_digest(core.outer.state_view())
+        stepped = core.stepped  # theta's and the outer state's digests, taken as written
+        assert stepped is not None
+        post = self._theta_digest = stepped.theta
+        post_outer = self._outer_digest = outer_state_digest(core.outer.state_view(), stepped.outer)
         record = GlobalMergeEntry(
             fragment=sched.fragment,
             round=sched.round_of(step),

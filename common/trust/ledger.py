@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -76,10 +77,12 @@ def relay_key(member: str) -> str:
 AGGREGATOR_KEY = "aggregator"
 
 
-def outer_state_digest(state: dict[str, Any]) -> str:
-    """Digest of an outer optimizer's state (tensors by digest, scalars by value)."""
+def outer_state_digest(state: dict[str, Any], known: Mapping[str, str] | None = None) -> str:
+    """Digest of an outer optimizer's state (tensors by digest, scalars by value).
+    ``known``: the digests of some of its tensors, by name, already taken."""
+    known = known or {}
     canon = {
-        k: (tensor_digest(v) if isinstance(v, torch.Tensor) else v)
+        k: ((known.get(k) or tensor_digest(v)) if isinstance(v, torch.Tensor) else v)
         for k, v in sorted(state.items())
     }
     return hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()

@@ -1,6 +1,7 @@
 """Fixed-order aggregation: same bytes for any arrival order; the commitment binds everything."""
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ from hypothesis import strategies as st
 import hypertrain.common.aggregate as agg
 from hypertrain.common.aggregate import aggregate, streamed_mean
 from hypertrain.common.codec import make_codec
+from hypertrain.common.config import ModelConfig, RunConfig
 from hypertrain.common.digest import TensorHasher, blob_digest, tensor_digest, zeros_digest
 from hypertrain.common.errors import CodecError, HypertrainError
+from hypertrain.common.roles import GlobalCore, RegionCore, initial_parameters
+from hypertrain.common.trust.ledger import flat_digest, outer_state_digest
 
 
 def _blobs(codec_name: str, n: int, numel: int, seed: int) -> dict[str, bytes]:
@@ -253,3 +257,179 @@ def test_an_early_sum_refuses_a_bad_input_before_writing() -> None:
     with pytest.raises(CodecError, match="shape"):
         early.add("eu-1", codec.encode(torch.randn(4095)), codec)
     assert torch.equal(early.acc, before) and early.members == ["eu-0"]
+
+
+# -- means over several ranges at once (segmented_mean(parallel=True)) -------------------
+def _run_mean(
+    blobs: dict[str, bytes], codec_name: str, numel: int, parallel: bool, early_k: int = 0
+) -> tuple[agg.Commitment, torch.Tensor, set[int], set[int]]:
+    """The commitment, a base folded by the mean, the ranges visited and the threads."""
+    codec = make_codec(codec_name)
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    starts: set[int] = set()
+    threads: set[int] = set()
+
+    def fold(start: int, part: torch.Tensor) -> None:
+        starts.add(start)
+        threads.add(threading.get_ident())
+        base[start : start + part.numel()].sub_(part)
+
+    early = None
+    if early_k:
+        early = agg.EarlySum.zeros(torch.empty(numel), (numel,))
+        for member in sorted(blobs)[:early_k]:
+            early.add(member, blobs[member], codec)
+    com = streamed_mean(blobs, codec, (numel,), fold, early=early, parallel=parallel)
+    return com, base, starts, threads
+
+
+@pytest.mark.parametrize("codec_name", STREAM_CODECS)
+@pytest.mark.parametrize("numel", [999, 5 * 262144 + 37])
+@pytest.mark.parametrize("early_k", [0, 2])
+def test_a_parallel_mean_has_the_bits_of_one_in_order(
+    codec_name: str, numel: int, early_k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several ranges at once, each visited on some thread: the same commitment and the
+    same values, bit for bit, as one range after another; with many ranges the visits
+    really ran on more than one thread."""
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)
+    monkeypatch.setattr(agg, "_WORKERS", 3)  # waves of 3, on any machine
+    blobs = _blobs(codec_name, 3, numel, seed=numel)
+    one = _run_mean(blobs, codec_name, numel, parallel=False, early_k=early_k)
+    many = _run_mean(blobs, codec_name, numel, parallel=True, early_k=early_k)
+    assert many[0] == one[0]
+    assert torch.equal(many[1].view(torch.int32), one[1].view(torch.int32))
+    assert many[2] == one[2]
+    assert len(one[3]) == 1
+    assert (len(many[3]) > 1) == (len(one[2]) > 1)
+
+
+def test_segments_that_start_inside_a_chunk_are_summed_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Relay shards of any size: a segment that starts inside a digest chunk makes the
+    mean go range by range, in order, on the calling thread, with the same bits."""
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)
+    monkeypatch.setattr(agg, "_WORKERS", 3)
+    codec = make_codec("fp32")
+    cut, numel = 300_001, 900_000
+    parts = {
+        "a": _blobs("fp32", 2, cut, seed=1),
+        "b": _blobs("fp32", 2, numel - cut, seed=2),
+    }
+    segments = [
+        agg.Segment(0, cut, parts["a"]),
+        agg.Segment(cut, numel - cut, parts["b"]),
+    ]
+    results = []
+    for parallel in (False, True):
+        seen: list[int] = []
+        threads: set[int] = set()
+
+        def visit(
+            start: int, part: torch.Tensor, seen: list[int] = seen, threads: set[int] = threads
+        ) -> None:
+            seen.append(start)
+            threads.add(threading.get_ident())
+
+        com = agg.segmented_mean(segments, codec, (numel,), visit, parallel=parallel)
+        assert seen == sorted(seen) and len(threads) == 1
+        results.append((com, seen))
+    assert results[0] == results[1]
+
+
+def test_a_failing_range_ends_the_mean_after_its_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A visit that raises: the error comes out once the other ranges of its wave have
+    ended, and no range of a later wave is started."""
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)
+    monkeypatch.setattr(agg, "_WORKERS", 2)
+    numel = 8 * 262144
+    blobs = _blobs("fp32", 2, numel, seed=5)
+    seen: set[int] = set()
+
+    def visit(start: int, part: torch.Tensor) -> None:
+        seen.add(start)
+        if start == 2 * 262144:
+            raise RuntimeError("visit failed")
+
+    with pytest.raises(RuntimeError, match="visit failed"):
+        streamed_mean(blobs, make_codec("fp32"), (numel,), visit, parallel=True)
+    assert seen == {0, 262144, 2 * 262144, 3 * 262144}  # waves of 2: the second wave's
+
+
+@pytest.mark.parametrize("numel", [1, 262_144, 5 * 262_144 + 11])
+def test_pieces_hashed_out_of_order_give_the_whole_tensor_digest(numel: int) -> None:
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    starts = list(range(0, numel, 2 * 262_144))
+    hasher = TensorHasher(torch.float32, (numel,))
+    for start in reversed(starts):
+        hasher.update_at(4 * start, t[start : start + 2 * 262_144])
+    assert hasher.hexdigest() == tensor_digest(t)
+    # put: a piece on whole chunks is placed; one that ends inside a chunk goes on in
+    # order from what was placed
+    mixed = TensorHasher(torch.float32, (numel,))
+    cut = min(numel, 262_144)
+    mixed.put(0, t[:cut])
+    if numel > cut:
+        mixed.put(4 * cut, t[cut : cut + 1000])
+        mixed.put(4 * (cut + 1000), t[cut + 1000 :])
+    assert mixed.hexdigest() == tensor_digest(t)
+
+
+def test_out_of_order_pieces_must_tile_the_tensor() -> None:
+    t = torch.randn(3 * 262_144)
+    gap = TensorHasher(torch.float32, (3 * 262_144,))
+    gap.update_at(0, t[:262_144])
+    gap.update_at(2 * 4 * 262_144, t[2 * 262_144 :])
+    with pytest.raises(ValueError, match="of 3145728 bytes"):
+        gap.hexdigest()
+    twice = TensorHasher(torch.float32, (3 * 262_144,))
+    twice.update_at(0, t[:262_144])
+    with pytest.raises(ValueError, match="hashed twice"):
+        twice.update_at(0, t[:262_144])
+    with pytest.raises(ValueError, match="not whole chunks"):
+        twice.update_at(4 * 262_144, t[262_144 : 262_144 + 10])
+    with pytest.raises(ValueError, match="update after update_at"):
+        twice.update(t[262_144:])
+    late = TensorHasher(torch.float32, (3 * 262_144,))
+    late.put(4 * 262_144, t[262_144 : 2 * 262_144])  # placed, but chunk 0 never comes
+    with pytest.raises(ValueError, match="chunk 0 not hashed"):
+        late.put(4 * 2 * 262_144 + 4, t[2 * 262_144 + 1 :])
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_cores_digests_taken_while_writing_are_those_of_what_they_wrote(
+    shards: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay's base and the aggregator's theta and outer state are hashed range by
+    range as a merge writes them (several ranges at once): the digests equal those of
+    the finished tensors, round after round (the momentum's first step and later ones)."""
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)
+    monkeypatch.setattr(agg, "_WORKERS", 3)
+    shape = ModelConfig(n_layer=3, d_model=192, n_head=4, seq_len=64)
+    cfg = RunConfig(model="custom", model_shape=shape).with_overrides(
+        **{"topology.relay_shards": shards}
+    )
+    _, theta0 = initial_parameters(cfg)
+    numel = theta0.numel()
+    assert numel > 4 * agg.MERGE_RANGE  # several waves of ranges
+    region, glob = RegionCore(cfg, "eu", theta0), GlobalCore(cfg, theta0)
+    regional, global_ = make_codec(cfg.regional_codec), make_codec(cfg.global_codec)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        deltas = {
+            f"eu-{i}": regional.encode(torch.randn(numel, generator=g) * 1e-3) for i in range(2)
+        }
+        region.merge(deltas, keep=False)
+        assert region.merged_base == flat_digest(region.base_view())
+        sent = {}
+        for member in glob.members_of(("eu",)):
+            a, b = glob.shards.bounds(glob.shards.split(member)[1])
+            sent[member] = global_.encode(torch.randn(b - a, generator=g) * 1e-3)
+        glob.step(sent)
+        assert glob.stepped is not None
+        assert glob.stepped.theta == flat_digest(glob.theta)
+        assert outer_state_digest(glob.outer.state_view(), glob.stepped.outer) == (
+            outer_state_digest(glob.outer.state_view())
+        )
+        assert set(glob.stepped.outer) == {"momentum"}
