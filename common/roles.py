@@ -132,6 +132,9 @@ class IslandState:
         self.shards = cfg.shards(self.numel)
         """The ranges of the region's relay shards; the island sends each its own part."""
         self.step = 0
+        self._base_loaded_at: int | None = None
+        """The step at which the parameters were last loaded from the base, bit for bit
+        (None: not known, or loaded from anything else since)."""
         self.snapshots: list[dict[int, torch.Tensor]] = [{} for _ in self.fragments]
         """Per fragment: sync_step -> its values of theta then (tau > 0)."""
         self.last_delta_norm = 0.0  # L2 norm of the last pseudo-gradient (for metrics)
@@ -243,6 +246,9 @@ class IslandState:
             now = merged[fr.lo : fr.hi]
             now.copy_(base if snapshot is None else overlap_merge(base, now, snapshot))
         self.load_params(merged)
+        # The parameters are the base, bit for bit, unless progress from the overlap (or
+        # another fragment's values) went into them.
+        self._base_loaded_at = self.step if merged is base else None
 
     def heal(self, theta: torch.Tensor, sync_step: int) -> None:
         """Rejoin from the global merge of ``sync_step`` after being left behind (the steps
@@ -260,6 +266,7 @@ class IslandState:
         self.finish(theta)  # base and parameters are theta, no overlap snapshot pending
         self.feedback.load_state_dict({"residual": None, "beta": self.feedback.beta})
         self.step = sync_step
+        self._base_loaded_at = sync_step
 
     def finish(self, theta: torch.Tensor) -> None:
         """End of the run: take the final global parameters (no steps follow, no overlap);
@@ -268,6 +275,14 @@ class IslandState:
         for snaps in self.snapshots:
             snaps.clear()
         self.load_params(self.base)
+        self._base_loaded_at = self.step
+
+    def _params_are_base(self) -> bool:
+        """``params_equal_base``, known without reading them where they were loaded from
+        the base at this step and not written since (right after a global merge without
+        overlap: the rejoin state saved there)."""
+        loaded = getattr(self, "_base_loaded_at", None)  # (a core pickled before it had one)
+        return loaded == self.step or self.params_equal_base()
 
     def params_equal_base(self) -> bool:
         """Are the current parameters bit-identical to the base (as right after a merge
@@ -287,7 +302,7 @@ class IslandState:
         return {
             "island": self.island_id,
             "step": self.step,
-            "params": self.params() if copy or not self.params_equal_base() else None,
+            "params": self.params() if copy or not self._params_are_base() else None,
             "base": keep(self.base),
             **self._train_state(copy),
             **self._sync_state(keep, copy),
@@ -310,6 +325,7 @@ class IslandState:
         self.step = int(state["step"])
         params = state["params"]
         self.load_params(state["base"] if params is None else params)
+        self._base_loaded_at = self.step if params is None else None
         self.base.copy_(state["base"])
         self._load_train_state(state)
         split = len(self.fragments) > 1

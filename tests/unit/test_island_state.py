@@ -172,3 +172,54 @@ def test_lossy_sync_lets_the_old_residual_go() -> None:
     assert island.feedback.released is None
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_a_rejoin_state_after_a_merge_knows_the_parameters_are_the_base(
+    tau: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after a merge without overlap the parameters were loaded from the base: the
+    live rejoin state leaves them out without comparing them (a model-sized read on the
+    sync's path).  With overlap (tau = 1) they differ and are saved; after a step, or
+    after a load of other values, they are compared again; what is saved restores the
+    island exactly either way."""
+    cfg = RunConfig().with_overrides(
+        **{"steps": 6, "topology.h_r": 2, "topology.h_g": 2, "topology.tau": tau}
+    )
+    _, theta0 = initial_parameters(cfg)
+
+    def island() -> IslandCore:
+        stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+        return IslandCore(cfg, "eu-0", stream, theta0)
+
+    core = island()
+    core.train_step()
+    core.train_step()
+    core.sync()
+    for _ in range(tau):
+        core.train_step()
+    merge = core.base - 1e-3
+    core.apply_merge("global", merge, sync_step=2)
+    compared: list[int] = []
+    real = IslandCore.params_equal_base
+
+    def counted(self: IslandCore) -> bool:
+        compared.append(self.step)
+        return real(self)
+
+    monkeypatch.setattr(IslandCore, "params_equal_base", counted)
+    live = core.state_dict(copy=False)
+    if tau == 0:
+        assert live["params"] is None and compared == []
+    else:
+        assert live["params"] is not None and compared == [3]
+    other = island()
+    other.load_state_dict(live)
+    assert torch.equal(other.params(), core.params())
+    other.state_dict(copy=False)  # loaded from the base: known again, no comparison
+    assert compared == ([] if tau == 0 else [3, 3])
+    core.train_step()
+    assert core.state_dict(copy=False)["params"] is not None
+    assert compared[-1] == core.step
+    core.load_params(core.base)  # loaded, but not by a merge: compared
+    assert core.state_dict(copy=False)["params"] is None and compared[-1] == core.step
