@@ -120,8 +120,21 @@ Visit = Callable[[int, torch.Tensor], None]
 order; with ``parallel`` (``segmented_mean``), from several threads at once, each on its
 own range (a wave of ranges at a time, the waves in order)."""
 
-_WORKERS = max(1, min(8, os.cpu_count() or 1))
-"""Ranges a parallel mean works on at once: one per core (at most 8)."""
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+_WORKERS = max(1, min(4, _usable_cores()))
+"""Ranges a parallel mean works on at once: one per core this process may use, at most 4.
+Each range in flight beyond the first costs memory at a commit: a scratch range where the
+mean is not kept (4 MiB), the int8 codec's work buffer (4 MiB) and the pages the range
+read of each spooled input (dropped after each wave): at 4, at most 3 x (8 MiB + one range
+of every input) more than a mean that works on one range at a time."""
 _helpers: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -147,19 +160,24 @@ def _in_waves(count: int, job: Callable[[int, int], None], after_wave: Callable[
     width = _WORKERS if pool is not None else 1
     for first in range(0, count, width):
         ks = range(first, min(count, first + width))
-        jobs: list[Future[None]] = (
-            [pool.submit(job, k, slot) for slot, k in enumerate(ks) if slot] if pool else []
-        )
+        jobs: list[Future[None]] = []
         error: BaseException | None = None
         try:
+            for slot, k in enumerate(ks):
+                if slot and pool is not None:
+                    jobs.append(pool.submit(job, k, slot))
             job(ks[0], 0)
-        except BaseException as e:  # the helpers' jobs of this wave still end first
+        except BaseException as e:  # (a failed submit too) the wave's jobs still end first
             error = e
         for f in jobs:
-            try:
-                f.result()
-            except BaseException as e:
-                error = error or e
+            while True:  # an interrupt while waiting does not leave the job running
+                try:
+                    f.result()
+                    break
+                except BaseException as e:
+                    error = error or e
+                    if f.done():
+                        break
         if error is not None:
             raise error
         after_wave()
@@ -384,8 +402,6 @@ def segmented_mean(
             output_digest=hasher.hexdigest(),
             robust=rule.record(),
         )
-    if prepare is not None:
-        prepare()
     ranges = [
         (seg, ops, start, min(step, seg.numel - start))
         for seg, ops in zip(segments, opened, strict=True)
@@ -402,6 +418,8 @@ def segmented_mean(
     scratches = [scratch] if scratch is not None else []
     if waves and scratch is not None:
         scratches += [torch.empty_like(scratch) for _ in range(_WORKERS - 1)]
+    if prepare is not None:  # once everything that can fail before a range has been done
+        prepare()
 
     def one_range(k: int, slot: int) -> None:
         seg, ops, start, n = ranges[k]

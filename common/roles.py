@@ -457,8 +457,9 @@ class RegionCore:
         self._early: EarlySum | None = None
         """The open step's sum so far (``offer``), kept in the base's buffer."""
         self.merged_base: str | None = None
-        """``flat_digest`` of the base as the last ``merge`` left it, hashed range by
-        range as it was written (None until a merge, or after one that failed)."""
+        """``flat_digest`` of the base as the last ``merge`` that completed left it, hashed
+        range by range as it was written (None until one has; a refused merge leaves it,
+        with the base, as it was)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """For pickling (the simulator's job checkpoints): the base as a plain tensor, not
@@ -577,7 +578,6 @@ class RegionCore:
                 base[start:end].sub_(part)
             hasher.put(4 * start, base[start:end])  # the new base's range, while in cache
 
-        self.merged_base = None
         commitment = streamed_mean(
             inputs,
             self.codec,
@@ -657,8 +657,9 @@ class GlobalCore:
         self.members = self.shards.members(cfg.topology.regions)
         """Who sends a delta each global round: the regions' relays, or their shards."""
         self.stepped: StepDigests | None = None
-        """The digests of ``theta`` and the outer state's tensors as the last ``step`` left
-        them, hashed range by range as they were written (None until a step)."""
+        """The digests of ``theta`` and the outer state's tensors as the last ``step`` that
+        completed left them, hashed range by range as they were written (None until one
+        has; a refused step leaves it, with theta, as it was)."""
         self.before_step: Callable[[], None] = lambda: None
         """Called before an outer step allocates the new parameters: the aggregator daemon
         lets its evaluator drop any state but ``theta`` there (its memory bound)."""
@@ -712,7 +713,6 @@ class GlobalCore:
             for value, hasher in states.values():
                 hasher.put(start * value.element_size(), value[start:end])
 
-        self.stepped = None
         commitment = segmented_mean(
             self.segments(inputs),
             self.codec,

@@ -2,6 +2,7 @@
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -433,3 +434,69 @@ def test_the_cores_digests_taken_while_writing_are_those_of_what_they_wrote(
             outer_state_digest(glob.outer.state_view())
         )
         assert set(glob.stepped.outer) == {"momentum"}
+
+
+def test_a_wave_whose_submit_fails_waits_for_the_jobs_already_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A helper's job submitted before a later submit failed has ended when the error
+    comes out: nothing of the mean is written after it is raised."""
+    monkeypatch.setattr(agg, "_WORKERS", 3)
+    real = agg._helper_pool()
+    assert real is not None
+    ended: list[int] = []
+
+    class Failing:
+        calls = 0
+
+        def submit(self, fn: object, k: int, slot: int) -> object:
+            Failing.calls += 1
+            if Failing.calls == 2:
+                raise RuntimeError("cannot schedule new futures")
+            return real.submit(fn, k, slot)  # type: ignore[arg-type]
+
+    def job(k: int, slot: int) -> None:
+        time.sleep(0.2)
+        ended.append(k)
+
+    monkeypatch.setattr(agg, "_helper_pool", lambda: Failing())
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        agg._in_waves(6, job, lambda: None)
+    assert ended == [1]  # the first helper's job ended; the caller's own never started
+
+
+def test_scratch_is_taken_before_prepare_and_a_refused_step_keeps_its_digests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing that can fail comes after ``prepare`` (which may allocate state, as the
+    outer step's first momentum); a step refused for a bad input leaves ``stepped`` as
+    the last completed step left it."""
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)
+    monkeypatch.setattr(agg, "_WORKERS", 3)
+    numel = 4 * 262_144
+    blobs = _blobs("fp32", 2, numel, seed=9)
+    prepared: list[bool] = []
+
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise MemoryError
+
+    with monkeypatch.context() as patch:
+        patch.setattr(agg.torch, "empty_like", no_memory)
+        with pytest.raises(MemoryError):
+            streamed_mean(
+                blobs, make_codec("fp32"), (numel,), prepare=lambda: prepared.append(True),
+                parallel=True,
+            )  # fmt: skip
+    assert prepared == []
+    shape = ModelConfig(n_layer=3, d_model=192, n_head=4, seq_len=64)
+    cfg = RunConfig(model="custom", model_shape=shape)
+    _, theta0 = initial_parameters(cfg)
+    core = GlobalCore(cfg, theta0)
+    codec = make_codec(cfg.global_codec)
+    core.step({"eu": codec.encode(torch.full((theta0.numel(),), 1e-3))})
+    before, theta = core.stepped, core.theta
+    bad = bytearray(codec.encode(torch.full((theta0.numel(),), 1e-3)))
+    bad[-1] ^= 0xFF
+    with pytest.raises(CodecError):
+        core.step({"eu": bytes(bad)})
+    assert core.stepped is before and core.theta is theta
