@@ -188,11 +188,7 @@ class TensorHasher:
         with ``update``; ``hexdigest`` checks that the pieces tile the tensor."""
         raw = _raw(piece)
         end = offset + len(raw)
-        if (
-            offset % CHUNK_BYTES
-            or end > self.nbytes
-            or (len(raw) % CHUNK_BYTES and end != self.nbytes)
-        ):
+        if end > self.nbytes or not self._whole(offset, len(raw)):
             raise ValueError(
                 f"TensorHasher: bytes [{offset}, {end}) of {self.nbytes} are not whole chunks"
             )
@@ -208,15 +204,12 @@ class TensorHasher:
         on whole chunks in any order (``update_at``), others in order (``update``).
         What ``aggregate.segmented_mean`` hands a visit: ranges on whole chunks, from
         several threads, or any ranges in order from one."""
-        n = piece.numel() * piece.element_size()
-        whole = offset % CHUNK_BYTES == 0 and (n % CHUNK_BYTES == 0 or offset + n == self.nbytes)
+        whole = self._whole(offset, piece.numel() * piece.element_size())
         with self._lock:
             ordered = bool(self._leaves or self._tail)
             if not (whole and not ordered):  # in order from here: the pieces placed first
-                for first in sorted(self._placed):
-                    if first != len(self._leaves):
-                        raise ValueError(f"TensorHasher: chunk {len(self._leaves)} not hashed")
-                    self._leaves += self._placed.pop(first)
+                self._leaves = self._in_order(self._leaves)
+                self._placed.clear()
                 if self._seen != offset:
                     raise ValueError(f"TensorHasher: bytes from {offset} after {self._seen}")
         if whole and not ordered:
@@ -228,11 +221,21 @@ class TensorHasher:
         if self._seen != self.nbytes:
             raise ValueError(f"TensorHasher: {self._seen} of {self.nbytes} bytes hashed")
         leaves = self._leaves + ([hashlib.sha256(self._tail).digest()] if self._tail else [])
-        for first in sorted(self._placed):  # placed pieces tile the tensor: no gap, no overlap
-            if first != len(leaves):
-                raise ValueError(f"TensorHasher: chunk {len(leaves)} not hashed")
-            leaves += self._placed[first]
-        return _root(self.dtype, self.shape, self.nbytes, leaves).hex()
+        return _root(self.dtype, self.shape, self.nbytes, self._in_order(leaves)).hex()
+
+    def _whole(self, offset: int, n: int) -> bool:
+        """Do ``n`` bytes from ``offset`` start on a chunk and end on one (or the tensor)?"""
+        return offset % CHUNK_BYTES == 0 and (n % CHUNK_BYTES == 0 or offset + n == self.nbytes)
+
+    def _in_order(self, leaves: list[bytes]) -> list[bytes]:
+        """``leaves`` followed by the placed pieces' (``update_at``), which must continue
+        them with no gap and no overlap."""
+        out = list(leaves)
+        for first in sorted(self._placed):
+            if first != len(out):
+                raise ValueError(f"TensorHasher: chunk {len(out)} not hashed")
+            out += self._placed[first]
+        return out
 
 
 def zeros_digest(numel: int, dtype: torch.dtype = torch.float32) -> str:

@@ -1073,7 +1073,9 @@ class RelayMachine:
         # moves only once every input decoded (``RegionCore.merge``); the step closes after.
         _, commitment = self.core.merge(blobs, digests, keep=False)
         self.level.close(absent)
-        post = self._base_digest = self.core.merged_base or flat_digest(self.core.base_view())
+        post = self.core.merged_base  # the new base's digest, taken as it was written
+        assert post is not None
+        self._base_digest = post
         global_sync = sched.sync_kind(step) == "global"
         self.bases[step] = post
         g = sched.round_of(step)

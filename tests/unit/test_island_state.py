@@ -17,6 +17,12 @@ def _toy(cfg: RunConfig) -> ToyIsland:
     return ToyIsland(cfg, "eu-0", toy_parameters(cfg))
 
 
+def _island(cfg: RunConfig, theta0: torch.Tensor) -> IslandCore:
+    """Island eu-0 of the model ``cfg`` names, from ``theta0``."""
+    stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
+    return IslandCore(cfg, "eu-0", stream, theta0)
+
+
 def test_live_state_after_a_global_merge_round_trips_without_params() -> None:
     cfg = RunConfig(model="toy").with_overrides(
         **{"steps": 4, "topology.h_r": 2, "topology.h_g": 2}
@@ -50,8 +56,7 @@ def test_live_state_keeps_params_that_differ_from_the_base() -> None:
 def test_model_island_compares_params_and_base_without_flattening() -> None:
     cfg = RunConfig().with_overrides(**{"steps": 2, "topology.h_r": 2, "topology.h_g": 2})
     _, theta0 = initial_parameters(cfg)
-    stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
-    core = IslandCore(cfg, "eu-0", stream, theta0)
+    core = _island(cfg, theta0)
     assert core.params_equal_base()
     called: list[tuple[int, bool]] = []
     core.before_update = lambda: called.append(
@@ -71,11 +76,7 @@ def test_live_state_aliases_the_optimizer_moments_and_round_trips() -> None:
     cfg = RunConfig().with_overrides(**{"steps": 4, "topology.h_r": 2, "topology.h_g": 2})
     _, theta0 = initial_parameters(cfg)
 
-    def island() -> IslandCore:
-        stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
-        return IslandCore(cfg, "eu-0", stream, theta0)
-
-    core = island()
+    core = _island(cfg, theta0)
     core.train_step()
     live = core.state_dict(copy=False)
     moments = [
@@ -102,7 +103,7 @@ def test_live_state_aliases_the_optimizer_moments_and_round_trips() -> None:
         for t in per_param.values()
         if isinstance(t, torch.Tensor) and t.numel() > 1
     }
-    other = island()
+    other = _island(cfg, theta0)
     other.load_state_dict(live)
     core.train_step()
     other.train_step()
@@ -129,8 +130,7 @@ def test_fp32_sync_frames_the_delta_where_it_was_computed_with_the_same_bytes(
             }
         )
         _, theta0 = initial_parameters(cfg)
-        stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
-        core = IslandCore(cfg, "eu-0", stream, theta0)
+        core = _island(cfg, theta0)
         core.train_step()
         core.train_step()
         core.base.view(-1)[:3] = core.params()[:3]  # equal values: deltas of +0.0
@@ -144,8 +144,7 @@ def test_fp32_sync_frames_the_delta_where_it_was_computed_with_the_same_bytes(
             assert torch.equal(core.snapshots[0][2], core.params())
     int8 = RunConfig().with_overrides(**{"steps": 2, "topology.h_r": 2, "topology.h_g": 2})
     _, theta0 = initial_parameters(int8)
-    stream = SampleStream(open_dataset(int8), int8.model_config().seq_len, int8.global_batch, 0)
-    core = IslandCore(int8, "eu-0", stream, theta0)
+    core = _island(int8, theta0)
     core.train_step()
     expected_int8 = make_codec(int8.regional_codec).encode(torch.sub(core.base, core.params()))
     assert bytes(core.sync()[0]) == bytes(expected_int8)
@@ -188,11 +187,7 @@ def test_a_rejoin_state_after_a_merge_knows_the_parameters_are_the_base(
     )
     _, theta0 = initial_parameters(cfg)
 
-    def island() -> IslandCore:
-        stream = SampleStream(open_dataset(cfg), cfg.model_config().seq_len, cfg.global_batch, 0)
-        return IslandCore(cfg, "eu-0", stream, theta0)
-
-    core = island()
+    core = _island(cfg, theta0)
     core.train_step()
     core.train_step()
     core.sync()
@@ -213,7 +208,7 @@ def test_a_rejoin_state_after_a_merge_knows_the_parameters_are_the_base(
         assert live["params"] is None and compared == []
     else:
         assert live["params"] is not None and compared == [3]
-    other = island()
+    other = _island(cfg, theta0)
     other.load_state_dict(live)
     assert torch.equal(other.params(), core.params())
     other.state_dict(copy=False)  # loaded from the base: known again, no comparison
