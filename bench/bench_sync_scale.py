@@ -46,7 +46,7 @@ Targets: relay_e2e_over_tcp <= 2.0 (int8), sync_wall_over_tcp <= 4.0, relay peak
 
 Floors: how low a ratio can go on this machine, also measured in the same run.  The
 durable writes on the path at the measured disk rate (``disk_rate``), and the work no sync
-can skip at this machine's core costs (``CoreCosts``: TCP on both ends, a sha256 digest by
+can skip at this machine's core costs (``CoreCosts``: TCP on both ends, a content digest by
 each sender and each receiver, encoding, decoding and adding, the outer step, applying the
 merge) spread over every core with none idle.  Part A's window holds all of its work;
 part B's floor is one island's own path (``CoreCosts.sync``).  A target below the larger
@@ -210,7 +210,7 @@ class CoreCosts:
     least of ``FLOOR_REPEATS``).  The pieces, and who does them:
 
     - ``tcp``: moving a byte over loopback TCP, both ends (``tcp_rate``);
-    - ``sha256``: hashing a byte.  Every payload is digested once by its sender (an
+    - ``digest``: hashing a byte (BLAKE3, ``common/digest.py``).  Every payload is digested once by its sender (an
       island signs its delta's digest, a relay its forward's, the aggregator commits to
       its merge's) and every transfer again by its receiver, which checks it against
       that digest (docs/design.md; the peer may be hostile);
@@ -225,7 +225,7 @@ class CoreCosts:
     below it here; the durable writes (``disk_rate``) are a second floor, beside it."""
 
     tcp: float
-    sha256: float
+    digest: float
     copy: float
     outer: float
     encode: dict[str, float]
@@ -239,7 +239,7 @@ class CoreCosts:
         hashed = path_bytes + fwd_bytes + 4 * P  # every receiver, plus two senders
         work = (
             self.tcp * path_bytes
-            + self.sha256 * hashed
+            + self.digest * hashed
             + self.decode_acc[codec] * n_r * P
             + self.decode_acc["fp32"] * P
             + self.outer * P
@@ -265,7 +265,7 @@ class CoreCosts:
         work = (
             self.encode[codec] * n * P
             + self.tcp * moved
-            + self.sha256 * (moved + senders)
+            + self.digest * (moved + senders)
             + self.decode_acc[codec] * n * P
             + self.decode_acc["fp32"] * regions * P
             + self.outer * P
@@ -322,9 +322,8 @@ def core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
 
 
 def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
-    import hashlib
-
     from hypertrain.common.codec import ErrorFeedback, make_codec
+    from hypertrain.common.digest import content_hasher
     from hypertrain.common.outer import OuterConfig, make_outer
 
     n = FLOOR_SAMPLE
@@ -333,7 +332,7 @@ def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
     acc = torch.zeros(n)
     work = torch.empty(n)
     raw = delta.numpy().tobytes()
-    sha = core_seconds(lambda: hashlib.sha256(raw).digest()) / len(raw)
+    sha = core_seconds(lambda: content_hasher().update(raw)) / len(raw)
     copy = core_seconds(lambda: work.copy_(delta)) / (4 * n)
     params, out = torch.randn(n, generator=gen), torch.empty(n)
     outer = make_outer(OuterConfig())
@@ -368,7 +367,7 @@ def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
         decode[spec] = core_seconds(lambda c=codec, b=blob: c.decode_accumulate(b, acc)) / n
     return CoreCosts(
         tcp=tcp_per_byte,
-        sha256=sha,
+        digest=sha,
         copy=copy,
         outer=per_outer,
         encode=encode,
@@ -1119,8 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"# durable disk writes (write + fsync): {disk / 1e6:.0f} MB/s", flush=True)
     print(
-        f"# core-ns per byte: TCP (both ends) {costs.tcp * 1e9:.2f}, sha256 "
-        f"{costs.sha256 * 1e9:.2f}, copy {costs.copy * 1e9:.2f}; per parameter: outer step "
+        f"# core-ns per byte: TCP (both ends) {costs.tcp * 1e9:.2f}, digest "
+        f"{costs.digest * 1e9:.2f}, copy {costs.copy * 1e9:.2f}; per parameter: outer step "
         f"{costs.outer * 1e9:.2f}, "
         + ", ".join(
             f"{c} encode {costs.encode[c] * 1e9:.2f} / decode+add {costs.decode_acc[c] * 1e9:.2f}"

@@ -11,8 +11,8 @@ Three figures (issue 4, "Speed"); each is a ratio against a baseline timed in
 the same process, so it does not depend on how fast this machine is:
 
 1. **State digests use every core.**  ``state_digest`` of a 1 GiB fp32 state
-   (four 256 MiB tensors) against one thread of ``hashlib.sha256`` over the same
-   bytes; target >= 0.8 x ``os.cpu_count()``.  Also reported, without a target: a
+   (four 256 MiB tensors) against one thread of BLAKE3 (the leaf hash) over the
+   same bytes; target >= 0.8 x ``os.cpu_count()``.  Also reported, without a target: a
    state of many small tensors (64 KiB each), and bare threads (one per core,
    each hashing a contiguous share with no pool, chunking or tree): the ceiling
    the machine gives right now.  ``cores used`` is process CPU seconds per wall
@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import platform
@@ -83,12 +82,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from blake3 import blake3
 
 from hypertrain.common import roles as roles_mod
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.config import RunConfig
-from hypertrain.common.digest import CHUNK_BYTES, state_digest
+from hypertrain.common.digest import CHUNK_BYTES, blob_digest, state_digest
 from hypertrain.common.outer import NesterovOuter, SGDOuter, make_outer
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds import machines as machines_mod
@@ -157,18 +157,18 @@ def verdict(ok: bool | None) -> str:
 
 
 def reference_state_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """The documented digest format (version 1), written independently of common/digest.py."""
-    h = hashlib.sha256(b"ht-state-v1")
+    """The documented digest format (version 2), written independently of common/digest.py."""
+    h = blake3(b"ht-state-v2")
     for name in sorted(state):
         t = state[name].detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        root = hashlib.sha256(b"ht-tensor-v1")
+        root = blake3(b"ht-tensor-v2")
         dtype = str(t.dtype).encode()
         root.update(bytes([len(dtype)]) + dtype + bytes([t.dim()]))
         root.update(b"".join(struct.pack("<Q", d) for d in t.shape))
         root.update(struct.pack("<Q", len(raw)))
         for i in range(0, len(raw), CHUNK_BYTES):
-            root.update(hashlib.sha256(raw[i : i + CHUNK_BYTES]).digest())
+            root.update(blake3(raw[i : i + CHUNK_BYTES]).digest())
         key = name.encode()
         h.update(struct.pack("<I", len(key)) + key + root.digest())
     return h.hexdigest()
@@ -200,10 +200,10 @@ def format_check() -> dict[str, Any]:
 
 
 def bare_threads(view: memoryview, n: int) -> None:
-    """One thread per share of the bytes, each one sha256 call: what threads can get."""
+    """One thread per share of the bytes, each one BLAKE3 call: what threads can get."""
     step = -(-len(view) // n)
     threads = [
-        threading.Thread(target=hashlib.sha256, args=(view[i : i + step],))
+        threading.Thread(target=blake3, args=(view[i : i + step],))
         for i in range(0, len(view), step)
     ]
     for t in threads:
@@ -225,7 +225,7 @@ def bench_digest(size_mib: int, repeats: int) -> dict[str, Any]:
     assert state_digest(large) == state_digest(large, parallel=False)
     times = best_interleaved(
         {
-            "sha256, one thread": lambda: hashlib.sha256(view).digest(),
+            "BLAKE3, one thread": lambda: blake3(view).digest(),
             f"bare threads x{cores}": lambda: bare_threads(view, cores),
             "state_digest, 4 large tensors": lambda: state_digest(large),
             f"state_digest, {len(small)} x 64 KiB tensors": lambda: state_digest(small),
@@ -234,7 +234,7 @@ def bench_digest(size_mib: int, repeats: int) -> dict[str, Any]:
     )
     # The single thread's rate per second it actually ran (CPU time): on a busy machine
     # its wall time also counts time it waited for a core, which would flatter the ratios.
-    one = times["sha256, one thread"]
+    one = times["BLAKE3, one thread"]
     base = min(one["seconds"], one["min_cpu_seconds"])
     target = DIGEST_TARGET_PER_CORE * cores
     rows = {}
@@ -255,7 +255,7 @@ def bench_digest(size_mib: int, repeats: int) -> dict[str, Any]:
         "size_mib": size_mib,
         "repeats": repeats,
         "cores": cores,
-        "baseline": "sha256, one thread, per CPU second",
+        "baseline": "BLAKE3, one thread, per CPU second",
         "baseline_gbps": nbytes / base / 1e9,
         "figures": rows,
         "machine_ceiling": {
@@ -271,7 +271,7 @@ def bench_digest(size_mib: int, repeats: int) -> dict[str, Any]:
 def render_digest(r: dict[str, Any]) -> list[str]:
     lines = [
         f"1. state digests of {r['size_mib']} MiB fp32 ({r['cores']} cores; baseline: one thread "
-        f"of hashlib.sha256 over the same bytes, {r['baseline_gbps']:.2f} GB/s per CPU second)",
+        f"of BLAKE3 over the same bytes, {r['baseline_gbps']:.2f} GB/s per CPU second)",
         f"   {'':40s} {'GB/s':>7s} {'x 1 thread':>10s} {'cores used':>10s} {'target':>7s}  result",
     ]
     for name, f in r["figures"].items():
@@ -413,7 +413,7 @@ def replay_compute(
     whole = time.perf_counter() - start
     # not timed: the replay did what the daemons did (else the baseline is meaningless)
     for region, blob in forwards.items():
-        if hashlib.sha256(blob).hexdigest() != rounds[-1].forwarded[region]:
+        if blob_digest(blob) != rounds[-1].forwarded[region]:
             raise RuntimeError(f"baseline replay: last forward of {region} differs from the tape")
     return core, whole, theta
 

@@ -65,7 +65,7 @@ class Commitment:
     members: tuple[str, ...]
     """Member ids in summation order (sorted; with relay shards, shard by shard)."""
     input_digests: tuple[str, ...]
-    """sha256 of each member's encoded bytes, in the same order."""
+    """``blob_digest`` of each member's encoded bytes, in the same order."""
     output_digest: str
     """tensor digest of the fp32 mean."""
     robust: dict[str, Any] | None = None
@@ -291,7 +291,7 @@ def streamed_mean(
     to ``visit``.  The mean is kept in ``out`` (1-D view of ``shape``'s element count)
     when given, otherwise only in a range-sized scratch buffer: a caller that only
     folds it into other state (a relay's base at a global sync) never holds it whole.
-    ``digests``: each input's sha256 where the caller already verified it; ``prepare``:
+    ``digests``: each input's blob digest where the caller already verified it; ``prepare``:
     called once every input is validated, before the first ``visit`` (a caller that
     allocates state for the visits does it only once nothing can fail).
 
@@ -573,7 +573,7 @@ def aggregate(
     """Fixed-order fp32 mean of the decoded ``inputs`` and its commitment (``streamed_mean``
     kept whole).
 
-    ``digests``: each input's sha256 where the caller already verified it (a transport
+    ``digests``: each input's blob digest where the caller already verified it (a transport
     checks every transfer's digest as it arrives), so that the bytes are not hashed again;
     computed here for inputs it does not name."""
     mean = torch.empty(shape, dtype=torch.float32)

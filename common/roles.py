@@ -550,7 +550,7 @@ class RegionCore:
         keep: bool = True,
     ) -> tuple[torch.Tensor | None, Commitment]:
         """Fixed-order mean of the islands' deltas; the regional base moves by it.
-        ``digests``: the inputs' sha256, where already known (``aggregate``).
+        ``digests``: the inputs' blob digests, where already known (``aggregate``).
 
         The mean is computed one range at a time (``streamed_mean``) and each range is
         subtracted from the base while it is in cache; ``keep``: also return the whole
@@ -679,7 +679,7 @@ class GlobalCore:
         self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
     ) -> Commitment:
         """Fixed-order mean over regions, then one outer step.
-        ``digests``: the inputs' sha256, where already known (``aggregate``).
+        ``digests``: the inputs' blob digests, where already known (``aggregate``).
 
         The mean is streamed (``segmented_mean``: with relay shards, each shard's range
         is the mean of the regions' deltas for it, summed in the same region order as

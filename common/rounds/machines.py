@@ -89,7 +89,7 @@ TOO_LARGE = "resource_exhausted"  # larger than any encoding of the model: never
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """An encoded delta as the transport received it (its sha256 already verified)."""
+    """An encoded delta as the transport received it (its digest already verified)."""
 
     run_id: str
     round: int
@@ -101,7 +101,7 @@ class Delta:
     signature: bytes = b""
     """Ed25519 over ``ledger.transfer_message`` of the fields above, by the sender's key."""
     digest_checked: bool = True
-    """``digest`` is the sha256 of ``data`` (the transport checked it, or it was computed);
+    """``digest`` is the ``blob_digest`` of ``data`` (the transport checked it, or it was computed);
     False for bytes read back from a published folder, which nothing checked yet."""
     shard: str = ""
     """"i/S": an island's part for relay shard i of S ("" when relays are not sharded;

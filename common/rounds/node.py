@@ -254,7 +254,7 @@ class _Node:
     def reject(self, code: str, reason: str, delta: Delta, digest: str | None = None) -> bool:
         """Tape a refused delta as evidence against its sender (changes nothing), if it is
         authenticated and its sender's allowance is not spent (``tapes_refusal``);
-        ``digest``: the refused bytes' sha256, for one whose bytes are the evidence.  After
+        ``digest``: the refused bytes' blob digest, for one whose bytes are the evidence.  After
         ``close`` it is only refused (the daemon logs it), not taped.  True if taped
         (``refusal_taped`` says so too)."""
         self.settle()

@@ -95,7 +95,7 @@ class BlobSource(Protocol):
 
 
 class PublishedFolder:
-    """A node's ``published/`` folder: accepted inputs under their sha256, mapped not copied."""
+    """A node's ``published/`` folder: accepted inputs under their blob digest, mapped not copied."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -202,7 +202,7 @@ class _Replay:
 
     def _changed(self, d: Delta) -> str:
         rec = d.record()
-        return f"changed input: {self.blobs.where(rec)} no longer has sha256 {d.digest}"
+        return f"changed input: {self.blobs.where(rec)} no longer has digest {d.digest}"
 
     def _match(self, e: Entry, rec: Record) -> Effect:
         """``e`` records an effect: it must be the next one the machine produced."""
@@ -233,7 +233,7 @@ class _Replay:
             if isinstance(rec, InputEntry) and rec.digest != digest:
                 raise ReplayError(
                     src,
-                    f"changed input: {self.blobs.where(rec)} no longer has sha256 {rec.digest}",
+                    f"changed input: {self.blobs.where(rec)} no longer has digest {rec.digest}",
                 )
 
 

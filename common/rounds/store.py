@@ -3,7 +3,7 @@
 One folder per relay or aggregator (a daemon's ``--state-dir``)::
 
     tape                      the signed event tape (common/trust/tape.py)
-    published/<sha256>        every accepted input's encoded bytes
+    published/<digest>        every accepted input's encoded bytes (``blob_digest``)
     spool/                    transfers still arriving (the gRPC driver's; never state)
     checkpoints/round-N.pt    the machine's state after global round N (torch.save)
     state.pt                  aggregator: a hard link to the latest checkpoint
@@ -199,7 +199,9 @@ class NodeStore:
     def publish(self, digest: str, data: Blob) -> None:
         """Keep an accepted input's bytes under its digest (idempotent)."""
         if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
-            raise HypertrainError(f"refusing to publish under {digest!r}: not a sha256")
+            raise HypertrainError(
+                f"refusing to publish under {digest!r}: not a blob digest (64 hex)"
+            )
         path = self.published / digest
         if not path.exists():
             atomic_write(path, data, sync=self.sync)

@@ -67,7 +67,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 def transfer_refusal(delta: Delta, max_size: int) -> Decision | None:
     """What a transport checks before a node sees a delta (the gRPC transport checks the
-    same while the chunks arrive, services/wire/chunks.py): a digest that is a sha256, a
+    same while the chunks arrive, services/wire/chunks.py): a digest that is a blob digest, a
     size no encoding of the model exceeds, and bytes that are the ones the digest names."""
     if not _HEX64.fullmatch(delta.digest):
         return Decision(INVALID, f"digest {delta.digest!r} is not 64 lowercase hex digits")
@@ -78,7 +78,7 @@ def transfer_refusal(delta: Delta, max_size: int) -> Decision | None:
         )
     got = blob_digest(delta.data)
     if got != delta.digest:
-        return Decision(CORRUPT, f"corrupt transfer: sha256 {got} != header digest {delta.digest}")
+        return Decision(CORRUPT, f"corrupt transfer: digest {got} != header digest {delta.digest}")
     return None
 
 

@@ -1,7 +1,7 @@
 """What is signed on the wire, and the names and digests both sides agree on.
 
 Signed transfers: an island signs the canonical JSON of its delta's transfer
-fields (run, round, sync step, sender, sha256, size, codec, and the relay shard
+fields (run, round, sync step, sender, digest, size, codec, and the relay shard
 "i/S" its part is for when the region's relay is sharded) with its key
 (``island-<id>``); a relay signs its forwarded regional delta with
 ``relay-<region>`` (a shard: ``relay-<region>-<i>``).  The receiver verifies before accepting; the signature

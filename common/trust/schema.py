@@ -19,13 +19,13 @@ differing field):
 - ``rejection``: code, reason, and the claimed sender, sync_step, round when the
   transfer header was readable.
 - ``regional_merge`` (relay): round, sync_step, tau, merge_step, codec, members
-  [[island, sha256], ...], mean (output digest), commitment, pre_base, post_base.
+  [[island, blob digest], ...], mean (output digest), commitment, pre_base, post_base.
 - ``forward`` (relay, at a global sync step): round, sync_step, codec, digest, size,
   pre_residual, post_residual (the relay's global-codec error feedback).
 - ``global_applied`` (relay): round, sync_step, merge_step, theta (digest), and
   ``rejoined_from`` when the region had been left behind and skips to this round.
 - ``global_merge`` (aggregator): round, sync_step, tau, merge_step, codec, outer,
-  members [[region, sha256], ...], mean, commitment, pre_state, post_state, pre_outer,
+  members [[region, blob digest], ...], mean, commitment, pre_state, post_state, pre_outer,
   post_outer.
 - ``cutoff`` (relay, aggregator): the cutoff of an open sync step was reached: round,
   sync_step, present (members that had delivered), absent (those that had not), quorum
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from hypertrain.common.trust.keys import TrustedKeys
 
 Members = tuple[tuple[str, str], ...]
-"""Ordered (member, sha256 of its encoded input) pairs of an aggregate."""
+"""Ordered (member, blob digest of its encoded input) pairs of an aggregate."""
 Names = tuple[str, ...]
 """Ordered member ids."""
 
@@ -229,7 +229,7 @@ class RejectionEntry(_Record):
     sync_step: int | None = None
     round: int | None = None
     digest: str | None = None
-    """sha256 of a refused delta that was whole and signed (a stale one, or one whose values
+    """Blob digest of a refused delta that was whole and signed (a stale one, or one whose values
     were out of bounds), as evidence."""
 
 

@@ -23,8 +23,11 @@ Entry bytes: the canonical JSON (UTF-8, here all ASCII: ``ensure_ascii``;
 keys sorted; separators ``,`` and ``:``; no whitespace; no NaN) of exactly::
 
     {"body": {...}, "kind": str, "prev": 64 hex, "run_id": str, "seq": int,
-     "signer": 16 hex, "v": 1}
+     "signer": 16 hex, "v": 2}
 
+- ``v`` is 2: the blob, tensor and state digests that bodies name are digest format 2
+  (BLAKE3, ``hypertrain.common.digest``); version 1 tapes named sha256 ones, and a
+  reader refuses a version it does not know rather than report every digest changed.
 - ``seq`` is contiguous from 0; ``prev`` is the hex sha256 of the previous
   entry's bytes (the *entry hash*), 64 zeros for seq 0.
 - ``body`` holds only objects with string keys, lists, strings, booleans, null
@@ -56,7 +59,7 @@ from hypertrain.common.errors import TapeError
 from hypertrain.common.trust import merkle
 
 MAGIC = b"HTTAPE1\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FRAME_BYTES = 16
 SIG_BYTES = 64
 MAX_ENTRY_BYTES = 1 << 24
@@ -239,7 +242,10 @@ def parse_entry(record: Record) -> Entry:
         obj["body"],
     )
     if obj["v"] != FORMAT_VERSION:
-        raise bad(f"format version {obj['v']!r}, this reader knows {FORMAT_VERSION}")
+        older = (
+            " (sha256 digests: written by a build before digest format 2)" if obj["v"] == 1 else ""
+        )
+        raise bad(f"format version {obj['v']!r}{older}, this reader knows {FORMAT_VERSION}")
     if type(seq) is not int or seq < 0:
         raise bad(f"seq {seq!r} is not a non-negative integer")
     if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind):

@@ -3,7 +3,7 @@
     hypertrain-relay --region eu --aggregator 127.0.0.1:7070 --listen 127.0.0.1:0 [--config run.toml]
 
 RPCs (proto/hypertrain/v1/hypertrain.proto, service Relay):
-- PushDelta: an island streams its encoded delta; the transfer is verified (sha256,
+- PushDelta: an island streams its encoded delta; the transfer is verified (digest,
   size) and handed to the region's ``RelayNode`` (common/rounds/node.py), which decides
   (codec, shape, run, round, step, membership, signature), keeps it under its digest in
   ``<state-dir>/published/`` and tapes it before the push is answered.

@@ -16,8 +16,8 @@ INVALID_ARGUMENT "malformed DeltaChunk (n bytes): <protobuf's reason>" (or Merge
 Delta (island -> relay, relay -> aggregator), ``TransferHeader`` then bytes:
     receive_delta checks, in this order: first part is a header; ``header.digest`` is
     64 lowercase hex (it becomes a file name); ``header.size <= max_size``; no second
-    header; exactly ``header.size`` bytes; sha256 of the bytes == ``header.digest``.
-    The sha256 is computed while the chunks arrive (``spool.Sink``), and with a
+    header; exactly ``header.size`` bytes; ``blob_digest`` of the bytes == ``header.digest``.
+    The digest is computed while the chunks arrive (``spool.Sink``), and with a
     ``spool_dir`` the bytes are written to a temp file as they arrive and fsync'd on
     success; ``publish`` then links it to ``dest_dir/<digest>`` (idempotent), or
     ``discard`` drops it.  A rejected transfer leaves no file behind.
@@ -60,13 +60,13 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @dataclass(slots=True)
 class ReceivedDelta:
-    """A verified delta: its header, its bytes, their sha256, and the spooled temp file."""
+    """A verified delta: its header, its bytes, their digest, and the spooled temp file."""
 
     header: pb.TransferHeader
     #: The payload: the receive buffer itself or, when spooled, a private (copy-on-write)
     #: memory map of the spooled file, i.e. its page cache, not a second copy.
     data: memoryview
-    #: sha256 hex of ``data``, equal to ``header.digest``.
+    #: ``blob_digest`` (hex) of ``data``, equal to ``header.digest``.
     digest: str
     #: The temp file holding ``data`` until ``publish`` or ``discard``; None if the
     #: transfer was not spooled or was already published or discarded.
@@ -190,7 +190,7 @@ def receive_delta(
         if digest != header.digest:
             raise WireError(
                 grpc.StatusCode.DATA_LOSS,
-                f"corrupt transfer: sha256 {digest} != header digest {header.digest}",
+                f"corrupt transfer: digest {digest} != header digest {header.digest}",
             )
         sink.commit(wait=wait)
     except BaseException:

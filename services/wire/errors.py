@@ -20,7 +20,7 @@ INVALID_ARGUMENT       the stream disagrees with its own header (no header first
                        header, more or fewer bytes than ``header.size``), a malformed
                        header, or the core rejected the content (``HypertrainError``:
                        ``ConfigError``, ``CodecError``, ``DataError``).  Do not retry.
-DATA_LOSS              the bytes arrived but their sha256 / tensor digest is not the one
+DATA_LOSS              the bytes arrived but their blob / tensor digest is not the one
                        the header announced: corrupted in transit.  Resending may work.
 RESOURCE_EXHAUSTED     the announced size is over the receiver's ``max_size``.
 FAILED_PRECONDITION,   raised by the daemons themselves (wrong run, wrong round, already

@@ -1,7 +1,7 @@
 """Servicer plumbing shared by the relay and the aggregator: the server half of the
 gRPC transport, in front of a node (common/rounds/node.py).
 
-- :class:`Intake`: receive one pushed delta (chunked, sha256-checked, spooled), hand it
+- :class:`Intake`: receive one pushed delta (chunked, digest-checked, spooled), hand it
   to the node (which decides, publishes, tapes), and answer with a PushAck or the
   decision's status.  A transfer refused before it is a delta (bad framing, too large,
   corrupt) is only counted (``hypertrain_refusals_untaped_total``), never taped: it

@@ -1,13 +1,13 @@
 """The receive side's workers: hash, copy and spool chunks off the gRPC thread.
 
-``Sink`` owns what one delta transfer builds: its incremental sha256 and either a
+``Sink`` owns what one delta transfer builds: its incremental content hash (``digest.content_hasher``) and either a
 preallocated buffer or, when spooling, a temp file.  The gRPC handler thread only pulls
 chunks and hands them to one worker per job (hash; copy or write) through bounded
-queues, so the network, the hash (hashlib drops the GIL for large buffers), the copy
+queues, so the network, the hash (BLAKE3 drops the GIL for large buffers), the copy
 (``copy_into``, off the GIL) and the file write run side by side instead of adding up.
 
-Where the time goes (bench/bench_transport.py, 256 MiB, 2 cores): the sha256 alone is
-~0.17 s and bare gRPC streaming ~0.15-0.2 s of both cores; writing into fresh page cache
+Where the time goes (bench/bench_transport.py, 256 MiB, 2 cores): the hash alone was
+~0.17 s with sha256 (digest format 1; BLAKE3 takes about a quarter) and bare gRPC streaming ~0.15-0.2 s of both cores; writing into fresh page cache
 or touching a fresh buffer costs 0.07-0.9 s of kernel time on this VM depending on
 whether the host must back the pages again.  A spooled transfer therefore writes the
 file only (no second copy in anonymous memory) and maps the file's page cache as its
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import hashlib
 import os
 import queue
 import tempfile
@@ -49,6 +48,7 @@ import grpc
 import numpy as np
 import torch
 
+from hypertrain.common.digest import content_hasher
 from hypertrain.common.pages import register_file_map
 from hypertrain.common.trust.keys import fsync_dir
 from hypertrain.wire.errors import WireError
@@ -158,7 +158,7 @@ class Sink:
         self.size = size
         self.path: Path | None = None
         self.buffer: memoryview = memoryview(b"")
-        self._hash = hashlib.sha256()
+        self._hash = content_hasher()
         self._fd = -1
         self._written = 0
         self._synced = 0
@@ -192,7 +192,7 @@ class Sink:
             stage.put(offset, data)
 
     def finish(self) -> str:
-        """Wait for every queued chunk; the sha256 hex of everything put, in order."""
+        """Wait for every queued chunk; the content digest (hex) of everything put, in order."""
         self._stop()
         if self._error is not None:
             raise failure(self._error)
@@ -300,7 +300,7 @@ def publish_file(temp: Path, digest: str, dest_dir: Path) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / digest
     # os.link is atomic and never replaces; two equal pushes may race here.  Same name
-    # = same sha256 = same bytes, so the file already there stays.
+    # = same content digest = same bytes, so the file already there stays.
     with contextlib.suppress(FileExistsError):
         os.link(temp, dest)
     temp.unlink()

@@ -2,8 +2,8 @@
 
 Why: a merge receiver would otherwise hash the whole tensor after the last chunk (about
 0.1 s per 256 MiB on two cores, a third of the transfer time).  The digest is a hash
-tree whose leaves are independent sha256 of 1 MiB slices (common/digest.py, format
-v1), so each leaf can be hashed as soon as its bytes have arrived.  The hasher takes
+tree whose leaves are independent hashes of 1 MiB slices (common/digest.py), so each leaf
+can be hashed as soon as its bytes have arrived.  The hasher takes
 the received chunks themselves, not the tensor they are copied into, so hashing and
 copying run on two threads side by side (bench/bench_transport.py, merge/reuse:
 0.34 -> 0.38 of TCP).  Chunks need not line up with leaves: a partial leaf waits in
@@ -11,19 +11,16 @@ a small carry buffer.
 
 Invariant: a ``TensorHasher(t)`` fed every byte of ``t`` in order gives exactly
 ``hypertrain.common.digest.tensor_digest(t)``; tests/integration/test_wire.py checks it
-over sizes and chunkings around the leaf boundaries.  The leaf size is taken from
-common/digest.py; the root composition below mirrors ``common.digest._roots`` and
-must change with it.
+over sizes and chunkings around the leaf boundaries.  The leaf size, the leaf hash and
+the root are common/digest.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
-
 import torch
 
 from hypertrain.common.digest import CHUNK_BYTES as LEAF_BYTES
+from hypertrain.common.digest import leaf_hash, tensor_root
 from hypertrain.wire.frames import Data
 
 
@@ -32,23 +29,11 @@ class TensorHasher:
 
     def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
         """``tensor`` gives the dtype and shape; ``nbytes`` is the size of its data."""
-        self._prefix = self._root_prefix(tensor, nbytes)
+        self._dtype, self._shape = tensor.dtype, tuple(tensor.shape)
         self._nbytes = nbytes
         self._leaves: list[bytes] = []
         self._fed = 0
         self._carry = bytearray()
-
-    @staticmethod
-    def _root_prefix(t: torch.Tensor, nbytes: int) -> bytes:
-        dtype = str(t.dtype).encode()
-        return b"".join(
-            [
-                b"ht-tensor-v1",
-                struct.pack("<B", len(dtype)) + dtype,
-                struct.pack("<B", t.dim()) + b"".join(struct.pack("<Q", d) for d in t.shape),
-                struct.pack("<Q", nbytes),
-            ]
-        )
 
     def feed(self, offset: int, data: Data) -> None:
         """Take the bytes at ``offset`` (the next ones, in order); hash every leaf they complete."""
@@ -66,19 +51,16 @@ class TensorHasher:
             view = view[take:]
             if len(self._carry) < LEAF_BYTES:
                 return
-            self._leaves.append(hashlib.sha256(self._carry).digest())
+            self._leaves.append(leaf_hash(self._carry))
             self._carry.clear()
         whole = view.nbytes - view.nbytes % LEAF_BYTES
         for start in range(0, whole, LEAF_BYTES):
-            self._leaves.append(hashlib.sha256(view[start : start + LEAF_BYTES]).digest())
+            self._leaves.append(leaf_hash(view[start : start + LEAF_BYTES]))
         self._carry += view[whole:]
 
     def hexdigest(self) -> str:
         """The tensor digest, once every byte was fed (hashes the last, partial leaf)."""
         if self._fed != self._nbytes:
             raise ValueError(f"tensor hash fed {self._fed} of {self._nbytes} bytes")
-        leaves = self._leaves + ([hashlib.sha256(self._carry).digest()] if self._carry else [])
-        root = hashlib.sha256(self._prefix)
-        for leaf in leaves:
-            root.update(leaf)
-        return root.hexdigest()
+        leaves = self._leaves + ([leaf_hash(self._carry)] if self._carry else [])
+        return tensor_root(self._dtype, self._shape, self._nbytes, leaves).hex()

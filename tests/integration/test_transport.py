@@ -245,12 +245,12 @@ def test_a_bad_delta_is_refused_invalid_naming_the_problem(transport: Transport,
 
 
 # -- transfers that are not what they say -------------------------------------------------
-#: A delta whose bytes are not the ones its digest names.  gRPC verifies the sha256 while
+#: A delta whose bytes are not the ones its digest names.  gRPC verifies the digest while
 #: receiving (wire/chunks.py receive_delta); the in-process transport checks the same
 #: before the node sees it (transport.transfer_refusal).  Both answer with a Decision.
 MISMATCHED: dict[str, tuple[str, str, str]] = {
     # case: (digest, the answer's code, words of its reason)
-    "wrong sha256": (blob_digest(b"other bytes"), CORRUPT, "corrupt transfer: sha256"),
+    "wrong digest": (blob_digest(b"other bytes"), CORRUPT, "corrupt transfer: digest"),
     "digest not hex": ("../../escaped", INVALID, "is not 64 lowercase hex digits"),
 }
 

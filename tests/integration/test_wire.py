@@ -7,7 +7,6 @@ An in-process server on port 0 runs a small Relay servicer built from the wire h
 from __future__ import annotations
 
 import gc
-import hashlib
 import itertools
 import json
 import os
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 from hypertrain.common.aggregate import Commitment
-from hypertrain.common.digest import tensor_digest
+from hypertrain.common.digest import blob_digest, tensor_digest
 from hypertrain.common.errors import CodecError
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
@@ -59,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return blob_digest(data)
 
 
 @dataclass
@@ -166,7 +165,7 @@ BAD_STREAMS: dict[str, tuple[list[Any], grpc.StatusCode, str]] = {
     "wrong digest": (
         [_header(GOOD, digest=_sha(b"other")), GOOD],
         grpc.StatusCode.DATA_LOSS,
-        f"corrupt transfer: sha256 {_sha(GOOD)} != header digest {_sha(b'other')}",
+        f"corrupt transfer: digest {_sha(GOOD)} != header digest {_sha(b'other')}",
     ),
     "short stream": ([_header(GOOD), GOOD[:-1]], grpc.StatusCode.INVALID_ARGUMENT, "short stream"),
     "too long stream": ([_header(GOOD), GOOD, b"x"], grpc.StatusCode.INVALID_ARGUMENT, "too long"),

@@ -23,7 +23,7 @@ def only(**costs: float) -> bench.CoreCosts:
     """Costs with every piece 0 but those named (per byte or per parameter), on 2 cores."""
     return bench.CoreCosts(
         tcp=costs.get("tcp", 0.0),
-        sha256=costs.get("sha256", 0.0),
+        digest=costs.get("digest", 0.0),
         copy=costs.get("copy", 0.0),
         outer=costs.get("outer", 0.0),
         encode={**ZERO, "int8": costs.get("encode", 0.0)},
@@ -37,9 +37,9 @@ def test_part_a_counts_each_transfer_each_digest_and_each_sum_once() -> None:
     path = n_r * delta + fwd + 4 * P + n_r * 4 * P
     # TCP: every byte on the path once, both ends in the measured cost.
     assert only(tcp=1.0).relay_e2e("int8", n_r, P, path, fwd) == path / 2
-    # sha256: every receiver, plus the relay's forward and the aggregator's merge (the
+    # digest: every receiver, plus the relay's forward and the aggregator's merge (the
     # islands signed their deltas before the clock started).
-    assert only(sha256=1.0).relay_e2e("int8", n_r, P, path, fwd) == (path + fwd + 4 * P) / 2
+    assert only(digest=1.0).relay_e2e("int8", n_r, P, path, fwd) == (path + fwd + 4 * P) / 2
     # the relay adds n_r int8 deltas, the aggregator one fp32 forward, and steps once
     assert only(int8_add=1.0).relay_e2e("int8", n_r, P, path, fwd) == n_r * P / 2
     assert only(fp32_add=1.0).relay_e2e("int8", n_r, P, path, fwd) == P / 2
@@ -55,7 +55,7 @@ def test_part_b_floor_is_one_islands_own_path() -> None:
     moved = delta + fwd + 4 * P + 4 * P  # to the relay, to the aggregator, back twice
     signed = delta + fwd + 4 * P  # its delta, the forward, the merge
     assert only(tcp=1.0).sync("int8", P, delta, fwd) == moved / 2
-    assert only(sha256=1.0).sync("int8", P, delta, fwd) == (moved + signed) / 2
+    assert only(digest=1.0).sync("int8", P, delta, fwd) == (moved + signed) / 2
     assert only(encode=1.0).sync("int8", P, delta, fwd) == P / 2
     assert only(int8_add=1.0).sync("int8", P, delta, fwd) == P / 2
     assert only(fp32_add=1.0).sync("int8", P, delta, fwd) == P / 2
@@ -69,9 +69,9 @@ def test_part_b_all_at_once_counts_every_island_of_the_case(regions: int, per: i
     n = regions * per
     moved = n * delta + regions * fwd + regions * 4 * P + n * 4 * P
     signed = n * delta + regions * fwd + 4 * P  # each payload digested by its sender
-    every = only(tcp=1.0, sha256=1.0)
+    every = only(tcp=1.0, digest=1.0)
     assert only(tcp=1.0).sync_all("int8", regions, per, P, delta, fwd) == moved / 2
-    assert only(sha256=1.0).sync_all("int8", regions, per, P, delta, fwd) == (moved + signed) / 2
+    assert only(digest=1.0).sync_all("int8", regions, per, P, delta, fwd) == (moved + signed) / 2
     assert only(encode=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * P / 2
     assert only(int8_add=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * P / 2
     assert only(fp32_add=1.0).sync_all("int8", regions, per, P, delta, fwd) == regions * P / 2
@@ -93,7 +93,7 @@ def test_the_costs_are_measured_for_every_piece_and_codec(monkeypatch: pytest.Mo
     monkeypatch.setattr(bench, "FLOOR_SAMPLE", 1 << 16)
     costs = bench.core_costs(1e-9, ["int8", "sparseloco+zstd"])
     assert set(costs.encode) == set(costs.decode_acc) == {"fp32", "int8", "sparseloco+zstd"}
-    pieces = [costs.sha256, costs.copy, costs.outer, *costs.decode_acc.values()]
+    pieces = [costs.digest, costs.copy, costs.outer, *costs.decode_acc.values()]
     assert all(math.isfinite(c) and c > 0 for c in pieces), costs
     assert all(math.isfinite(c) and c >= 0 for c in costs.encode.values()), costs
     assert costs.tcp == 1e-9 and costs.cores >= 1

@@ -212,11 +212,11 @@ def test_forged_checkpoint_root_and_size(tape: Path) -> None:
 @pytest.mark.parametrize(
     "data",
     [
-        b'{"body":{},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":1, "z":1}',
-        b'{"body":{},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":1,"v":1}',
-        b'{"body":{"a":1.5},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":1}',
-        b'{"kind":"x","body":{},"prev":"%s","run_id":"r","seq":0,"signer":"%s","v":1}',
-        b'{"body":{},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":1} ',
+        b'{"body":{},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":2, "z":1}',
+        b'{"body":{},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":2,"v":1}',
+        b'{"body":{"a":1.5},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":2}',
+        b'{"kind":"x","body":{},"prev":"%s","run_id":"r","seq":0,"signer":"%s","v":2}',
+        b'{"body":{},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":2} ',
     ],
 )
 def test_validly_signed_but_not_canonical(tmp_path: Path, data: bytes) -> None:
@@ -224,6 +224,17 @@ def test_validly_signed_but_not_canonical(tmp_path: Path, data: bytes) -> None:
     p = tmp_path / "t.tape"
     _rewrite(p, [Record(0, AGG.key_id, data, AGG.sign(data))])
     _fails(p, "malformed entry", 0)
+
+
+def test_an_entry_of_digest_format_1_is_refused_by_name(tmp_path: Path) -> None:
+    """A version 1 tape names sha256 digests: it is refused as such, not audited as if
+    every digest in it had changed."""
+    data = b'{"body":{},"kind":"x","prev":"%s","run_id":"r","seq":0,"signer":"%s","v":1}'
+    data = data % (b"0" * 64, AGG.key_id.encode())
+    p = tmp_path / "t.tape"
+    _rewrite(p, [Record(0, AGG.key_id, data, AGG.sign(data))])
+    err = _fails(p, "malformed entry", 0)
+    assert "format version 1 (sha256 digests" in str(err)
 
 
 def test_wrong_run_id(tape: Path) -> None:
