@@ -10,8 +10,8 @@ Baseline: the same bytes over a loopback TCP socket, ``sendall`` from a thread a
 
 - push/bare: the client streams ``delta_chunks`` (hypertrain.wire stubs); the server
   only counts the bytes.  What gRPC itself costs.
-- push/memory: the server runs ``receive_delta`` without spooling (copy + sha256).
-- push/spool (figure a, the relay's path): ``receive_delta`` with a spool dir (sha256
+- push/memory: the server runs ``receive_delta`` without spooling (copy + digest).
+- push/spool (figure a, the relay's path): ``receive_delta`` with a spool dir (digest
   and file write overlapped with the transfer, fsync) then ``publish``; timed until
   the client has the ack, so the blob is durable.  Target >= 0.6 (issue 12).
 - push/spool-serial: the same with hashing and writing done inline by the handler
@@ -21,7 +21,7 @@ Baseline: the same bytes over a loopback TCP socket, ``sendall`` from a thread a
   download of the global merge (it keeps each merge to serve its islands).
 - merge/reuse (figure b, the islands' path): the same into one tensor kept across
   calls (``out=``), as every island does (services/island/daemon.py).  Target >= 0.35.
-- ceiling/sha256 and ceiling/disk (with push/spool): one sha256 of the bytes, and
+- ceiling/digest and ceiling/disk (with push/spool): one ``blob_digest`` of the bytes, and
   storing them durably in the same folder as a relay does without a spool
   (``spool.write_file``: write, fsync, link into place, fsync of the folder).  A relay acknowledges
   an input only once it is verified and on disk, so push/spool cannot beat the slower
@@ -49,7 +49,6 @@ the JSON records sizes and repeats.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import multiprocessing as mp
@@ -189,9 +188,10 @@ def measure(
     Runs are interleaved (baseline, figure, figure, ..., and again), so a change in the
     machine's load hits the baseline and the figures alike; round 0 is a warm-up.
     """
+    from hypertrain.common.digest import blob_digest
     from hypertrain.wire.client import connect, relay_stub
 
-    digest = hashlib.sha256(data).hexdigest()
+    digest = blob_digest(data)
     buf = bytearray(len(data))
     servers = {"": Server(len(data), chunk_bytes, work_dir)}
     if keys:
@@ -202,7 +202,7 @@ def measure(
     try:
         runs: dict[str, Callable[[], object]] = {"tcp": lambda: tcp_once(data, buf)}
         if "push/spool" in modes:  # the floors of a durable, verified receive
-            runs["ceiling/sha256"] = lambda: hashlib.sha256(data).digest()
+            runs["ceiling/digest"] = lambda: blob_digest(data)
             runs["ceiling/disk"] = lambda: write_durably(data, Path(work_dir))
         for suffix, server in servers.items():
             if suffix:
