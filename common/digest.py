@@ -13,6 +13,10 @@ Digest format (version 2), all BLAKE3 (32-byte output, its default mode), hex in
     tensor_root = BLAKE3("ht-tensor-v2" | dtype | shape | nbytes | leaf_0 | leaf_1 | ...)
     state       = BLAKE3("ht-state-v2" | for each name sorted: len(name) | name | tensor_root)
 
+    where dtype = u8 length | ASCII ``str(tensor.dtype)`` ("torch.float32"); shape =
+    u8 number of dims | each dim as u64; nbytes = u64; len(name) = u32 | UTF-8 name;
+    all integers little-endian; a tensor with no bytes has no leaves.
+
 Version 1 was the same with sha256 and "-v1" tags.  Why BLAKE3: every byte of a round
 is hashed on each hop (sender, receiver, the merge's new state, the outer state), and
 on this project's 2-core test machine sha256 (with the CPU's SHA extensions) hashed
@@ -60,7 +64,8 @@ def content_hasher() -> blake3:
 
 
 def leaf_hash(chunk: bytes | bytearray | memoryview) -> bytes:
-    """One leaf of a tensor's hash tree: the hash of one chunk of its bytes."""
+    """One leaf of a tensor's hash tree: the hash of one chunk of its bytes (a byte
+    buffer: BLAKE3 refuses a typed memoryview that hashlib took, so cast it first)."""
     return blake3(chunk).digest()
 
 
@@ -104,17 +109,13 @@ def _leaves(chunks: list[memoryview]) -> list[bytes]:
     return [leaf_hash(c) for c in chunks]
 
 
-def _header(t: torch.Tensor, nbytes: int) -> bytes:
-    """What a tensor root hashes before its leaves: tag, dtype, shape, byte count."""
-    return _header_of(t.dtype, tuple(t.shape), nbytes)
-
-
 def tensor_root(dt: torch.dtype, shape: tuple[int, ...], nbytes: int, leaves: list[bytes]) -> bytes:
     """A tensor root: the header, then its chunks' leaves."""
     return blake3(b"".join([_header_of(dt, shape, nbytes), *leaves])).digest()
 
 
 def _header_of(dt: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """What a tensor root hashes before its leaves: tag, dtype, shape, byte count."""
     dtype = str(dt).encode()
     dim = len(shape)
     return b"".join(

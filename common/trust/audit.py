@@ -585,7 +585,7 @@ class Auditor:
             found = flat_digest(theta) if isinstance(theta, torch.Tensor) else "no parameters"
             raise AuditError(
                 f"{path}: not the LAWA average of rounds {average.record.first_round}.."
-                f"{average.record.last_round} the tape records (sha256 {average.record.average}, "
+                f"{average.record.last_round} the tape records (digest {average.record.average}, "
                 f"the file holds {found})"
             )
         return average.payload

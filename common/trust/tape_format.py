@@ -243,7 +243,10 @@ def parse_entry(record: Record) -> Entry:
     )
     if obj["v"] != FORMAT_VERSION:
         older = (
-            " (sha256 digests: written by a build before digest format 2)" if obj["v"] == 1 else ""
+            " (sha256 digests, written by a build before digest format 2: audit it with"
+            " that build; a run resumes only in a new --state-dir)"
+            if type(obj["v"]) is int and obj["v"] == 1
+            else ""
         )
         raise bad(f"format version {obj['v']!r}{older}, this reader knows {FORMAT_VERSION}")
     if type(seq) is not int or seq < 0:

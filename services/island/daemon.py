@@ -46,7 +46,7 @@ from torch import Tensor
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
-from hypertrain.common.digest import state_digest
+from hypertrain.common.digest import DIGEST_FORMAT, state_digest
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.fragments import ISLAND_CALLS, run_fragments
 from hypertrain.common.reference import open_dataset
@@ -481,7 +481,8 @@ class Island:
         again after its report (its relay may be gone by then), it only reports again."""
         path = self._final_path
         if path is not None and self.lead:
-            mark = {"run_id": self.cfg.run_id, "config": self.cfg.digest, "digest": digest}
+            mark = {"run_id": self.cfg.run_id, "config": self.cfg.digest, "digest": digest,
+                    "digest_format": DIGEST_FORMAT}  # fmt: skip
             atomic_write(path, json.dumps(mark, sort_keys=True).encode())
 
     def _finished_before(self) -> str | None:
@@ -493,6 +494,12 @@ class Island:
         mark = json.loads(path.read_text())
         if mark.get("run_id") != self.cfg.run_id or mark.get("config") != self.cfg.digest:
             raise ConfigError(f"{path} belongs to another run or config")
+        # (a mark without the field was written before digest format 2, with sha256)
+        if (written := mark.get("digest_format", 1)) != DIGEST_FORMAT:
+            raise ConfigError(
+                f"{path} holds a state digest of digest format {written}; this build computes "
+                f"format {DIGEST_FORMAT}: the run's end cannot be reported in this --state-dir"
+            )
         self._report_final()
         self._log("done", role="island", island=self.island_id, step=self.cfg.steps,
                   digest=mark["digest"], resumed=True)  # fmt: skip

@@ -241,7 +241,7 @@ def test_corrupt_truncated_and_conflicting_then_the_round_is_unchanged(relay) ->
     flipped = bytearray(GOOD)
     flipped[len(flipped) // 2] ^= 0xFF
     flipped_b = bytes(flipped)
-    # corrupted after hashing (in transit): the transport's sha256 check
+    # corrupted after hashing (in transit): the transport's digest check
     with pytest.raises(grpc.RpcError) as err:
         push_delta(stub.PushDelta, _header(GOOD, digest=blob_digest(flipped_b)), GOOD)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and "corrupt" in err.value.details()

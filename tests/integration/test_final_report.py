@@ -81,3 +81,15 @@ def test_islands_killed_around_the_final_merge_are_waited_for(cluster_factory) -
     assert sorted(p.name for p in (run_dir / "relay-eu" / "final").iterdir()) == ["eu-0", "eu-1"]
     trusted = TrustedKeys.load(run_dir / "keys" / "trusted_keys.json")
     assert audit_run(run_dir, trusted).final_digest == progress.final_digest
+    # A mark written before digest format 2 (no "digest_format": a sha256 state digest)
+    # is refused by name, not reported as if this island's state disagreed with the run's.
+    old = json.loads((run_dir / "island-eu-1" / "final").read_text())
+    del old["digest_format"]
+    (run_dir / "island-eu-1" / "final").write_text(json.dumps(old))
+    island = islands[1]
+    third = Child(island.name, island.argv, logs / f"{island.name}.third.log", env=child_env())
+    cluster.children.append(third)
+    assert third.proc.wait(timeout=120) != 0
+    third.drain()
+    text = (logs / f"{island.name}.third.log").read_text()
+    assert "holds a state digest of digest format 1; this build computes format 2" in text, text

@@ -9,7 +9,6 @@ with a message; a malformed push is counted as a refusal that was not taped.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 
 from hypertrain.aggregator.server import AggregatorService
 from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import blob_digest
 from hypertrain.relay.server import RelayService
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import rounds
@@ -58,7 +58,7 @@ requests = st.one_of(
     st.builds(pb.StatusRequest, requester=names, applied_step=u64),
     st.builds(pb.DeltaChunk, header=st.builds(
         pb.TransferHeader, run_id=names, round=u64, sync_step=u64, sender=names,
-        digest=st.just(hashlib.sha256(b"x").hexdigest()), size=st.integers(0, 3), codec=names)),
+        digest=st.just(blob_digest(b"x")), size=st.integers(0, 3), codec=names)),
     st.binary(max_size=3).map(lambda b: pb.DeltaChunk(data=b)),
 ).map(lambda m: m.SerializeToString())  # fmt: skip
 

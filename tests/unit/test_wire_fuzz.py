@@ -8,7 +8,6 @@ return exactly what the stream announced or raise ``WireError`` with a refusal's
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import tempfile
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hypertrain.common.digest import tensor_digest
+from hypertrain.common.digest import blob_digest, tensor_digest
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
 from hypertrain.wire.chunks import receive_delta, receive_merge
@@ -173,14 +172,14 @@ def _mostly(right: int) -> st.SearchStrategy[int]:
 
 def _digests(right: str) -> st.SearchStrategy[str]:
     """Mostly the right digest; else another well-formed one, or any text."""
-    other = st.binary(max_size=4).map(lambda b: hashlib.sha256(b).hexdigest())
+    other = st.binary(max_size=4).map(blob_digest)
     return st.one_of(st.just(right), st.just(right), other, text)
 
 
 @st.composite
 def delta_streams(draw: st.DrawFn) -> list[Any]:
     payload = draw(st.binary(max_size=MAX_SIZE + 16))  # a few over the receiver's limit
-    digest = hashlib.sha256(payload).hexdigest()
+    digest = blob_digest(payload)
     header = draw(_transfer_header(_mostly(len(payload)), _digests(digest)))
     chunks = _slices(payload, draw(st.lists(st.integers(0, 2**16), max_size=4)))
     honest = [pb.DeltaChunk(header=header), *chunks]
@@ -219,7 +218,7 @@ def test_receive_delta_returns_what_was_announced_or_refuses(
     data = b"".join(_data_of(parts, pb.DeltaChunk))
     assert rx.header == parts[0].header and rx.header.size == len(data) <= MAX_SIZE
     assert bytes(rx.data) == data and rx.digest == rx.header.digest
-    assert rx.digest == hashlib.sha256(data).hexdigest()
+    assert rx.digest == blob_digest(data)
     if rx.spool_path is not None:
         assert rx.spool_path.read_bytes() == data
         rx.spool_path.unlink()
