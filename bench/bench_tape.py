@@ -293,7 +293,7 @@ def render_digest(r: dict[str, Any]) -> list[str]:
         )
     fc = r["format_check"]
     lines.append(
-        f"   digest format v1 (docstring) vs state_digest on {len(fc['states'])} states: "
+        f"   digest format v2 (docstring) vs state_digest on {len(fc['states'])} states: "
         + ("identical" if fc["pass"] else f"MISMATCH {fc['mismatches']}")
     )
     return lines
