@@ -1,17 +1,18 @@
 """The receive side's workers: hash, copy and spool chunks off the gRPC thread.
 
-``Sink`` owns what one delta transfer builds: its incremental content hash (``digest.content_hasher``) and either a
-preallocated buffer or, when spooling, a temp file.  The gRPC handler thread only pulls
-chunks and hands them to one worker per job (hash; copy or write) through bounded
-queues, so the network, the hash (BLAKE3 drops the GIL for large buffers), the copy
-(``copy_into``, off the GIL) and the file write run side by side instead of adding up.
+``Sink`` owns what one delta transfer builds: its incremental content hash
+(``digest.content_hasher``) and either a preallocated buffer or, when spooling, a temp
+file. The gRPC handler thread only pulls chunks and hands them to one worker per job
+(hash; copy or write) through bounded queues, so the network, the hash (BLAKE3 drops the
+GIL for large buffers), the copy (``copy_into``, off the GIL) and the file write run
+side by side instead of adding up.
 
 Where the time goes (bench/bench_transport.py, 256 MiB, 2 cores): the hash alone was
-~0.17 s with sha256 (digest format 1; BLAKE3 takes about a quarter) and bare gRPC streaming ~0.15-0.2 s of both cores; writing into fresh page cache
-or touching a fresh buffer costs 0.07-0.9 s of kernel time on this VM depending on
-whether the host must back the pages again.  A spooled transfer therefore writes the
-file only (no second copy in anonymous memory) and maps the file's page cache as its
-``data`` afterwards.
+~0.17 s with sha256 (digest format 1; BLAKE3 takes about a quarter) and bare gRPC
+streaming ~0.15-0.2 s of both cores; writing into fresh page cache or touching a fresh
+buffer costs 0.07-0.9 s of kernel time on this VM depending on whether the host must
+back the pages again. A spooled transfer therefore writes the file only (no second copy
+in anonymous memory) and maps the file's page cache as its ``data`` afterwards.
 
 Durability: while writing, the sink asks the kernel to start writeback every
 ``WRITEBACK_BYTES`` (``sync_file_range``, Linux; a no-op elsewhere), so the final
