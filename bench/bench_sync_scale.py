@@ -210,10 +210,10 @@ class CoreCosts:
     least of ``FLOOR_REPEATS``).  The pieces, and who does them:
 
     - ``tcp``: moving a byte over loopback TCP, both ends (``tcp_rate``);
-    - ``digest``: hashing a byte (BLAKE3, ``common/digest.py``).  Every payload is digested once by its sender (an
-      island signs its delta's digest, a relay its forward's, the aggregator commits to
-      its merge's) and every transfer again by its receiver, which checks it against
-      that digest (docs/design.md; the peer may be hostile);
+    - ``digest``: hashing a byte (BLAKE3, ``common/digest.py``).  Every payload is
+      digested once by its sender (an island signs its delta's digest, a relay its
+      forward's, the aggregator commits to its merge's) and every transfer again by its
+      receiver, which checks it against that digest (docs/design.md; the peer may be hostile);
     - ``encode``: an island's regional codec with error feedback, per parameter;
     - ``decode_acc``: adding one encoded input into a sum, per parameter (a relay per
       island delta, the aggregator per region's fp32 forward);
@@ -332,7 +332,7 @@ def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
     acc = torch.zeros(n)
     work = torch.empty(n)
     raw = delta.numpy().tobytes()
-    sha = core_seconds(lambda: content_hasher().update(raw)) / len(raw)
+    digest = core_seconds(lambda: content_hasher().update(raw)) / len(raw)
     copy = core_seconds(lambda: work.copy_(delta)) / (4 * n)
     params, out = torch.randn(n, generator=gen), torch.empty(n)
     outer = make_outer(OuterConfig())
@@ -367,7 +367,7 @@ def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
         decode[spec] = core_seconds(lambda c=codec, b=blob: c.decode_accumulate(b, acc)) / n
     return CoreCosts(
         tcp=tcp_per_byte,
-        digest=sha,
+        digest=digest,
         copy=copy,
         outer=per_outer,
         encode=encode,

@@ -153,9 +153,9 @@ def _in_waves(count: int, job: Callable[[int, int], None], after_wave: Callable[
     """``job(k, slot)`` for k in ``range(count)``, ``_WORKERS`` at a time: each wave's
     first job on the calling thread, the others on the helpers (``slot``: its place in
     the wave, for a scratch buffer of its own), then ``after_wave``.  Torch's kernels
-    and the hashes (BLAKE3) release the GIL, so a wave's jobs run on that many cores.  A job's
-    exception is raised once its whole wave has ended (no job of this call runs after
-    it is raised)."""
+    and the hashes (BLAKE3) release the GIL, so a wave's jobs run on that many cores.
+    A job's exception is raised once its whole wave has ended (no job of this call runs
+    after it is raised)."""
     pool = _helper_pool()
     width = _WORKERS if pool is not None else 1
     for first in range(0, count, width):
