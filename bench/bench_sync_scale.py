@@ -855,8 +855,12 @@ def run_sync_wall(
     rate: float,
     verbose: bool,
     timeout: float,
+    *,
+    make_cluster: Callable[[RunConfig, Path, Events, RssPoller], Cluster] | None = None,
 ) -> dict[str, Any]:
-    """Part B for one case: the islands' sync_s, ratios and every daemon's peak RSS."""
+    """Part B for one case: the islands' sync_s, ratios and every daemon's peak RSS.
+    ``make_cluster``: starts the daemons some other way (default: ``Cluster``, on
+    loopback); ``rate`` is then the rate of the bytes' path that the ratio is against."""
     from hypertrain.up import supervise
 
     topo = TopologyConfig(regions=regions, islands_per_region=n_r, h_r=2, h_g=2, tau=0)
@@ -864,7 +868,7 @@ def run_sync_wall(
     P = param_count(mcfg)
     events = Events(verbose)
     poller = RssPoller()
-    cluster = Cluster(cfg, run_dir, events, poller)
+    cluster = (make_cluster or Cluster)(cfg, run_dir, events, poller)
     t0 = time.perf_counter()
     try:
         cluster.start(islands=True)

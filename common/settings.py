@@ -234,6 +234,9 @@ class RelaySettings(DaemonSettings):
     shard: str | None = None
     """"i/S": this process is shard i of the region's S relay shards (S must be the run's
     topology.relay_shards); required when S > 1 (common/shards.py)."""
+    cut_through: bool = True
+    """Serve each global merge to the islands while it arrives from the aggregator
+    (services/wire/cutthrough.py); false: only once it arrived whole and was applied."""
 
     def _default_state_dir(self) -> str:
         """``relay-<region>``, or ``relay-<region>-<i>`` for shard i of S > 1."""

@@ -839,7 +839,12 @@ class _Served(LocalUpstream):
             self._effects([arm])
 
     def fetch(
-        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+        self,
+        requester: str,
+        sync_step: int,
+        kind: str,
+        out: torch.Tensor | None = None,
+        tap: Any = None,
     ) -> Committed | Decision | None:
         got = super().fetch(requester, sync_step, kind)
         if isinstance(got, Committed) and got.kind == "regional" and got.payload.numel():

@@ -1200,18 +1200,39 @@ class RelayMachine:
         )
         return [Applied(merge, record)]
 
-    def _global_merge(self, sync_step: int, commitment: Commitment) -> Committed:
+    def preview_global(
+        self, sync_step: int, commitment: Commitment, theta: torch.Tensor, digest: str
+    ) -> Committed | None:
+        """The merge ``on_global`` will serve for the global update of ``sync_step`` while
+        that update is still arriving (``theta``, being filled; ``digest``, what it is to
+        hash to), where the update is the one this relay forwarded and waits for: its
+        islands may download it as it arrives (the relay daemon's cut-through).  None in
+        every other case (a rejoin after a cutoff, a followed round, a wrong size): those
+        wait for ``on_global``.  Changes nothing."""
+        if self.global_pending != sync_step or theta.shape != self.core.theta.shape:
+            return None
+        return self._global_committed(sync_step, commitment, theta, digest)
+
+    def _global_committed(
+        self, sync_step: int, commitment: Commitment, theta: torch.Tensor, digest: str
+    ) -> Committed:
         sched = self.schedule
-        merge = Committed(
+        return Committed(
             "global",
             sched.round_of(sync_step),
             sync_step,
             sched.merge_step(sync_step),
             commitment,
-            self.core.theta,  # never written in place (RegionCore.adopt_global)
+            theta,
             "global",
             None,
-            payload_digest=self._base_digest or "",
+            payload_digest=digest,
+        )
+
+    def _global_merge(self, sync_step: int, commitment: Commitment) -> Committed:
+        # the payload is never written in place (RegionCore.adopt_global)
+        merge = self._global_committed(
+            sync_step, commitment, self.core.theta, self._base_digest or ""
         )
         _keep_newest(self.merges, merge)
         return merge

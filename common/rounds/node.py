@@ -595,6 +595,30 @@ class RelayNode(_Node):
         agg = self.witness.passed_on(merge.sync_step, AGGREGATOR_KEY)
         return own if agg is None else (agg, *own)
 
+    def preview_global(self, got: Committed) -> Committed | None:
+        """The merge, with its receipts, that ``on_global(got)`` will serve, while ``got``'s
+        payload is still arriving (``RelayMachine.preview_global``): only for the update
+        of the forward in the outbox, and only where the aggregator's receipts are those
+        ``on_global`` keeps and passes on (one, where this relay pins keys; else none is
+        passed on).  None otherwise.  Changes nothing: whatever is served from it must
+        not be complete before ``on_global`` applied the merge (a driver that serves it
+        holds the last bytes back until then and checks that the two agree)."""
+        if self.outbox is None or self.outbox.sync_step != got.sync_step:
+            return None
+        merge = self.machine.preview_global(
+            got.sync_step, got.commitment, got.payload, got.payload_digest
+        )
+        if merge is None:
+            return None
+        own = super()._receipts(merge)
+        if self.witness.trusted is None:
+            receipts = own  # it keeps nothing, so passes nothing on
+        elif len(got.receipts) == 1:
+            receipts = (got.receipts[0], *own)
+        else:
+            return None  # on_global refuses it
+        return dataclasses.replace(merge, receipts=receipts)
+
     def _lookup(
         self, run_id: str, requester: str, sync_step: int, kind: str | None
     ) -> Decision | Committed | None:

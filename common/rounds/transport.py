@@ -24,7 +24,7 @@ servicers, which call the same nodes).
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -52,9 +52,16 @@ class Upstream(Protocol):
     def push(self, delta: Delta) -> Decision: ...
 
     def fetch(
-        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+        self,
+        requester: str,
+        sync_step: int,
+        kind: str,
+        out: torch.Tensor | None = None,
+        tap: Any = None,
     ) -> Committed | Decision | None:
-        """``out``: where the payload may be received (a transport that copies it)."""
+        """``out``: where the payload may be received (a transport that copies it);
+        ``tap``: told of the payload's progress while it arrives, by a transport that
+        streams it (services/wire/chunks.MergeTap; others ignore it)."""
         ...
 
     def report_applied(self, requester: str, step: int) -> Decision | None: ...
@@ -96,9 +103,15 @@ class LocalUpstream:
         return decision
 
     def fetch(
-        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+        self,
+        requester: str,
+        sync_step: int,
+        kind: str,
+        out: torch.Tensor | None = None,
+        tap: Any = None,
     ) -> Committed | Decision | None:
-        """The node's merge itself (nothing is copied in one process, so ``out`` is unused)."""
+        """The node's merge itself (nothing is copied or streamed in one process, so
+        ``out`` and ``tap`` are unused)."""
         return self.node.fetch(self.node.cfg.run_id, requester, sync_step, kind)
 
     def report_applied(self, requester: str, step: int) -> Decision | None:

@@ -48,6 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="i/S: run as shard i of the region's S relay processes, each owning a range "
         "of the parameters (S must equal the run's --relay-shards)",
     )
+    p.add_argument(
+        "--no-cut-through",
+        dest="cut_through",
+        action="store_const",
+        const=False,
+        help="serve each global merge to the islands only once it arrived whole from the "
+        "aggregator (default: while it arrives)",
+    )
     args = p.parse_args(argv)
     try:
         cfg = load_run_config(args)
@@ -70,7 +78,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         service: RelayService | RelayFragments
         if cfg.fragments == 1:
             service = RelayService(
-                cfg, region, state_dir, peer, shutdown, metrics, key, trusted, shard, security
+                cfg,
+                region,
+                state_dir,
+                peer,
+                shutdown,
+                metrics,
+                key,
+                trusted,
+                shard,
+                security,
+                cut_through=settings.cut_through,
             )
         else:  # one node per streaming fragment, each in its own folder
             layout, theta0 = starting_parameters(cfg)
@@ -89,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         shard,
                         security,
                         (f.index, theta0[f.lo : f.hi].clone()),
+                        cut_through=settings.cut_through,
                     )
                     for f in run_fragments(cfg, layout)
                 ]

@@ -31,8 +31,10 @@ import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
+from hypertrain.common.errors import HypertrainError
 from hypertrain.common.rounds.machines import (
     Committed,
+    Decision,
     Effect,
     Forward,
     MemberRequest,
@@ -43,6 +45,7 @@ from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import island_key
 from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.cutthrough import ABANDONED, APPLIED, CutThrough, Through
 from hypertrain.wire.daemon import (
     durable_or_die,
     fault_point,
@@ -54,10 +57,10 @@ from hypertrain.wire.errors import StaleDelta, WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import CHECKPOINT_NICE, lower_priority, trim_heap
 from hypertrain.wire.peers import Peer
-from hypertrain.wire.rounds import Intake, MergeBoard
+from hypertrain.wire.rounds import Intake, MergeBoard, merge_header
 from hypertrain.wire.server import Shutdown, fragment_of, maps_errors, push_fragment
 from hypertrain.wire.tls import PLAINTEXT, Callers, Security
-from hypertrain.wire.upstream import GrpcUpstream, Patient
+from hypertrain.wire.upstream import GrpcUpstream, Patient, merge_of
 
 #: How often an idle forwarder checks whether its region has no member left to follow
 #: the global rounds for (``RelayService._follow``).
@@ -86,12 +89,14 @@ class RelayService:
         shard: int = 0,
         security: Security = PLAINTEXT,
         fragment: tuple[int, torch.Tensor] | None = None,
+        cut_through: bool = True,
     ) -> None:
         """``shard``: which of the region's relay shards this is (common/shards.py); it
         keeps, serves and forwards only its range of the parameters.  ``security``: with
         TLS, each island may act only as itself (``tls.Callers``).  ``fragment``: the
         streaming fragment it serves (its index and initial values; ``RelayFragments``
-        runs one per fragment), in ``<state-dir>/fragment-<index>``."""
+        runs one per fragment), in ``<state-dir>/fragment-<index>``.  ``cut_through``:
+        serve each global merge to the islands while it arrives (``wire/cutthrough.py``)."""
         self.cfg = cfg
         self.region = region
         index = None
@@ -153,6 +158,9 @@ class RelayService:
             where={"region": region, **self.where},
         )
         self.wake = threading.Event()
+        self.cut_through = cut_through
+        self.through: CutThrough | None = None
+        """The global merge on its way from the aggregator, served as it arrives."""
         self._closing = False
         self._recover()
         self.intake.rearm()
@@ -182,14 +190,84 @@ class RelayService:
     @maps_errors
     def FetchMerge(self, request: pb.MergeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         self.callers.check(context, request.requester, "fetch")
-        node = self.node
-        merge = self.board.wait(
-            lambda s: node.fetch(request.run_id, request.requester, s, request.kind),
-            request.sync_step,
-            context,
+        got = self.board.wait(
+            lambda s: self._merge_or_through(request, s), request.sync_step, context
         )
-        # The final merge counts once its island reports it kept (Status), not here.
-        yield from self.board.serve(merge, request.requester)
+        if isinstance(got, Through):
+            yield from self._serve_through(got, request.requester, context)
+        else:
+            assert isinstance(got, Committed)
+            # The final merge counts once its island reports it kept (Status), not here.
+            yield from self.board.serve(got, request.requester)
+
+    def _merge_or_through(
+        self, request: pb.MergeRequest, sync_step: int
+    ) -> Committed | Decision | Through | None:
+        """(under the board's lock) The merge of ``sync_step``, a refusal, or, while that
+        merge is on its way from the aggregator, a stream of it as it arrives
+        (``wire/cutthrough.py``); None: not yet."""
+        got = self.node.fetch(request.run_id, request.requester, sync_step, request.kind)
+        cut = self.through
+        if (
+            got is not None
+            or cut is None
+            or cut.sync_step != sync_step
+            or request.requester not in cut.takers
+            or request.kind not in ("", "global")
+        ):
+            return got
+        now = cut.current()
+        if now is None:
+            return None
+        attempt, upstream_header, tensor = now
+        if cut.preview is None or cut.preview[0] != attempt:
+            header = None
+            try:
+                preview = self.node.preview_global(merge_of(upstream_header, tensor))
+            except HypertrainError:  # a commitment that does not parse: on_global says so
+                preview = None
+            if preview is not None:
+                header = merge_header(self.cfg, preview, self.board.fragment)
+            cut.preview = (attempt, header)
+        header = cut.preview[1]
+        return None if header is None else Through(cut, attempt, header, tensor)
+
+    def _serve_through(
+        self, t: Through, requester: str, context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        """One island's download of the global merge while it arrives; its last chunk
+        once the node applied the merge and serves it under the same header."""
+        cut = t.cut
+
+        def alive() -> bool:
+            return not (self.shutdown.requested or self._closing) and context.is_active()
+
+        def finish() -> bool:
+            with self.board.cond:
+                got = self.node.fetch(self.cfg.run_id, requester, cut.sync_step, "global")
+                same = (
+                    isinstance(got, Committed)
+                    and got.payload.data_ptr() == t.tensor.data_ptr()
+                    and self.board.header(got) == t.header
+                )
+            if not same:  # preview_global and on_global disagree: a bug, not a fault
+                log_event("warning", role="relay", region=self.region, **self.where,
+                          step=cut.sync_step, island=requester,
+                          message="the global merge served while it arrived is not the one "
+                          "the relay applied; its download is cut short")  # fmt: skip
+            return same
+
+        try:
+            yield from cut.stream(t.attempt, t.header, t.tensor, alive, finish)
+        except WireError as e:
+            log_event("cut_short", role="relay", region=self.region, **self.where,
+                      step=cut.sync_step, island=requester, message=e.message)  # fmt: skip
+            raise
+        with self.board.cond:
+            got = self.node.fetch(self.cfg.run_id, requester, cut.sync_step, "global")
+            assert isinstance(got, Committed)  # finish saw it, and a merge is never taken back
+            self.board.note_served(got, requester)
+            cut.served.append(requester)
 
     @maps_errors
     def Member(self, request: pb.MemberChange, context: grpc.ServicerContext) -> pb.MemberReply:
@@ -275,17 +353,29 @@ class RelayService:
         del delta
         with self.board.cond:
             self.node.forward_sent(step)
+            # The islands may download the global merge while it arrives here (an empty
+            # list of takers: none does).
+            takers = self._takers(step) if self.cut_through else ()
+            cut = self.through = CutThrough(step, takers, self._wake_fetches)
         trim_heap()  # before a model-sized download: the push's chunks, freed on gRPC's threads
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(size)
-        got = self.aggregator.fetch(self.member, step, "global")
-        with self.board.cond:  # islands fetch it now, while the relay writes it down
-            if self.intake.closed:  # this thread outlived close's join: a restart fetches it
-                return
-            # A later round than ``step`` when the rounds went on without this region: the
-            # node rejoins it there (RelayMachine.on_global).
-            merge = self.node.on_global(got, defer=True)
-            members = self._takers(merge.sync_step)
-            self.board.cond.notify_all()
+        try:
+            got = self.aggregator.fetch(self.member, step, "global", tap=cut)
+            with self.board.cond:  # islands fetch it now, while the relay writes it down
+                if self.intake.closed:  # this thread outlived close's join: a restart fetches it
+                    return
+                # A later round than ``step`` when the rounds went on without this region:
+                # the node rejoins it there (RelayMachine.on_global).
+                merge = self.node.on_global(got, defer=True)
+                members = self._takers(merge.sync_step)
+                self.through = None
+                cut.end(APPLIED)
+                self.board.cond.notify_all()
+        finally:
+            cut.end(ABANDONED)  # unless applied: the downloads served from it stop
+            with self.board.cond:
+                if self.through is cut:
+                    self.through = None
         del got
         # The checkpoint once the islands that take the merge have it (or
         # CHECKPOINT_HOLD_S): written beside their downloads it took the cores from them.
@@ -318,6 +408,7 @@ class RelayService:
             step=step,
             bytes=size,
             seconds=round(time.perf_counter() - t0, 4),
+            cut_through=len(cut.served),
             **memory_fields(),
         )
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
@@ -346,13 +437,18 @@ class RelayService:
             self._report_final()
             self.board.check_final(self.node, RELAY_DONE)  # no island waits for it
 
+    def _wake_fetches(self) -> None:
+        with self.board.cond:
+            self.board.cond.notify_all()
+
     def _takers(self, sync_step: int) -> tuple[str, ...]:
         """The islands that download the global merge of ``sync_step`` (under the lock):
         the step's members that go on from it (an island an islands:K anneal stops there,
-        or one that leaves, does not), or all of them at the run's last step."""
+        or one that leaves, does not), or all of them at the run's last step (before the
+        merge is applied, too)."""
         m = self.node.machine
         members = m.level.members_of(sync_step)
-        if m.done:
+        if m.done or m.schedule.is_final(sync_step):
             return members
         going_on = set(m.level.members)
         return tuple(x for x in members if x in going_on)

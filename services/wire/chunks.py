@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import torch
@@ -229,7 +230,8 @@ def discard(received: ReceivedDelta) -> None:
         received.spool_path = None
 
 
-def _fp32_bytes(tensor: torch.Tensor) -> memoryview:
+def fp32_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous fp32 CPU tensor, as a view (no copy)."""
     if sys.byteorder != "little":
         raise ValueError(
             "merge payloads are little-endian fp32; big-endian hosts are not supported"
@@ -253,13 +255,31 @@ def merge_chunks(
     """
     if header.numel != tensor.numel():
         raise ValueError(f"header.numel {header.numel} != tensor numel {tensor.numel()}")
-    view = _fp32_bytes(tensor)
+    view = fp32_bytes(tensor)
     yield pb.MergeChunk(header=header)
     yield from _slices(view, chunk_bytes)
 
 
+class MergeTap(Protocol):
+    """Follows one merge download as it arrives (``receive_merge``): a relay serves the
+    bytes on while they come (``cutthrough.CutThrough``)."""
+
+    def begin(self, header: pb.MergeHeader, tensor: torch.Tensor) -> None:
+        """The header arrived; ``tensor`` (1-D) is what will be filled."""
+
+    def advance(self, end: int) -> None:
+        """The first ``end`` bytes of the tensor are filled."""
+
+    def fail(self) -> None:
+        """The download failed: what was filled is worth nothing."""
+
+
 def receive_merge(
-    chunks: Iterable[MergePart], *, numel: int | None = None, out: torch.Tensor | None = None
+    chunks: Iterable[MergePart],
+    *,
+    numel: int | None = None,
+    out: torch.Tensor | None = None,
+    tap: MergeTap | None = None,
 ) -> tuple[pb.MergeHeader, torch.Tensor]:
     """Read one merge into a 1-D fp32 tensor; check byte count and tensor digest.
 
@@ -269,7 +289,8 @@ def receive_merge(
     tensor: a receiver that keeps one buffer across rounds never touches fresh
     memory.  On error its contents are undefined.  The copy into the tensor and the
     digest's leaf hashes run on two worker threads, overlapped with the transfer and
-    with each other.
+    with each other.  ``tap`` is told the header, each chunk copied in and a failure
+    (not the digest's verdict: whoever serves the bytes on must wait for this to return).
     """
     parts = iter(chunks)
     header = _first_header(parts, pb.MergeChunk)
@@ -279,30 +300,41 @@ def receive_merge(
     if out is not None and out.numel() != header.numel:
         raise WireError(_INVALID, f"merge of {header.numel} fp32 does not fit out ({out.numel()})")
     tensor = torch.empty(header.numel, dtype=torch.float32) if out is None else out
-    buf = _fp32_bytes(tensor)  # checks that out is contiguous fp32: filled in place
+    buf = fp32_bytes(tensor)  # checks that out is contiguous fp32: filled in place
     tensor = tensor.view(-1)
     hasher = TensorHasher(tensor, buf.nbytes)
+
+    def fill(offset: int, data: Data) -> None:
+        spool.copy_into(buf, offset, data)
+        if tap is not None:
+            tap.advance(offset + len(data))
+
     # Two workers, each fed every chunk: one copies it into the tensor, one hashes it.
     workers = [
-        spool.Worker(
-            "wire-fill", lambda offset, data: spool.copy_into(buf, offset, data), spool.DEPTH
-        ),
+        spool.Worker("wire-fill", fill, spool.DEPTH),
         spool.Worker("wire-hash", hasher.feed, spool.DEPTH),
     ]
+    if tap is not None:
+        tap.begin(header, tensor)
     try:
-        _fill(parts, workers, buf.nbytes, header.numel)
-    finally:
+        try:
+            _fill(parts, workers, buf.nbytes, header.numel)
+        finally:
+            for worker in workers:
+                worker.stop()
         for worker in workers:
-            worker.stop()
-    for worker in workers:
-        if worker.error is not None:
-            raise spool.failure(worker.error)
-    digest = hasher.hexdigest()
-    if digest != header.digest:
-        raise WireError(
-            grpc.StatusCode.DATA_LOSS,
-            f"corrupt merge: tensor digest {digest} != header digest {header.digest}",
-        )
+            if worker.error is not None:
+                raise spool.failure(worker.error)
+        digest = hasher.hexdigest()
+        if digest != header.digest:
+            raise WireError(
+                grpc.StatusCode.DATA_LOSS,
+                f"corrupt merge: tensor digest {digest} != header digest {header.digest}",
+            )
+    except BaseException:
+        if tap is not None:
+            tap.fail()
+        raise
     return header, tensor
 
 

@@ -33,7 +33,7 @@ from hypertrain.common.rounds.machines import Delta
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
 from hypertrain.wire import frames
-from hypertrain.wire.chunks import delta_chunks, receive_merge
+from hypertrain.wire.chunks import MergeTap, delta_chunks, receive_merge
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.tls import PLAINTEXT, Security
 
@@ -131,11 +131,12 @@ def fetch_merge(
     numel: int | None = None,
     out: torch.Tensor | None = None,
     timeout: float | None = None,
+    tap: MergeTap | None = None,
 ) -> tuple[pb.MergeHeader, torch.Tensor]:
     """Call ``fetch`` (``stub.FetchMerge`` / ``stub.FetchGlobal``); ``receive_merge`` it."""
     call = fetch(request, timeout=timeout)
     try:
-        return receive_merge(call, numel=numel, out=out)
+        return receive_merge(call, numel=numel, out=out, tap=tap)
     except BaseException as exc:
         call.cancel()  # stop the server's stream on a rejected or interrupted download
         # A streaming call's error is the call object itself, and the frames of its

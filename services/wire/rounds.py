@@ -25,7 +25,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -47,13 +47,14 @@ from hypertrain.common.rounds.machines import (
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
-from hypertrain.wire.daemon import durable_or_die, log_event
+from hypertrain.wire.daemon import durable_or_die, fault_point, log_event
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import trim_heap
 from hypertrain.wire.protocol_codes import STATUS
 from hypertrain.wire.server import Shutdown
 
+T = TypeVar("T")
 WAIT_SLICE_S = 0.5
 #: The longest a fetch is held waiting for its merge; then it is answered
 #: DEADLINE_EXCEEDED ("not committed yet") and the caller asks again.  Short, so a
@@ -129,12 +130,13 @@ class MergeBoard:
 
     def wait(
         self,
-        fetch: Callable[[int], Committed | Decision | None],
+        fetch: Callable[[int], T | Decision | None],
         sync_step: int,
         context: grpc.ServicerContext,
-    ) -> Committed:
-        """Block (under ``cond``) until ``fetch(sync_step)`` has the merge; abort if the call
-        ends, the daemon stops, or the node refuses."""
+    ) -> T:
+        """Block (under ``cond``) until ``fetch(sync_step)`` has the merge (or whatever
+        else it answers that is not a refusal); abort if the call ends, the daemon stops,
+        or the node refuses."""
         until = time.monotonic() + HOLD_S
         with self.cond:
             while True:
@@ -183,16 +185,28 @@ class MergeBoard:
         """The parts of ``merge`` for ``requester``; once its last part was taken, note
         that ``requester`` has it and, when every one of ``members`` has it, call
         ``when_all`` (under ``cond``).  A download cut short counts for nothing."""
-        yield from merge_chunks(self.header(merge), merge.payload)
-        key = (merge.sync_step, merge.kind)
+        parts = merge_chunks(self.header(merge), merge.payload)
+        yield next(parts)
+        fault_point("merge_header_served")  # crash tests: a download cut after its header
+        yield from parts
         with self.cond:
-            got = self.served.setdefault(key, set())
-            got.add(requester)
-            for old in sorted(self.served)[:-2]:
-                del self.served[old]
-            if when_all is not None and set(members) <= got:
-                when_all()
-            self.cond.notify_all()
+            self.note_served(merge, requester, members, when_all)
+
+    def note_served(
+        self,
+        merge: Committed,
+        requester: str,
+        members: tuple[str, ...] = (),
+        when_all: Callable[[], None] | None = None,
+    ) -> None:
+        """(under ``cond``) ``requester`` has ``merge`` to its last byte (``serve``)."""
+        got = self.served.setdefault((merge.sync_step, merge.kind), set())
+        got.add(requester)
+        for old in sorted(self.served)[:-2]:
+            del self.served[old]
+        if when_all is not None and set(members) <= got:
+            when_all()
+        self.cond.notify_all()
 
     def wait_served(
         self, sync_step: int, kind: str, members: tuple[str, ...], stop: Callable[[], bool]

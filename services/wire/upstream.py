@@ -33,6 +33,7 @@ from hypertrain.common.rounds.machines import (
 )
 from hypertrain.common.rounds.transport import Unavailable, Upstream
 from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.chunks import MergeTap
 from hypertrain.wire.client import fetch_merge, push_delta, transfer_header
 from hypertrain.wire.errors import OVER_KEY, STALE_KEY, StaleDelta, WireError
 from hypertrain.wire.peers import FETCH_DEADLINE_S, Peer
@@ -61,6 +62,23 @@ def _marked(e: grpc.RpcError | WireError, key: str) -> bool:
     if not callable(trailing):
         return False
     return any(k == key for k, _ in trailing() or ())
+
+
+def merge_of(header: pb.MergeHeader, payload: torch.Tensor) -> Committed:
+    """The merge a header announces, with ``payload`` (HypertrainError if its commitment
+    is not one)."""
+    return Committed(
+        header.kind,  # type: ignore[arg-type]
+        header.round,
+        header.sync_step,
+        header.merge_step,
+        Commitment.from_dict(json.loads(header.commitment)),
+        payload,
+        header.kind,  # type: ignore[arg-type]
+        None,
+        payload_digest=header.digest,  # checked against the payload by receive_merge
+        receipts=tuple(header.receipts),  # checked by whoever applies the merge
+    )
 
 
 class GrpcUpstream:
@@ -113,10 +131,16 @@ class GrpcUpstream:
         return Decision(OK, "accepted", duplicate=got.duplicate)
 
     def fetch(
-        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+        self,
+        requester: str,
+        sync_step: int,
+        kind: str,
+        out: torch.Tensor | None = None,
+        tap: MergeTap | None = None,
     ) -> Committed | Decision | None:
         """The merge of ``sync_step`` (``out``: receive it there, e.g. an island's slice of
-        the whole merge for one relay shard; default: this upstream's buffer, if any)."""
+        the whole merge for one relay shard; default: this upstream's buffer, if any;
+        ``tap``: follows the download as it arrives, ``chunks.receive_merge``)."""
         request = pb.MergeRequest(
             run_id=self.run_id, requester=requester, sync_step=sync_step, kind=kind, **self._of
         )
@@ -130,6 +154,7 @@ class GrpcUpstream:
                 numel=self.numel,
                 out=self.buffer if out is None else out,
                 timeout=FETCH_DEADLINE_S,
+                tap=tap,
             )
         except (grpc.RpcError, WireError) as e:
             if _code(e)[0] == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -147,18 +172,7 @@ class GrpcUpstream:
                 grpc.StatusCode.INTERNAL,
                 f"{what}: the peer sent the {header.kind} merge of step {header.sync_step}",
             )
-        return Committed(
-            header.kind,  # type: ignore[arg-type]
-            header.round,
-            header.sync_step,
-            header.merge_step,
-            Commitment.from_dict(json.loads(header.commitment)),
-            payload,
-            header.kind,  # type: ignore[arg-type]
-            None,
-            payload_digest=header.digest,  # checked against the payload by receive_merge
-            receipts=tuple(header.receipts),  # checked by whoever applies the merge
-        )
+        return merge_of(header, payload)
 
     def report_applied(self, requester: str, step: int) -> Decision | None:
         request = pb.StatusRequest(requester=requester, applied_step=step, **self._of)
@@ -253,11 +267,16 @@ class Patient:
         )
 
     def fetch(
-        self, requester: str, sync_step: int, kind: str, out: torch.Tensor | None = None
+        self,
+        requester: str,
+        sync_step: int,
+        kind: str,
+        out: torch.Tensor | None = None,
+        tap: MergeTap | None = None,
     ) -> Committed:
         got = self._wait(
             f"fetch of the {kind} merge of step {sync_step}",
-            lambda: self.upstream.fetch(requester, sync_step, kind, out),
+            lambda: self.upstream.fetch(requester, sync_step, kind, out, tap),
         )
         assert isinstance(got, Committed)
         return got

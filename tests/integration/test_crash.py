@@ -10,7 +10,9 @@ applied twice) with tapes that audit clean.  A few trials run by default,
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -48,7 +50,11 @@ def reference_digest() -> str:
     return run_reference(CFG).final_digest
 
 
-def _trial(tmp: Path, point: str, n: int, reference: str, cfg: RunConfig = CFG) -> None:
+def _trial(
+    tmp: Path, point: str, n: int, reference: str, cfg: RunConfig = CFG, stop: bool = False
+) -> Cluster:
+    """``stop``: the fault SIGSTOPs the aggregator, which is SIGKILLed a second later
+    (what was sent before the point has arrived by then)."""
     cluster = Cluster(cfg, tmp / "run")
     run_dir = cluster.run_dir
     keys = run_dir / "keys"
@@ -79,7 +85,7 @@ def _trial(tmp: Path, point: str, n: int, reference: str, cfg: RunConfig = CFG) 
         return child
 
     try:
-        agg = start_aggregator(f"{point}:{n}", 0)
+        agg = start_aggregator(f"{point}:{n}" + (":stop" if stop else ""), 0)
         relays = {}
         for region in cfg.topology.regions:
             relays[region] = cluster.spawn(
@@ -111,6 +117,10 @@ def _trial(tmp: Path, point: str, n: int, reference: str, cfg: RunConfig = CFG) 
         restarts = 0
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
+            if stop and restarts == 0 and _stopped(agg.proc.pid):
+                time.sleep(1.0)
+                os.kill(agg.proc.pid, signal.SIGKILL)
+                agg.proc.wait()
             if agg.proc.poll() == -9 and restarts == 0:
                 restarts += 1
                 agg = start_aggregator(None, restarts)
@@ -139,6 +149,15 @@ def _trial(tmp: Path, point: str, n: int, reference: str, cfg: RunConfig = CFG) 
     report = audit_run(run_dir, TrustedKeys.load(run_dir / "keys" / "trusted_keys.json"))
     assert report.final_digest == reference
     assert report.last_round == cfg.steps // cfg.topology.h_g - 1
+    return cluster
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] == "T"
 
 
 def _trials(count: int, seed: int) -> list[tuple[str, int]]:
@@ -162,6 +181,35 @@ def test_aggregator_killed_at_the_anneal_switch_resumes_on_the_same_digest(
     in-process digest, the tapes audit clean."""
     cfg = CFG.with_overrides(anneal="h_r1")
     _trial(tmp_path, "before_anneal_entry", 1, run_reference(cfg).final_digest, cfg)
+
+
+def test_aggregator_killed_mid_merge_cuts_the_relays_cut_through_short(
+    tmp_path: Path, reference_digest: str
+) -> None:
+    """The aggregator stops right after the header of round 1's global merge went to the
+    first relay that fetched it, which begins serving the merge to its islands while it
+    arrives (services/wire/cutthrough.py); then the aggregator is killed and restarted.
+    The relay's download fails, the islands' downloads from it end UNAVAILABLE (its log
+    says ``cut_short``) before their last byte, everyone asks again, and the run ends on
+    the in-process digest with tapes that audit clean."""
+    cluster = _trial(tmp_path, "merge_header_served", 3, reference_digest, stop=True)
+    logs = cluster.run_dir / "logs"
+    cut = [
+        line
+        for region in CFG.topology.regions
+        for line in (logs / f"relay-{region}.log").read_text().splitlines()
+        if "event=cut_short" in line
+    ]
+    assert cut, "no island's download was cut short"
+    assert all("step=40" in line for line in cut), cut
+    served = [
+        line
+        for region in CFG.topology.regions
+        for line in (logs / f"relay-{region}.log").read_text().splitlines()
+        if "event=global" in line
+    ]
+    # every global merge but the cut one reached both islands while it arrived
+    assert sum("cut_through=2" in line for line in served) >= len(served) - 1, served
 
 
 @pytest.mark.slow

@@ -99,6 +99,34 @@ def test_relay_forwards_at_the_global_step_and_waits_for_theta(theta0: torch.Ten
     assert relay.on_delta(_delta(theta0, "eu-0", 15))[0].accepted
 
 
+def test_a_global_update_previewed_while_it_arrives_is_the_merge_on_global_serves(
+    theta0: torch.Tensor,
+) -> None:
+    """``preview_global`` (the relay daemon's cut-through) names the merge ``on_global``
+    will serve, field for field, and changes nothing; only for the update the relay
+    forwarded and waits for."""
+    relay = RelayMachine(CFG, "eu", theta0)
+    for step in (5, 10):
+        for k, sender in enumerate(("eu-0", "eu-1")):
+            relay.on_delta(_delta(theta0, sender, step, seed=step + k))
+    theta = theta0 + 1e-3
+    commitment = Commitment({"eu": "ab" * 32}, ("eu",), ("fp32",), "cd" * 32)
+    digest = flat_digest(theta)
+    assert relay.preview_global(5, commitment, theta, digest) is None  # not the one pending
+    assert relay.preview_global(10, commitment, theta[:-1], digest) is None  # wrong size
+    held = relay.core.theta
+    preview = relay.preview_global(10, commitment, theta, digest)
+    assert preview is not None
+    assert relay.merge_for(10) is None and relay.global_pending == 10  # nothing changed
+    assert relay.core.theta is held
+    relay.on_global(GlobalArrived(10, theta, commitment, digest))
+    served = relay.merge_for(10)
+    assert served is not None
+    assert dataclasses.replace(preview, receipts=()) == dataclasses.replace(served, receipts=())
+    assert served.payload is theta and served.payload_digest == digest
+    assert relay.preview_global(10, commitment, theta, digest) is None  # applied: none
+
+
 def test_identical_resend_is_idempotent_and_different_bytes_refused(theta0: torch.Tensor) -> None:
     relay = RelayMachine(CFG, "eu", theta0)
     d = _delta(theta0, "eu-0", 5)

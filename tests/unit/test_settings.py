@@ -62,7 +62,12 @@ def test_several_unknown_keys_are_all_named() -> None:
 
 def test_each_class_knows_exactly_its_keys() -> None:
     assert set(AggregatorSettings.field_types()) == SHARED
-    assert set(RelaySettings.field_types()) == SHARED | {"region", "aggregator", "shard"}
+    assert set(RelaySettings.field_types()) == SHARED | {
+        "region",
+        "aggregator",
+        "shard",
+        "cut_through",
+    }
     assert set(IslandSettings.field_types()) == SHARED | {"region", "index", "relay", "device"}
     # the key of one daemon is not a key of another
     with pytest.raises(ConfigError, match=r"\[aggregator\]: unknown key 'region'"):
