@@ -31,7 +31,6 @@ import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import tensor_digest
-from hypertrain.common.errors import HypertrainError
 from hypertrain.common.rounds.machines import (
     Committed,
     Decision,
@@ -213,7 +212,7 @@ class RelayService:
             or cut is None
             or cut.sync_step != sync_step
             or request.requester not in cut.takers
-            or request.kind not in ("", "global")
+            or request.kind != "global"
         ):
             return got
         now = cut.current()
@@ -224,8 +223,8 @@ class RelayService:
             header = None
             try:
                 preview = self.node.preview_global(merge_of(upstream_header, tensor))
-            except HypertrainError:  # a commitment that does not parse: on_global says so
-                preview = None
+            except Exception:  # a header that does not parse: no preview (whatever the
+                preview = None  # error, on_global refuses it there, not the islands here)
             if preview is not None:
                 header = merge_header(self.cfg, preview, self.board.fragment)
             cut.preview = (attempt, header)
@@ -245,17 +244,14 @@ class RelayService:
         def finish() -> bool:
             with self.board.cond:
                 got = self.node.fetch(self.cfg.run_id, requester, cut.sync_step, "global")
-                same = (
-                    isinstance(got, Committed)
-                    and got.payload.data_ptr() == t.tensor.data_ptr()
-                    and self.board.header(got) == t.header
-                )
-            if not same:  # preview_global and on_global disagree: a bug, not a fault
+                ours = isinstance(got, Committed) and got.payload.data_ptr() == t.tensor.data_ptr()
+                same = isinstance(got, Committed) and ours and self.board.header(got) == t.header
+            if ours and not same:  # preview_global and on_global disagree: a bug, not a fault
                 log_event("warning", role="relay", region=self.region, **self.where,
                           step=cut.sync_step, island=requester,
-                          message="the global merge served while it arrived is not the one "
-                          "the relay applied; its download is cut short")  # fmt: skip
-            return same
+                          message="the global merge served while it arrived has another "
+                          "header than the one the relay applied; its download is cut short")  # fmt: skip
+            return same  # (not ours: the island left meanwhile, say; it asks again)
 
         try:
             yield from cut.stream(t.attempt, t.header, t.tensor, alive, finish)

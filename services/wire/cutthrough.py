@@ -150,6 +150,11 @@ class CutThrough:
                     self.cond.wait(POLL_S)
             if ready > sent:
                 for start in range(sent, ready, chunk_bytes):
+                    if self.attempt != attempt or self.failed:
+                        # (read without the lock: a stale value only delays this by a
+                        # chunk) stop at once, so that this stream lets go of the failed
+                        # attempt's buffer before the next attempt fills another
+                        raise self._cut_short("its download from the aggregator was cut short")
                     yield view[start : start + chunk_bytes]
                 sent = ready
                 continue

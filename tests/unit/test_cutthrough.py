@@ -186,19 +186,25 @@ def test_every_failure_ends_the_stream_unavailable_before_its_last_chunk(how: st
 
 
 def test_a_new_attempt_cuts_the_streams_of_the_old_one_short() -> None:
+    """The relay's download fails and its retry begins before a stream of the failed
+    attempt looks again: that stream ends (its bytes are of the old buffer), and a stream
+    of the new attempt serves the merge to the end."""
     header, t = _merge(3)
     cut = CutThrough(4, ("eu-0",), lambda: None)
     old = Feed(header, t)
-    _download(cut, old)
+    first = _download(cut, old)
     old.release(3)
     _wait_for(lambda: cut.filled >= 2 * CHUNK)
     stream = _serving(cut)
     next(stream)
-    # the relay's retry begins before the old attempt is seen to fail (a new connection)
+    old.broken = True  # the connection drops
+    old.release(len(old.parts))
+    first["thread"].join()  # type: ignore[attr-defined]
+    assert "error" in first and cut.failed
     new = Feed(header, t)
-    again = _download(cut, new)
+    again = _download(cut, new)  # the retry: a new buffer, the failure forgotten
     new.release(1)
-    _wait_for(lambda: cut.attempt == 2)
+    _wait_for(lambda: cut.attempt == 2 and not cut.failed)
     with pytest.raises(WireError) as e:
         list(stream)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
@@ -206,8 +212,6 @@ def test_a_new_attempt_cuts_the_streams_of_the_old_one_short() -> None:
     again["thread"].join()  # type: ignore[attr-defined]
     cut.end(APPLIED)
     assert _joined(list(_serving_applied(cut))) == t.numpy().tobytes()
-    old.broken = True
-    old.release(len(old.parts))
 
 
 def _serving_applied(cut: CutThrough) -> Iterator[object]:
