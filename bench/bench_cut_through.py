@@ -50,7 +50,6 @@ import bench_sync_scale as bss
 from hypertrain.common.config import RunConfig
 from hypertrain.common.trust.certs import ensure_certs
 from hypertrain.common.trust.keys import daemon_key_names
-from hypertrain.procs import Child, child_env, python_module
 from hypertrain.up import identity_flags
 
 AGG_PORT, RELAY_PORT = 7070, 7071
@@ -163,24 +162,12 @@ def linked_cluster(star: Star, cut_through: bool):  # type: ignore[no-untyped-de
             super().__init__(cfg, run_dir, events, poller)
             ensure_certs(run_dir / "keys", daemon_key_names(cfg.topology))
 
-        def spawn(self, name: str, module: str, *args: str, nice: int = 0) -> Child:
+        def identity(self, name: str) -> tuple[str, ...]:
+            return identity_flags(self.run_dir / "keys", name)  # TLS: not on loopback
 
-            d = self.run_dir
-            flags = ("--config", str(d / "run.toml"), "--metrics-port", "0")
-            argv = python_module(module, *flags, *identity_flags(d / "keys", name), *args)
+        def place(self, name: str) -> list[str]:
             who = "island" + name.rsplit("-", 1)[1] if name.startswith("island-") else name
-            who = "relay" if who.startswith("relay") else who
-            child = Child(
-                name,
-                [*star.prefix(who), *argv],
-                d / "logs" / f"{name}.log",
-                self.events.on_event,
-                child_env(),
-                nice=nice,
-            )
-            self.children.append(child)
-            self.poller.watch(name, child.proc.pid)
-            return child
+            return star.prefix("relay" if who.startswith("relay") else who)
 
         def start(self, islands: bool) -> dict[str, str]:
             from hypertrain.up import ISLAND_NICE

@@ -490,14 +490,20 @@ class Cluster:
         (run_dir / "run.toml").write_text(config_toml(cfg))
         init_keys(run_dir / "keys", daemon_key_names(cfg.topology))
 
+    def identity(self, name: str) -> tuple[str, ...]:
+        """Daemon ``name``'s key and transport flags.  Plaintext, as the results this
+        bench keeps were measured (its islands are in-process clients);
+        bench_transport.py --tls measures what TLS costs."""
+        return ("--signing-key", str(self.run_dir / "keys" / f"{name}.key"), "--insecure")
+
+    def place(self, name: str) -> list[str]:
+        """The command daemon ``name`` runs under (none: this host, as it is)."""
+        return []
+
     def spawn(self, name: str, module: str, *args: str, nice: int = 0) -> Child:
         d = self.run_dir
-        key = d / "keys" / f"{name}.key"
-        # Plaintext, as the results this bench keeps were measured (its islands are
-        # in-process clients); bench_transport.py --tls measures what TLS costs.
-        flags = ("--config", str(d / "run.toml"), "--metrics-port", "0", "--signing-key", str(key))
-        flags += ("--insecure",)
-        argv = python_module(module, *flags, *args)
+        flags = ("--config", str(d / "run.toml"), "--metrics-port", "0", *self.identity(name))
+        argv = [*self.place(name), *python_module(module, *flags, *args)]
         log = d / "logs" / f"{name}.log"
         child = Child(name, argv, log, self.events.on_event, child_env(), nice=nice)
         self.children.append(child)
@@ -856,7 +862,7 @@ def run_sync_wall(
     verbose: bool,
     timeout: float,
     *,
-    make_cluster: Callable[[RunConfig, Path, Events, RssPoller], Cluster] | None = None,
+    make_cluster: Callable[[RunConfig, Path, Events, RssPoller], Cluster] = Cluster,
 ) -> dict[str, Any]:
     """Part B for one case: the islands' sync_s, ratios and every daemon's peak RSS.
     ``make_cluster``: starts the daemons some other way (default: ``Cluster``, on
@@ -868,7 +874,7 @@ def run_sync_wall(
     P = param_count(mcfg)
     events = Events(verbose)
     poller = RssPoller()
-    cluster = (make_cluster or Cluster)(cfg, run_dir, events, poller)
+    cluster = make_cluster(cfg, run_dir, events, poller)
     t0 = time.perf_counter()
     try:
         cluster.start(islands=True)

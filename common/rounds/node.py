@@ -592,7 +592,12 @@ class RelayNode(_Node):
         own = super()._receipts(merge)
         if merge.kind != "global":
             return own
-        agg = self.witness.passed_on(merge.sync_step, AGGREGATOR_KEY)
+        return self._with_aggregator(self.witness.passed_on(merge.sync_step, AGGREGATOR_KEY), own)
+
+    @staticmethod
+    def _with_aggregator(agg: bytes | None, own: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        """A relay's receipts of a global merge: the aggregator's (where it passes one
+        on) first, then its own."""
         return own if agg is None else (agg, *own)
 
     def preview_global(self, got: Committed) -> Committed | None:
@@ -610,14 +615,15 @@ class RelayNode(_Node):
         )
         if merge is None:
             return None
-        own = super()._receipts(merge)
         if self.witness.trusted is None:
-            receipts = own  # it keeps nothing, so passes nothing on
+            agg = None  # it keeps nothing, so passes nothing on
         elif len(got.receipts) == 1:
-            receipts = (got.receipts[0], *own)
+            agg = got.receipts[0]  # what on_global keeps and ``_receipts`` passes on
         else:
             return None  # on_global refuses it
-        return dataclasses.replace(merge, receipts=receipts)
+        return dataclasses.replace(
+            merge, receipts=self._with_aggregator(agg, super()._receipts(merge))
+        )
 
     def _lookup(
         self, run_id: str, requester: str, sync_step: int, kind: str | None

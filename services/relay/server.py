@@ -237,6 +237,7 @@ class RelayService:
         """One island's download of the global merge while it arrives; its last chunk
         once the node applied the merge and serves it under the same header."""
         cut = t.cut
+        applied: list[Committed] = []  # the merge as the node serves it (finish)
 
         def alive() -> bool:
             return not (self.shutdown.requested or self._closing) and context.is_active()
@@ -244,14 +245,17 @@ class RelayService:
         def finish() -> bool:
             with self.board.cond:
                 got = self.node.fetch(self.cfg.run_id, requester, cut.sync_step, "global")
-                ours = isinstance(got, Committed) and got.payload.data_ptr() == t.tensor.data_ptr()
-                same = isinstance(got, Committed) and ours and self.board.header(got) == t.header
-            if ours and not same:  # preview_global and on_global disagree: a bug, not a fault
-                log_event("warning", role="relay", region=self.region, **self.where,
-                          step=cut.sync_step, island=requester,
-                          message="the global merge served while it arrived has another "
-                          "header than the one the relay applied; its download is cut short")  # fmt: skip
-            return same  # (not ours: the island left meanwhile, say; it asks again)
+                if not isinstance(got, Committed) or got.payload.data_ptr() != t.tensor.data_ptr():
+                    return False  # not this merge (the island left meanwhile, say): ask again
+                if self.board.header(got) == t.header:
+                    applied.append(got)
+                    return True
+            # preview_global and on_global disagree: a bug, not a fault
+            log_event("warning", role="relay", region=self.region, **self.where,
+                      step=cut.sync_step, island=requester,
+                      message="the global merge served while it arrived has another "
+                      "header than the one the relay applied; its download is cut short")  # fmt: skip
+            return False
 
         try:
             yield from cut.stream(t.attempt, t.header, t.tensor, alive, finish)
@@ -260,9 +264,7 @@ class RelayService:
                       step=cut.sync_step, island=requester, message=e.message)  # fmt: skip
             raise
         with self.board.cond:
-            got = self.node.fetch(self.cfg.run_id, requester, cut.sync_step, "global")
-            assert isinstance(got, Committed)  # finish saw it, and a merge is never taken back
-            self.board.note_served(got, requester)
+            self.board.note_served(applied[0], requester)
             cut.served.append(requester)
 
     @maps_errors

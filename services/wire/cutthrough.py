@@ -15,10 +15,10 @@ served from the relay's buffer as it fills:
 - The relay serves a stream with the header its node will serve the merge with
   (``RelayNode.preview_global``), then the chunks filled so far, then each one as it is
   filled, except the last: that one is held back until the relay's node applied the
-  merge (``applied``), so no island holds a merge before its relay does, and then only
-  if what the node serves is the same merge under the same header.  Otherwise
-  (``abandon``: the download failed, the node refused it, the relay stops) the stream
-  ends UNAVAILABLE and the island asks again.  The island checks the bytes against the
+  merge (``end(APPLIED)``), so no island holds a merge before its relay does, and then
+  only if what the node serves is the same merge under the same header.  Otherwise
+  (the download failed, ``end(ABANDONED)``: the node refused it, the relay stops) the
+  stream ends UNAVAILABLE and the island asks again.  The island checks the bytes against the
   header's digest as it would any merge.
 
 Nothing here decides anything: the node's state changes only in ``on_global``, as
@@ -114,9 +114,8 @@ class CutThrough:
     def current(self) -> tuple[int, pb.MergeHeader, torch.Tensor] | None:
         """The attempt streams may be served from now (None: none is under way)."""
         with self.cond:
-            if self.outcome is not None or self.failed or self.header is None:
-                return None
-            if self.tensor is None:
+            # (no tensor: no attempt began yet, or the last one failed)
+            if self.outcome is not None or self.tensor is None or self.header is None:
                 return None
             return self.attempt, self.header, self.tensor
 
@@ -150,11 +149,10 @@ class CutThrough:
                     self.cond.wait(POLL_S)
             if ready > sent:
                 for start in range(sent, ready, chunk_bytes):
-                    if self.attempt != attempt or self.failed:
-                        # (read without the lock: a stale value only delays this by a
-                        # chunk) stop at once, so that this stream lets go of the failed
-                        # attempt's buffer before the next attempt fills another
-                        raise self._cut_short("its download from the aggregator was cut short")
+                    # (read without the lock: a stale value only delays this by a chunk)
+                    # stop at once, so that this stream lets go of a failed attempt's
+                    # buffer before the next attempt fills another
+                    self._check_attempt(attempt)
                     yield view[start : start + chunk_bytes]
                 sent = ready
                 continue
@@ -163,10 +161,14 @@ class CutThrough:
             yield view[last:]
             return
 
-    def _check(self, attempt: int, alive: Callable[[], bool]) -> None:
-        """(under ``cond``) Raise UNAVAILABLE if the stream of ``attempt`` cannot go on."""
+    def _check_attempt(self, attempt: int) -> None:
+        """UNAVAILABLE if ``attempt`` failed or another began."""
         if self.attempt != attempt or self.failed:
             raise self._cut_short("its download from the aggregator was cut short")
+
+    def _check(self, attempt: int, alive: Callable[[], bool]) -> None:
+        """(under ``cond``) Raise UNAVAILABLE if the stream of ``attempt`` cannot go on."""
+        self._check_attempt(attempt)
         if self.outcome == ABANDONED:
             raise self._cut_short("the relay did not apply it")
         if not alive():
