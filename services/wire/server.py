@@ -50,6 +50,7 @@ from hypertrain.wire.errors import OVER_KEY, STALE_KEY, WireError, status_of
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
 from hypertrain.wire.tls import PLAINTEXT, Security
+from hypertrain.wire.wireformat import format_refusal
 
 log = logging.getLogger("hypertrain.wire")
 
@@ -134,6 +135,7 @@ def _guarded(
 
         def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
+                _check_format(context)
                 with guard.call(context, streaming) as watch:
                     assert watch is not None
                     if client_streaming:
@@ -149,6 +151,7 @@ def _guarded(
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            _check_format(context)
             with guard.call(context, streaming) as watch:
                 if watch is not None:
                     request = watch.requests(request, clock)
@@ -158,6 +161,13 @@ def _guarded(
             raise
 
     return unary
+
+
+def _check_format(context: grpc.ServicerContext) -> None:
+    """Refuse a caller of another wire format (``wireformat.py``) before its method runs."""
+    refusal = format_refusal(context)
+    if refusal is not None:
+        raise WireError(grpc.StatusCode.UNIMPLEMENTED, refusal)
 
 
 def _parsed(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:

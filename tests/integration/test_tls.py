@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,13 +16,17 @@ import torch
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
-from hypertrain.common.rounds.machines import Delta
+from hypertrain.common.rounds.machines import Delta, MemberRequest
 from hypertrain.common.trust.certs import TlsFiles, cert_path, init_ca, init_daemons, issue
 from hypertrain.common.trust.keys import daemon_key_names, load_signing_key
 from hypertrain.procs import child_env
 from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire import wireformat
 from hypertrain.wire.client import aggregator_stub, push_delta, relay_stub, transfer_header
+from hypertrain.wire.errors import WireError
+from hypertrain.wire.peers import Peer
 from hypertrain.wire.tls import Security
+from hypertrain.wire.upstream import GrpcUpstream, Patient
 from tests.integration.conftest import Cluster
 from tests.integration.test_bad_input import CODEC, NUMEL
 
@@ -179,3 +184,50 @@ def test_a_daemon_will_not_start_without_an_identity_it_can_use(tmp_path: Path) 
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1, out.stderr
         assert lines[0].startswith("hypertrain-aggregator: error:") and words in lines[0], lines
+
+
+@pytest.mark.parametrize("stated", [None, "1", "3"])
+def test_an_island_of_another_wire_format_is_refused_naming_both_and_gives_up(
+    run: Run, stated: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An island whose build states another wire format (``wireformat.py``; None: a build
+    from before the formats were stated) goes through its own client path (``Peer``,
+    ``GrpcUpstream``, ``Patient``) to the real relay: every call is refused UNIMPLEMENTED
+    naming both formats, before any byte counts (the tape is as it was), and the island
+    gives up at once instead of resending as if the bytes had been corrupted.  The same
+    delta from this build is then taken."""
+    size = run.tape.stat().st_size
+    monkeypatch.setattr(
+        wireformat, "FORMAT_METADATA", () if stated is None else ((wireformat.FORMAT_KEY, stated),)
+    )
+    words = "states no wire format" if stated is None else f"speaks wire format {stated};"
+    peer = Peer(run.relay, "Relay", security=Security.of(run.keys, "island-eu-0"), name="relay-eu")
+    deadline = time.monotonic() + 20  # a retrying client ends CANCELLED here instead
+    island = Patient(
+        GrpcUpstream(peer, CFG.run_id, NUMEL), "relay-eu", lambda: time.monotonic() > deadline
+    )
+    delta = run.signed("island-eu-0", "eu-0")
+    try:
+        calls = {
+            "push": lambda: island.push(delta),
+            "fetch": lambda: island.fetch("eu-0", 5, "regional"),
+            "join": lambda: island.member(MemberRequest(CFG.run_id, "join", "eu-0", 5, 1)),
+        }
+        for what, call in calls.items():
+            with pytest.raises(WireError) as err:
+                call()
+            assert err.value.code == grpc.StatusCode.UNIMPLEMENTED, (what, err.value.message)
+            assert words in err.value.message, err.value.message
+            assert "this server speaks wire format 2" in err.value.message
+        code, message = _code(lambda: peer.status())
+        assert code == grpc.StatusCode.UNIMPLEMENTED and words in message, message
+    finally:
+        peer.close()
+    assert time.monotonic() < deadline
+    assert run.tape.stat().st_size == size
+    assert "rejected: UNIMPLEMENTED" in run.log.read_text()
+    monkeypatch.undo()
+    with run.channel("island-eu-0") as channel:  # this build: the same delta is taken
+        stub = relay_stub(channel)
+        ack = push_delta(stub.PushDelta, transfer_header(delta), DATA, timeout=20)
+    assert ack.digest == delta.digest

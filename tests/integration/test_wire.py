@@ -30,7 +30,7 @@ from hypertrain.common.digest import blob_digest, tensor_digest
 from hypertrain.common.errors import CodecError
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
-from hypertrain.wire import frames, spool
+from hypertrain.wire import frames, spool, wireformat
 from hypertrain.wire.chunks import (
     CHUNK_BYTES,
     delta_chunks,
@@ -140,7 +140,9 @@ def test_large_delta_streams_in_chunks_is_spooled_and_published(relay: Any) -> N
 
 
 def test_generated_stub_peers_interoperate(relay: Any) -> None:
-    """A peer on the generated stubs (full protobuf messages) is understood."""
+    """A peer on the generated stubs (full protobuf messages) is understood, once it
+    states the wire format (``wireformat.py``); without it, it is refused UNIMPLEMENTED
+    before its bytes are read, and nothing is kept."""
     servicer, _, address = relay
     data = os.urandom(3 * CHUNK_BYTES + 17)
     header = pb.TransferHeader(digest=_sha(data), size=len(data))
@@ -148,7 +150,14 @@ def test_generated_stub_peers_interoperate(relay: Any) -> None:
         pb.DeltaChunk(data=data[i : i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES)
     ]
     with grpc.insecure_channel(address) as channel:
-        assert pb_grpc.RelayStub(channel).PushDelta(iter(parts)).digest == _sha(data)
+        stub = pb_grpc.RelayStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PushDelta(iter(parts))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "states no wire format" in err.value.details()
+        assert not (servicer.published / _sha(data)).exists()
+        got = stub.PushDelta(iter(parts), metadata=wireformat.FORMAT_METADATA)
+        assert got.digest == _sha(data)
     assert (servicer.published / _sha(data)).read_bytes() == data
 
 

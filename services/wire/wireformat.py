@@ -1,0 +1,122 @@
+"""The wire format every call states, and the check every server makes of it.
+
+    channel = grpc.intercept_channel(raw, STATE_FORMAT)   # Security.channel does this
+    refusal = format_refusal(context)                     # server._guarded: None, or why not
+
+Peers of one run must read each other's bytes the same way: the digests a header
+announces (``common/digest.py``, ``DIGEST_FORMAT``), the chunk framing, the messages.  A
+build that reads them differently does not fail cleanly on its own: an island of an
+older build pushing to a newer relay computes another digest of the same bytes, and the
+relay answers DATA_LOSS ("corrupt transfer"), which the island retries as a transfer
+error for as long as it runs.  So every call states its build's wire format as gRPC
+metadata (``FORMAT_KEY``), and every server refuses a call whose format is not its own
+UNIMPLEMENTED, naming both, before the call's method sees a byte.  UNIMPLEMENTED is not
+retried by any daemon (``upstream.Patient``): the caller stops with that line.
+
+Builds from before wire format 2 state nothing; they are refused in the same way by any
+server of this build.  (A client of this build calling a server from before format 2 is
+not refused by that server, which does not check: its digests differ, as before.)  From
+format 2 on, whichever side is newer names the mismatch.
+
+Bump ``WIRE_FORMAT`` with any change a peer of the previous build would misread, the
+digest format's first (``DIGEST_FORMATS`` says which digest format each wire format uses;
+a unit test ties the two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import grpc
+
+WIRE_FORMAT = 2
+"""This build's wire format."""
+DIGEST_FORMATS = {2: 2}
+"""Wire format -> the digest format (``common/digest.DIGEST_FORMAT``) of its digests."""
+FORMAT_KEY = "hypertrain-wire-format"
+"""The metadata key of the caller's wire format (gRPC metadata keys are lowercase)."""
+FORMAT_METADATA = ((FORMAT_KEY, str(WIRE_FORMAT)),)
+
+
+def format_refusal(context: grpc.ServicerContext) -> str | None:
+    """Why the call on ``context`` is refused (its caller's wire format is not this
+    build's, or it states none), or None when the formats agree."""
+    stated = [v for k, v in context.invocation_metadata() or () if k == FORMAT_KEY]
+    if stated == [str(WIRE_FORMAT)]:
+        return None
+    if not stated:
+        said = (
+            f"the caller states no wire format (no {FORMAT_KEY} metadata): a hypertrain "
+            f"build from before wire format {WIRE_FORMAT}, or a client that is not one"
+        )
+    else:
+        said = f"the caller speaks wire format {', '.join(map(_shown, stated))}"
+    return (
+        f"{said}; this server speaks wire format {WIRE_FORMAT}: run one hypertrain build "
+        "(or builds of one wire format) across a run"
+    )
+
+
+def _shown(value: str | bytes) -> str:
+    """A stated value as a log line may show it (at most 16 printable ASCII characters;
+    quoted unless a number)."""
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    clean = "".join(c if " " <= c <= "~" else "?" for c in text[:16])
+    return repr(clean) if clean != text or not clean.isdigit() else clean
+
+
+class _Details(NamedTuple):
+    """A call's details with the format added (``grpc.ClientCallDetails``' fields)."""
+
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _StateFormat(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``FORMAT_METADATA`` to every call of a channel; nothing per message (the
+    continuation's own call object is returned)."""
+
+    @staticmethod
+    def _stated(details: Any) -> _Details:
+        return _Details(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), *FORMAT_METADATA),
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._stated(details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._stated(details), request)
+
+    def intercept_stream_unary(
+        self, continuation: Callable[..., Any], details: Any, requests: Iterator[Any]
+    ) -> Any:
+        return continuation(self._stated(details), requests)
+
+    def intercept_stream_stream(
+        self, continuation: Callable[..., Any], details: Any, requests: Iterator[Any]
+    ) -> Any:
+        return continuation(self._stated(details), requests)
+
+
+STATE_FORMAT = _StateFormat()
+"""The client interceptor every channel of hypertrain's is made with."""
