@@ -427,7 +427,16 @@ class RelayService:
         with self.board.cond:
             if self.intake.closed or not self.node.machine.idle:
                 return  # closed; or an island joined meanwhile: its region carries itself
-            merge = self.node.on_global(got)
+            # Checked (a receipt that fails refuses it, nothing applied: raised as on the
+            # forwarding path), applied, then checkpointed and taped here, where a store
+            # failure ends the process as it does there: no joiner may fetch a merge this
+            # relay's tape does not hold.
+            merge = self.node.on_global(got, defer=True)
+            with durable_or_die(
+                "relay", f"followed global step {merge.sync_step}", region=self.region,
+                **self.where,
+            ):  # fmt: skip
+                self.node.settle()
             self.board.cond.notify_all()
         log_event("global", role="relay", region=self.region, **self.where, round=merge.round,
                   step=merge.sync_step, followed=True)  # fmt: skip

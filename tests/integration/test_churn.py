@@ -309,3 +309,69 @@ def test_a_region_everyone_left_follows_the_run_to_its_end(cluster_factory) -> N
     followed = [e for e in _events(logs / "relay-eu.log", "global") if e.get("followed")]
     assert followed and followed[-1]["step"] == str(cfg.steps), followed
     assert _audit(run_dir) == progress.final_digest
+
+
+def test_a_following_relay_whose_store_fails_stops_then_recovers(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """As above, region eu empty after step 10; then eu's relay cannot write its next
+    checkpoint (its ``checkpoints`` folder replaced by a plain file).  Following the round
+    of step 20 it ends at once (exit code 1, one line naming what could not be made
+    durable), as on the forwarding path, with nothing of that round taped; started again
+    on a working disk it recovers from its tape, follows the run to its end, and the
+    audit replays it all."""
+    cfg = CFG.with_overrides(**{"membership.global_cutoff_s": 3.0})
+    cluster = cluster_factory(cfg)
+    run_dir = cluster.run_dir
+    cluster.children.extend(start_cluster(cfg, run_dir, cluster.progress))
+    logs = run_dir / "logs"
+    relay = next(c for c in cluster.children if c.name == "relay-eu")
+    eu = [c for c in cluster.children if c.name.startswith("island-eu-")]
+    _wait_for(
+        "global merge of step 10 in region eu",
+        lambda: all(
+            any(e["step"] == "10" for e in _events(logs / f"{c.name}.log", "sync")) for c in eu
+        ),
+    )
+    for c in eu:
+        c.proc.send_signal(signal.SIGTERM)
+    for c in eu:
+        assert c.proc.wait(timeout=60) == 0
+    # Its checkpoint of step 10 (written after the islands had the merge) is down: break
+    # the folder for the next one, a followed round's.
+    _wait_for(
+        "relay-eu's global of step 10",
+        lambda: any(e["step"] == "10" for e in _events(logs / "relay-eu.log", "global")),
+    )
+    folder = run_dir / "relay-eu" / "checkpoints"
+    folder.rename(folder.with_name("checkpoints.kept"))
+    folder.write_bytes(b"not a folder")
+    tape = run_dir / "relay-eu" / "tape"
+    assert relay.proc.wait(timeout=120) == 1, relay.failure_message()
+    stopped = _events(logs / "relay-eu.log", "stopped")
+    assert len(stopped) == 1 and stopped[0]["failed"] == "True", stopped
+    reason = stopped[0]["reason"]
+    assert reason.startswith("followed global step 20 could not be made durable"), reason
+    assert not any(e.get("followed") for e in _events(logs / "relay-eu.log", "global"))
+    entries = _relay_entries(run_dir, "eu")
+    assert not any(e.kind == "global_applied" and e.body["sync_step"] == 20 for e in entries)
+    size = tape.stat().st_size
+    folder.unlink()
+    folder.with_name("checkpoints.kept").rename(folder)
+    again = Child(
+        "relay-eu-again",
+        relay.argv,
+        logs / "relay-eu-again.log",
+        cluster.progress.on_event,
+        child_env(),
+    )
+    cluster.children.append(again)
+    failed = supervise(
+        [c for c in cluster.children if c is not relay and c not in eu], deadline_s=300
+    )
+    assert failed is None, failed.failure_message()
+    assert tape.stat().st_size > size
+    progress = cluster.progress
+    assert sorted(progress.done) == ["us-0", "us-1"]
+    assert {e["digest"] for e in progress.done.values()} == {progress.final_digest}
+    followed = [e for e in _events(logs / "relay-eu-again.log", "global") if e.get("followed")]
+    assert followed and followed[-1]["step"] == str(cfg.steps), followed
+    assert _audit(run_dir) == progress.final_digest
