@@ -46,8 +46,9 @@ Targets: relay_e2e_over_tcp <= 2.0 (int8), sync_wall_over_tcp <= 4.0, relay peak
 
 Floors: how low a ratio can go on this machine, also measured in the same run.  The
 durable writes on the path at the measured disk rate (``disk_rate``), and the work no sync
-can skip at this machine's core costs (``CoreCosts``: TCP on both ends, a content digest by
-each sender and each receiver, encoding, decoding and adding, the outer step, applying the
+can skip at this machine's core costs (``CoreCosts``: moving the bytes through gRPC, both
+ends, at gRPC's own cost per byte measured in the same run (``grpc_cost``: more than a bare
+socket's), a content digest by each sender and each receiver, encoding, decoding and adding, the outer step, applying the
 merge) spread over every core with none idle.  Part A's window holds all of its work;
 part B's floor is one island's own path (``CoreCosts.sync``).  A target below the larger
 floor is out of reach here, whatever the code does; the tables mark it FLOOR.  Beside it,
@@ -91,7 +92,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_transport import tcp_once  # this folder is on sys.path when run as a script
+from bench_transport import Server, tcp_once  # this folder is on sys.path when run as a script
 
 from hypertrain.common.config import RunConfig, TopologyConfig
 from hypertrain.common.model import ModelConfig
@@ -186,6 +187,50 @@ def tcp_rate(size: int, repeats: int) -> tuple[float, float]:
     return size / best, cpu / size
 
 
+def grpc_cost(size: int, repeats: int) -> tuple[float, float]:
+    """Core-seconds per byte that gRPC itself spends moving bytes between two processes
+    on loopback, both ends and the kernel's work for them included, through this build's
+    stubs and chunk codec (``CHUNK_BYTES`` parts) and nothing else: (a push the server
+    only counts, as bench_transport's push/bare; a merge download the client only
+    counts), each the least of ``repeats`` after a warm-up.  Deltas and merges travel
+    over gRPC (S1), so no sync here moves a byte for less; ``tcp_rate`` is what the same
+    bytes cost a bare socket."""
+    from hypertrain.common.digest import blob_digest
+    from hypertrain.v1 import hypertrain_pb2 as pb
+    from hypertrain.wire.chunks import CHUNK_BYTES, delta_chunks
+    from hypertrain.wire.client import connect, relay_stub
+
+    data = os.urandom(size)
+    header = pb.TransferHeader(size=size, digest=blob_digest(data), codec="bare")
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(size, CHUNK_BYTES, tmp)
+        channel = connect(server.address)
+        stub = relay_stub(channel)
+
+        def push() -> None:
+            ack = stub.PushDelta(delta_chunks(header, data, chunk_bytes=CHUNK_BYTES))
+            assert ack.digest == str(size), ack
+
+        def fetch() -> None:
+            parts = stub.FetchMerge(pb.MergeRequest(kind="global"))
+            got = sum(len(p) for p in parts if not isinstance(p, pb.MergeChunk))
+            assert got == size // 4 * 4, got
+
+        best = {"push": float("inf"), "fetch": float("inf")}
+        try:
+            for i in range(repeats + 1):
+                for name, fn in (("push", push), ("fetch", fetch)):
+                    c0, s0 = time.process_time(), server.cpu_s()
+                    fn()
+                    spent = time.process_time() - c0 + server.cpu_s() - s0
+                    if i:
+                        best[name] = min(best[name], spent)
+        finally:
+            channel.close()
+            server.close()
+    return best["push"] / size, best["fetch"] / (size // 4 * 4)
+
+
 def disk_rate(size: int, repeats: int, where: Path) -> float:
     """Durable write bytes per second where the run folders go: ``spool.write_file`` (write,
     fsync, link into place, fsync of the folder), what a relay and the aggregator do
@@ -209,7 +254,10 @@ class CoreCosts:
     or per parameter, measured in this run (process CPU time, every thread counted, the
     least of ``FLOOR_REPEATS``).  The pieces, and who does them:
 
-    - ``tcp``: moving a byte over loopback TCP, both ends (``tcp_rate``);
+    - ``tcp``: moving a byte over loopback TCP, both ends (``tcp_rate``), and
+      ``grpc_push`` / ``grpc_fetch``: moving it through gRPC itself, pushed or fetched
+      (``grpc_cost``).  Deltas and merges travel over gRPC (S1), so a byte moved costs
+      the larger of the two (``moving``);
     - ``digest``: hashing a byte (BLAKE3, ``common/digest.py``).  Every payload is
       digested once by its sender (an island signs its delta's digest, a relay its
       forward's, the aggregator commits to its merge's) and every transfer again by its
@@ -225,6 +273,8 @@ class CoreCosts:
     below it here; the durable writes (``disk_rate``) are a second floor, beside it."""
 
     tcp: float
+    grpc_push: float
+    grpc_fetch: float
     digest: float
     copy: float
     outer: float
@@ -232,13 +282,19 @@ class CoreCosts:
     decode_acc: dict[str, float]
     cores: int
 
+    def moving(self, pushed: int, fetched: int) -> float:
+        """Core-seconds to move ``pushed`` bytes of deltas and forwards and ``fetched``
+        bytes of merges: at the larger of the bare socket's and gRPC's own cost."""
+        return max(self.tcp, self.grpc_push) * pushed + max(self.tcp, self.grpc_fetch) * fetched
+
     def relay_e2e(self, codec: str, n_r: int, P: int, path_bytes: int, fwd_bytes: int) -> float:
         """Part A's window (deltas already encoded and signed): the relay checks n_r
         deltas and adds them, digests its forward; the aggregator checks and adds it,
         steps and digests the merge; the relay and then each island check the merge."""
         hashed = path_bytes + fwd_bytes + 4 * P  # every receiver, plus two senders
+        fetched = (n_r + 1) * 4 * P  # the merge to the relay, then to each island
         work = (
-            self.tcp * path_bytes
+            self.moving(path_bytes - fetched, fetched)
             + self.digest * hashed
             + self.decode_acc[codec] * n_r * P
             + self.decode_acc["fp32"] * P
@@ -260,11 +316,12 @@ class CoreCosts:
         here, in step): ``sync`` for each island and region.  Not a floor of one island's
         sync (see ``sync``), but what the cores carry while it runs."""
         n = regions * n_r
-        moved = n * delta + regions * fwd + regions * 4 * P + n * 4 * P
+        pushed, fetched = n * delta + regions * fwd, regions * 4 * P + n * 4 * P
+        moved = pushed + fetched
         senders = n * delta + regions * fwd + 4 * P
         work = (
             self.encode[codec] * n * P
-            + self.tcp * moved
+            + self.moving(pushed, fetched)
             + self.digest * (moved + senders)
             + self.decode_acc[codec] * n * P
             + self.decode_acc["fp32"] * regions * P
@@ -306,7 +363,7 @@ def core_seconds(fn: Callable[[], object]) -> float:
     return best
 
 
-def core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
+def core_costs(tcp_per_byte: float, grpc: tuple[float, float], codecs: Sequence[str]) -> CoreCosts:
     """Measure ``CoreCosts`` for the regional ``codecs`` (fp32 always) on this machine, each
     the way the daemons run it at its cheapest: into buffers already in memory (no page
     faults of fresh tensors), the outer step a range at a time as the aggregator folds it
@@ -316,12 +373,12 @@ def core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the least CPU per unit: no thread wake-ups or barriers
     try:
-        return _core_costs(tcp_per_byte, codecs)
+        return _core_costs(tcp_per_byte, grpc, codecs)
     finally:
         torch.set_num_threads(threads)
 
 
-def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
+def _core_costs(tcp_per_byte: float, grpc: tuple[float, float], codecs: Sequence[str]) -> CoreCosts:
     from hypertrain.common.codec import ErrorFeedback, make_codec
     from hypertrain.common.digest import content_hasher
     from hypertrain.common.outer import OuterConfig, make_outer
@@ -367,6 +424,8 @@ def _core_costs(tcp_per_byte: float, codecs: Sequence[str]) -> CoreCosts:
         decode[spec] = core_seconds(lambda c=codec, b=blob: c.decode_accumulate(b, acc)) / n
     return CoreCosts(
         tcp=tcp_per_byte,
+        grpc_push=grpc[0],
+        grpc_fetch=grpc[1],
         digest=digest,
         copy=copy,
         outer=per_outer,
@@ -1114,7 +1173,9 @@ def main(argv: list[str] | None = None) -> int:
     rate, tcp_cpu = tcp_rate(tcp_size, 3)
     floor = interpreter_floor()
     disk = disk_rate(tcp_size, 2, where)
-    costs = core_costs(tcp_cpu, [*codecs, "int8"] if "B" in parts else codecs)
+    costs = core_costs(
+        tcp_cpu, grpc_cost(tcp_size, 3), [*codecs, "int8"] if "B" in parts else codecs
+    )
     print(
         f"# P = {P:,} (m = 4P = {m / 2**20:.0f} MiB; {mcfg.n_layer} x {mcfg.d_model}, "
         f"{mcfg.n_head} heads, vocab {mcfg.vocab_size}, seq {mcfg.seq_len}), "
@@ -1128,7 +1189,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"# durable disk writes (write + fsync): {disk / 1e6:.0f} MB/s", flush=True)
     print(
-        f"# core-ns per byte: TCP (both ends) {costs.tcp * 1e9:.2f}, digest "
+        f"# core-ns per byte: TCP (both ends) {costs.tcp * 1e9:.2f}, gRPC itself (both "
+        f"ends) pushed {costs.grpc_push * 1e9:.2f} / fetched {costs.grpc_fetch * 1e9:.2f}, digest "
         f"{costs.digest * 1e9:.2f}, copy {costs.copy * 1e9:.2f}; per parameter: outer step "
         f"{costs.outer * 1e9:.2f}, "
         + ", ".join(
@@ -1209,8 +1271,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "(disk s: the bytes acknowledged only once on disk on this path, the deltas at "
             "the relay then the forward at the aggregator, at the durable write rate measured "
-            "above; cpu s: the work no sync can skip (TCP, a digest by each sender and each "
-            "receiver, decoding and adding, the outer step) at the core costs above, over "
+            "above; cpu s: the work no sync can skip (moving the bytes through gRPC, a digest "
+            "by each sender and each receiver, decoding and adding, the outer step) at the "
+            "core costs above, over "
             f"{costs.cores} cores; floor: the larger of the two over the TCP time, below which "
             "no ratio can go here; FLOOR: the target is below it; serial: that work and those "
             "writes done one after another on one core, over the TCP time: a ratio above it "

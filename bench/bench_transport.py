@@ -148,7 +148,8 @@ def serve(conn: Connection, size: int, chunk_bytes: int, work_dir: str, keys: st
     address = bind(server, "127.0.0.1:0", security)
     server.start()
     conn.send(address)
-    conn.recv()  # any message: stop
+    while conn.recv() == "cpu":  # this process's CPU time so far; anything else: stop
+        conn.send(time.process_time())
     server.stop(0)
 
 
@@ -172,6 +173,12 @@ class Server:
             self.proc.kill()
             raise RuntimeError("bench server did not start (see its traceback above)")
         self.address: str = self.conn.recv()
+
+    def cpu_s(self) -> float:
+        """The server process's CPU time so far (every thread, the kernel's work on its
+        behalf included)."""
+        self.conn.send("cpu")
+        return float(self.conn.recv())
 
     def close(self) -> None:
         self.conn.send("stop")

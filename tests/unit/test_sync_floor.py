@@ -23,6 +23,8 @@ def only(**costs: float) -> bench.CoreCosts:
     """Costs with every piece 0 but those named (per byte or per parameter), on 2 cores."""
     return bench.CoreCosts(
         tcp=costs.get("tcp", 0.0),
+        grpc_push=costs.get("grpc_push", 0.0),
+        grpc_fetch=costs.get("grpc_fetch", 0.0),
         digest=costs.get("digest", 0.0),
         copy=costs.get("copy", 0.0),
         outer=costs.get("outer", 0.0),
@@ -37,6 +39,14 @@ def test_part_a_counts_each_transfer_each_digest_and_each_sum_once() -> None:
     path = n_r * delta + fwd + 4 * P + n_r * 4 * P
     # TCP: every byte on the path once, both ends in the measured cost.
     assert only(tcp=1.0).relay_e2e("int8", n_r, P, path, fwd) == path / 2
+    # gRPC's own cost where it is more: the deltas and the forward pushed, the merge
+    # fetched by the relay and then by each island
+    fetched = (n_r + 1) * 4 * P
+    pushed = n_r * delta + fwd
+    assert only(grpc_push=1.0).relay_e2e("int8", n_r, P, path, fwd) == pushed / 2
+    assert only(grpc_fetch=1.0).relay_e2e("int8", n_r, P, path, fwd) == fetched / 2
+    both = only(tcp=2.0, grpc_push=1.0, grpc_fetch=3.0)  # the larger, byte by byte
+    assert both.relay_e2e("int8", n_r, P, path, fwd) == (2 * pushed + 3 * fetched) / 2
     # digest: every receiver, plus the relay's forward and the aggregator's merge (the
     # islands signed their deltas before the clock started).
     assert only(digest=1.0).relay_e2e("int8", n_r, P, path, fwd) == (path + fwd + 4 * P) / 2
@@ -55,6 +65,8 @@ def test_part_b_floor_is_one_islands_own_path() -> None:
     moved = delta + fwd + 4 * P + 4 * P  # to the relay, to the aggregator, back twice
     signed = delta + fwd + 4 * P  # its delta, the forward, the merge
     assert only(tcp=1.0).sync("int8", P, delta, fwd) == moved / 2
+    assert only(grpc_push=1.0).sync("int8", P, delta, fwd) == (delta + fwd) / 2
+    assert only(grpc_fetch=1.0).sync("int8", P, delta, fwd) == 2 * 4 * P / 2
     assert only(digest=1.0).sync("int8", P, delta, fwd) == (moved + signed) / 2
     assert only(encode=1.0).sync("int8", P, delta, fwd) == P / 2
     assert only(int8_add=1.0).sync("int8", P, delta, fwd) == P / 2
@@ -71,6 +83,11 @@ def test_part_b_all_at_once_counts_every_island_of_the_case(regions: int, per: i
     signed = n * delta + regions * fwd + 4 * P  # each payload digested by its sender
     every = only(tcp=1.0, digest=1.0)
     assert only(tcp=1.0).sync_all("int8", regions, per, P, delta, fwd) == moved / 2
+    pushed = n * delta + regions * fwd
+    assert only(grpc_push=1.0).sync_all("int8", regions, per, P, delta, fwd) == pushed / 2
+    assert (
+        only(grpc_fetch=1.0).sync_all("int8", regions, per, P, delta, fwd) == (moved - pushed) / 2
+    )
     assert only(digest=1.0).sync_all("int8", regions, per, P, delta, fwd) == (moved + signed) / 2
     assert only(encode=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * P / 2
     assert only(int8_add=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * P / 2
@@ -91,12 +108,20 @@ def test_a_missed_target_is_called_floor_only_when_the_floor_is_above_it() -> No
 
 def test_the_costs_are_measured_for_every_piece_and_codec(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "FLOOR_SAMPLE", 1 << 16)
-    costs = bench.core_costs(1e-9, ["int8", "sparseloco+zstd"])
+    costs = bench.core_costs(1e-9, (2e-9, 3e-9), ["int8", "sparseloco+zstd"])
     assert set(costs.encode) == set(costs.decode_acc) == {"fp32", "int8", "sparseloco+zstd"}
     pieces = [costs.digest, costs.copy, costs.outer, *costs.decode_acc.values()]
     assert all(math.isfinite(c) and c > 0 for c in pieces), costs
     assert all(math.isfinite(c) and c >= 0 for c in costs.encode.values()), costs
     assert costs.tcp == 1e-9 and costs.cores >= 1
+    assert (costs.grpc_push, costs.grpc_fetch) == (2e-9, 3e-9)
+
+
+def test_grpc_itself_is_measured_per_byte_pushed_and_fetched() -> None:
+    """Through a real server process on loopback: a finite cost each way, and never
+    less than nothing (what it is against raw TCP is the bench's to report)."""
+    push, fetch = bench.grpc_cost(8 << 20, 1)
+    assert all(math.isfinite(c) and c > 0 for c in (push, fetch)), (push, fetch)
 
 
 def test_a_rows_floor_is_the_larger_of_disk_and_work_over_its_tcp_time() -> None:
