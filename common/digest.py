@@ -105,12 +105,6 @@ def _raw(t: torch.Tensor) -> memoryview:
         return memoryview(array).cast("B")
 
 
-def _octets(data: bytes | bytearray | memoryview) -> memoryview:
-    """``data`` as a flat view of bytes (no copy)."""
-    view = memoryview(data)
-    return view if view.ndim == 1 and view.itemsize == 1 else view.cast("B")
-
-
 def _leaves(chunks: list[memoryview]) -> list[bytes]:
     return [leaf_hash(c) for c in chunks]
 
@@ -192,11 +186,10 @@ class TensorHasher:
         self._placed: dict[int, list[bytes]] = {}  # update_at: first chunk -> its leaves
         self._lock = threading.Lock()
 
-    def update(self, piece: torch.Tensor | bytes | bytearray | memoryview) -> None:
-        """Hash the next bytes: a tensor's, or raw bytes as they came off the wire."""
+    def update(self, piece: torch.Tensor) -> None:
         if self._placed:
             raise ValueError("TensorHasher: update after update_at")
-        raw = _raw(piece) if isinstance(piece, torch.Tensor) else _octets(piece)
+        raw = _raw(piece)
         self._seen += len(raw)
         if self._tail:
             need = CHUNK_BYTES - len(self._tail)
