@@ -124,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.over:  # e.g. a join too late: no round left for it; nothing went wrong
             log_event("stopped", role="island", reason="run over", message=e.message)
             return 0
+        if e.mismatch:  # another build's relay: a restart cannot help (wireformat.py)
+            return fail("island", str(e))
         return fail("island", str(e), code=1)
     except RuntimeError as e:  # torch.distributed: another rank of this island is gone
         if ranks is None:

@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ready=lambda: announce("relay", address),
     )
     log_event("stopped", role="relay", region=region, **service.where, reason=shutdown.reason)
-    return 1 if shutdown.failed else code
+    return shutdown.code if shutdown.failed else code
 
 
 if __name__ == "__main__":

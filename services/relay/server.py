@@ -320,7 +320,11 @@ class RelayService:
                 self._forward()
             except Exception as e:  # the run cannot go on without the aggregator
                 log_event("error", role="relay", region=self.region, **self.where, message=str(e))
-                self.shutdown.request(f"forwarding failed: {e}", failed=True)
+                # another build's aggregator (wire format): 2, a restart cannot help
+                mismatch = isinstance(e, WireError) and e.mismatch
+                self.shutdown.request(
+                    f"forwarding failed: {e}", failed=True, code=2 if mismatch else 1
+                )
                 return
 
     def _forward(self) -> None:

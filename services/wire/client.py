@@ -36,6 +36,7 @@ from hypertrain.wire import frames
 from hypertrain.wire.chunks import MergeTap, delta_chunks, receive_merge
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.tls import PLAINTEXT, Security
+from hypertrain.wire.wireformat import Stating
 
 log = logging.getLogger("hypertrain.wire")
 T = TypeVar("T")
@@ -73,15 +74,17 @@ def _fast_stub(stub: Any, channel: grpc.Channel, service: str) -> Any:
         setattr(
             stub,
             method.name,
-            kind(
-                f"/{desc.full_name}/{method.name}",
-                request_serializer=frames.encode
-                if request in _CHUNKS
-                else request.SerializeToString,
-                response_deserializer=frames.decoder(response)
-                if response in _CHUNKS
-                else response.FromString,
-                _registered_method=True,
+            Stating(  # every call states this build's wire format (wireformat.py)
+                kind(
+                    f"/{desc.full_name}/{method.name}",
+                    request_serializer=frames.encode
+                    if request in _CHUNKS
+                    else request.SerializeToString,
+                    response_deserializer=frames.decoder(response)
+                    if response in _CHUNKS
+                    else response.FromString,
+                    _registered_method=True,
+                )
             ),
         )
     return stub

@@ -44,13 +44,23 @@ STALE_KEY = "hypertrain-stale"
 OVER_KEY = "hypertrain-over"
 
 
+#: Trailing metadata key of a refusal that says "your build's wire format is not mine"
+#: (``wireformat.py``): no retry, no restart can help; run one build across the run.
+MISMATCH_KEY = "hypertrain-wire-mismatch"
+
+
 class WireError(Exception):
     """A transfer or call failed with a definite gRPC status; ``message`` names the problem.
     ``stale``: a delta refused because its sync step closed without its sender (sent to
     the caller as ``STALE_KEY`` trailing metadata beside FAILED_PRECONDITION)."""
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, stale: bool = False, over: bool = False
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        stale: bool = False,
+        over: bool = False,
+        mismatch: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -58,6 +68,9 @@ class WireError(Exception):
         self.stale = stale
         self.over = over
         """The run is over for this request (``OVER_KEY``; ``Decision.over``)."""
+        self.mismatch = mismatch
+        """The peer refused this build's wire format (``MISMATCH_KEY``): the caller stops
+        as on a bad config (exit code 2)."""
 
 
 class StaleDelta(WireError):

@@ -46,7 +46,7 @@ from hypertrain.common.settings import parse_address
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
 from hypertrain.wire.calls import CallGuard, part_size
-from hypertrain.wire.errors import OVER_KEY, STALE_KEY, WireError, status_of
+from hypertrain.wire.errors import MISMATCH_KEY, OVER_KEY, STALE_KEY, WireError, status_of
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
 from hypertrain.wire.tls import PLAINTEXT, Security
@@ -135,7 +135,7 @@ def _guarded(
 
         def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
-                _check_format(context)
+                _check_format(context)  # before anything is sent
                 with guard.call(context, streaming) as watch:
                     assert watch is not None
                     if client_streaming:
@@ -167,7 +167,7 @@ def _check_format(context: grpc.ServicerContext) -> None:
     """Refuse a caller of another wire format (``wireformat.py``) before its method runs."""
     refusal = format_refusal(context)
     if refusal is not None:
-        raise WireError(grpc.StatusCode.UNIMPLEMENTED, refusal)
+        raise WireError(grpc.StatusCode.UNIMPLEMENTED, refusal, mismatch=True)
 
 
 def _parsed(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
@@ -237,15 +237,18 @@ class Shutdown:
         self._lock = threading.Lock()
         self.reason: str | None = None
         self.failed = False
-        """Set with the first reason when that stop is a failure (the daemon exits 1): a
-        failure after a clean stop was asked (a call cut short by it) does not count."""
+        """Set with the first reason when that stop is a failure (the daemon exits
+        ``code``): a failure after a clean stop was asked (a call cut short by it) does
+        not count."""
+        self.code = 1
 
-    def request(self, reason: str, failed: bool = False) -> None:
+    def request(self, reason: str, failed: bool = False, code: int = 1) -> None:
         """Ask the daemon to stop; the first reason is kept (and logged).  ``failed``: the
-        daemon cannot go on (its store failed, say) and exits with code 1."""
+        daemon cannot go on (its store failed, say) and exits with ``code`` (2: its setup
+        is wrong, as for a bad config, and a restart cannot help)."""
         with self._lock:
             if self.reason is None:
-                self.reason, self.failed = reason, failed
+                self.reason, self.failed, self.code = reason, failed, code
         self._event.set()
 
     @property
@@ -272,11 +275,11 @@ class PartShutdown(Shutdown):
         self.count = count
         parts.append(self)
 
-    def request(self, reason: str, failed: bool = False) -> None:
-        super().request(reason, failed)
+    def request(self, reason: str, failed: bool = False, code: int = 1) -> None:
+        super().request(reason, failed, code)
         done = sum(p._event.is_set() for p in self.parts)
         if failed or not reason.startswith(self.final) or done == self.count:
-            self.whole.request(reason, failed)
+            self.whole.request(reason, failed, code)
 
     @property
     def requested(self) -> bool:
@@ -375,8 +378,9 @@ def _reject(method: Callable[..., Any], context: grpc.ServicerContext, exc: Exce
         log.log(
             level, "%s rejected: %s: %s%s", method.__qualname__, status[0].name, status[1], extra
         )
-    if isinstance(exc, WireError) and (exc.stale or exc.over):
-        context.set_trailing_metadata(((STALE_KEY if exc.stale else OVER_KEY, "1"),))
+    if isinstance(exc, WireError) and (exc.stale or exc.over or exc.mismatch):
+        key = STALE_KEY if exc.stale else OVER_KEY if exc.over else MISMATCH_KEY
+        context.set_trailing_metadata(((key, "1"),))
     abort(context, *status)
 
 

@@ -36,7 +36,6 @@ from hypertrain.common.settings import parse_address
 from hypertrain.common.trust.certs import TlsFiles, cert_path
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.options import CHANNEL_OPTIONS, tune_allocator
-from hypertrain.wire.wireformat import STATE_FORMAT
 
 
 @dataclass(frozen=True)
@@ -83,20 +82,17 @@ class Security:
 
     def channel(self, address: str, peer: str) -> grpc.Channel:
         """A channel to "HOST:PORT", which must be daemon ``peer`` (its certificate's
-        name); it connects at the first call.  Every call on it states this build's wire
-        format (``wireformat.py``)."""
+        name); it connects at the first call."""
         tune_allocator()
         if self.files is None:
-            raw = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        else:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=self.files.ca_pem,
-                private_key=self.files.key_pem,
-                certificate_chain=self.files.cert_pem,
-            )
-            options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", peer)]
-            raw = grpc.secure_channel(address, creds, options=options)
-        return grpc.intercept_channel(raw, STATE_FORMAT)  # every call states the wire format
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=self.files.ca_pem,
+            private_key=self.files.key_pem,
+            certificate_chain=self.files.cert_pem,
+        )
+        options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", peer)]
+        return grpc.secure_channel(address, creds, options=options)
 
 
 PLAINTEXT = Security.insecure()

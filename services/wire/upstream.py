@@ -35,7 +35,7 @@ from hypertrain.common.rounds.transport import Unavailable, Upstream
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire.chunks import MergeTap
 from hypertrain.wire.client import fetch_merge, push_delta, transfer_header
-from hypertrain.wire.errors import OVER_KEY, STALE_KEY, StaleDelta, WireError
+from hypertrain.wire.errors import MISMATCH_KEY, OVER_KEY, STALE_KEY, StaleDelta, WireError
 from hypertrain.wire.peers import FETCH_DEADLINE_S, Peer
 from hypertrain.wire.protocol_codes import STATUS
 
@@ -55,9 +55,9 @@ def _code(e: grpc.RpcError | WireError) -> tuple[grpc.StatusCode, str]:
 
 def _marked(e: grpc.RpcError | WireError, key: str) -> bool:
     """Did the peer mark this refusal with trailing metadata ``key`` (``errors.STALE_KEY``,
-    ``errors.OVER_KEY``)?"""
+    ``errors.OVER_KEY``, ``errors.MISMATCH_KEY``)?"""
     if isinstance(e, WireError):
-        return e.stale if key == STALE_KEY else e.over
+        return {STALE_KEY: e.stale, OVER_KEY: e.over, MISMATCH_KEY: e.mismatch}[key]
     trailing = getattr(e, "trailing_metadata", None)
     if not callable(trailing):
         return False
@@ -112,7 +112,11 @@ class GrpcUpstream:
             return Decision(
                 _CODES[code], detail, stale=_marked(e, STALE_KEY), over=_marked(e, OVER_KEY)
             )
-        raise WireError(code, f"{what}: {self.peer.service} {self.peer.address} said: {detail}")
+        raise WireError(
+            code,
+            f"{what}: {self.peer.service} {self.peer.address} said: {detail}",
+            mismatch=_marked(e, MISMATCH_KEY),
+        )
 
     def _call(self, what: str, fn: Callable[[], T]) -> T | Decision:
         try:

@@ -1,6 +1,6 @@
 """The wire format every call states, and the check every server makes of it.
 
-    channel = grpc.intercept_channel(raw, STATE_FORMAT)   # Security.channel does this
+    stub.PushDelta = Stating(channel.stream_unary(...))   # client._fast_stub does this
     refusal = format_refusal(context)                     # server._guarded: None, or why not
 
 Peers of one run must read each other's bytes the same way: the digests a header
@@ -10,8 +10,9 @@ older build pushing to a newer relay computes another digest of the same bytes, 
 relay answers DATA_LOSS ("corrupt transfer"), which the island retries as a transfer
 error for as long as it runs.  So every call states its build's wire format as gRPC
 metadata (``FORMAT_KEY``), and every server refuses a call whose format is not its own
-UNIMPLEMENTED, naming both, before the call's method sees a byte.  UNIMPLEMENTED is not
-retried by any daemon (``upstream.Patient``): the caller stops with that line.
+UNIMPLEMENTED, naming both, before the call's method runs, with ``MISMATCH_KEY`` in its
+trailing metadata.  No daemon retries it (``upstream.Patient``): the caller stops with that
+line and exit code 2, as for a bad config (systemd does not restart it: replace the image).
 
 Builds from before wire format 2 state nothing; they are refused in the same way by any
 server of this build.  (A client of this build calling a server from before format 2 is
@@ -25,8 +26,7 @@ a unit test ties the two).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 
@@ -66,57 +66,34 @@ def _shown(value: str | bytes) -> str:
     return repr(clean) if clean != text or not clean.isdigit() else clean
 
 
-class _Details(NamedTuple):
-    """A call's details with the format added (``grpc.ClientCallDetails``' fields)."""
-
-    method: str
-    timeout: float | None
-    metadata: Any
-    credentials: Any
-    wait_for_ready: bool | None
-    compression: Any
+def stated(metadata: Any = None) -> tuple[tuple[str, str], ...]:
+    """A call's ``metadata`` with this build's wire format added."""
+    return (*(metadata or ()), *FORMAT_METADATA)
 
 
-class _StateFormat(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Adds ``FORMAT_METADATA`` to every call of a channel; nothing per message (the
-    continuation's own call object is returned)."""
+class Stating:
+    """A multicallable (``channel.unary_unary(...)`` and the like) whose every call states
+    this build's wire format beside the metadata it is given; what ``client._fast_stub``
+    makes every stub method.  (Not a channel interceptor: ``grpc.intercept_channel`` makes
+    the underlying multicallable at each call, and one first called after its channel
+    closed crashed the process in grpc 1.85 instead of raising.)"""
 
-    @staticmethod
-    def _stated(details: Any) -> _Details:
-        return _Details(
-            details.method,
-            details.timeout,
-            (*(details.metadata or ()), *FORMAT_METADATA),
-            details.credentials,
-            details.wait_for_ready,
-            details.compression,
-        )
+    __slots__ = ("_call",)
 
-    def intercept_unary_unary(
-        self, continuation: Callable[..., Any], details: Any, request: Any
+    def __init__(self, multicallable: Any) -> None:
+        self._call = multicallable
+
+    def __call__(
+        self, request: Any, timeout: float | None = None, metadata: Any = None, **kw: Any
     ) -> Any:
-        return continuation(self._stated(details), request)
+        return self._call(request, timeout=timeout, metadata=stated(metadata), **kw)
 
-    def intercept_unary_stream(
-        self, continuation: Callable[..., Any], details: Any, request: Any
+    def with_call(
+        self, request: Any, timeout: float | None = None, metadata: Any = None, **kw: Any
     ) -> Any:
-        return continuation(self._stated(details), request)
+        return self._call.with_call(request, timeout=timeout, metadata=stated(metadata), **kw)
 
-    def intercept_stream_unary(
-        self, continuation: Callable[..., Any], details: Any, requests: Iterator[Any]
+    def future(
+        self, request: Any, timeout: float | None = None, metadata: Any = None, **kw: Any
     ) -> Any:
-        return continuation(self._stated(details), requests)
-
-    def intercept_stream_stream(
-        self, continuation: Callable[..., Any], details: Any, requests: Iterator[Any]
-    ) -> Any:
-        return continuation(self._stated(details), requests)
-
-
-STATE_FORMAT = _StateFormat()
-"""The client interceptor every channel of hypertrain's is made with."""
+        return self._call.future(request, timeout=timeout, metadata=stated(metadata), **kw)

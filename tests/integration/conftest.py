@@ -26,20 +26,24 @@ def free_port() -> int:
 
 def raw_call(channel: grpc.Channel, path: str, messages: list[bytes]) -> grpc.RpcError | None:
     """Call ``path`` ("/hypertrain.v1.Relay/PushDelta") sending ``messages`` as they are
-    (bytes, no serializer; a call with a unary request sends the first); the error it
-    ended with, or None.  Its kind (streamed request or reply) is read from the .proto."""
+    (bytes, no serializer; a call with a unary request sends the first), stating this
+    build's wire format; the error it ended with, or None.  Its kind (streamed request or
+    reply) is read from the .proto."""
     from hypertrain.v1 import hypertrain_pb2 as pb
+    from hypertrain.wire.wireformat import FORMAT_METADATA
 
     service, name = path.strip("/").rsplit("/", 1)
     method = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[1]].methods_by_name[name]
     raw = {"request_serializer": None, "response_deserializer": None}
     try:
         if method.client_streaming:
-            channel.stream_unary(path, **raw)(iter(messages), timeout=30)
+            channel.stream_unary(path, **raw)(iter(messages), timeout=30, metadata=FORMAT_METADATA)
         elif method.server_streaming:
-            list(channel.unary_stream(path, **raw)(messages[0], timeout=30))
+            list(
+                channel.unary_stream(path, **raw)(messages[0], timeout=30, metadata=FORMAT_METADATA)
+            )
         else:
-            channel.unary_unary(path, **raw)(messages[0], timeout=30)
+            channel.unary_unary(path, **raw)(messages[0], timeout=30, metadata=FORMAT_METADATA)
     except grpc.RpcError as e:
         return e
     return None

@@ -325,25 +325,32 @@ def test_a_following_relay_whose_store_fails_stops_then_recovers(cluster_factory
     logs = run_dir / "logs"
     relay = next(c for c in cluster.children if c.name == "relay-eu")
     eu = [c for c in cluster.children if c.name.startswith("island-eu-")]
+    us = [c for c in cluster.children if c.name.startswith("island-us-")]
     _wait_for(
-        "global merge of step 10 in region eu",
+        "global merge of step 10 in both regions",
         lambda: all(
-            any(e["step"] == "10" for e in _events(logs / f"{c.name}.log", "sync")) for c in eu
+            any(e["step"] == "10" for e in _events(logs / f"{c.name}.log", "sync")) for c in eu + us
         ),
     )
-    for c in eu:
-        c.proc.send_signal(signal.SIGTERM)
-    for c in eu:
-        assert c.proc.wait(timeout=60) == 0
-    # Its checkpoint of step 10 (written after the islands had the merge) is down: break
-    # the folder for the next one, a followed round's.
-    _wait_for(
-        "relay-eu's global of step 10",
-        lambda: any(e["step"] == "10" for e in _events(logs / "relay-eu.log", "global")),
-    )
-    folder = run_dir / "relay-eu" / "checkpoints"
-    folder.rename(folder.with_name("checkpoints.kept"))
-    folder.write_bytes(b"not a folder")
+    for c in us:  # held until the folder is broken: no round 20 before it, however slow
+        c.proc.send_signal(signal.SIGSTOP)
+    try:
+        for c in eu:
+            c.proc.send_signal(signal.SIGTERM)
+        for c in eu:
+            assert c.proc.wait(timeout=60) == 0
+        # Its checkpoint of step 10 is down (logged after it is written): break the
+        # folder for the next one, a followed round's.
+        _wait_for(
+            "relay-eu's global of step 10",
+            lambda: any(e["step"] == "10" for e in _events(logs / "relay-eu.log", "global")),
+        )
+        folder = run_dir / "relay-eu" / "checkpoints"
+        folder.rename(folder.with_name("checkpoints.kept"))
+        folder.write_bytes(b"not a folder")
+    finally:
+        for c in us:
+            c.proc.send_signal(signal.SIGCONT)
     tape = run_dir / "relay-eu" / "tape"
     assert relay.proc.wait(timeout=120) == 1, relay.failure_message()
     stopped = _events(logs / "relay-eu.log", "stopped")

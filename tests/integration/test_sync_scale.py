@@ -23,6 +23,7 @@ refuses a corrupt one).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
+
+
+def test_grpc_itself_is_measured_per_byte_pushed_and_fetched() -> None:
+    """bench_sync_scale's floor of moving a byte (``grpc_cost``), through a real server
+    process on loopback: a finite cost each way (what it is against raw TCP is the
+    bench's to report)."""
+    if str(ROOT / "bench") not in sys.path:  # bench/ is a folder of scripts; its server
+        sys.path.insert(0, str(ROOT / "bench"))  # process imports bench_transport from it
+    import bench_sync_scale as bench
+
+    push, fetch = bench.grpc_cost(8 << 20, 1)
+    assert all(math.isfinite(c) and c > 0 for c in (push, fetch)), (push, fetch)
 
 
 @pytest.mark.slow

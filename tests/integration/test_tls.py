@@ -217,6 +217,7 @@ def test_an_island_of_another_wire_format_is_refused_naming_both_and_gives_up(
             with pytest.raises(WireError) as err:
                 call()
             assert err.value.code == grpc.StatusCode.UNIMPLEMENTED, (what, err.value.message)
+            assert err.value.mismatch, what  # marked: the island exits 2, not restarted
             assert words in err.value.message, err.value.message
             assert "this server speaks wire format 2" in err.value.message
         code, message = _code(lambda: peer.status())

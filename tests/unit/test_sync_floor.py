@@ -117,13 +117,6 @@ def test_the_costs_are_measured_for_every_piece_and_codec(monkeypatch: pytest.Mo
     assert (costs.grpc_push, costs.grpc_fetch) == (2e-9, 3e-9)
 
 
-def test_grpc_itself_is_measured_per_byte_pushed_and_fetched() -> None:
-    """Through a real server process on loopback: a finite cost each way, and never
-    less than nothing (what it is against raw TCP is the bench's to report)."""
-    push, fetch = bench.grpc_cost(8 << 20, 1)
-    assert all(math.isfinite(c) and c > 0 for c in (push, fetch)), (push, fetch)
-
-
 def test_a_rows_floor_is_the_larger_of_disk_and_work_over_its_tcp_time() -> None:
     row: dict[str, object] = {"tcp_s": 2.0}
     bench.put_floors(row, 3.0, 5.0, 11.0)

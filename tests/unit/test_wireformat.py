@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 from hypertrain.common.digest import DIGEST_FORMAT
 from hypertrain.wire import wireformat
-from hypertrain.wire.wireformat import FORMAT_KEY, STATE_FORMAT, WIRE_FORMAT, format_refusal
+from hypertrain.wire.wireformat import FORMAT_KEY, WIRE_FORMAT, Stating, format_refusal
 
 
 class Context:
@@ -41,29 +43,62 @@ def test_a_stated_value_is_shown_bounded_and_printable() -> None:
     assert f"'{'2' * 16}'" in odd and "'??-bin'" in odd, odd  # cut to 16, quoted when odd
 
 
-class Details:
-    method = "/hypertrain.v1.Relay/Status"
-    timeout = 5.0
-    metadata = (("x-trace", "1"),)
-    credentials = None
-    wait_for_ready = None
-    compression = None
+class Call:
+    """A multicallable that records what it was called with."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def __call__(self, request: Any, **kw: Any) -> str:
+        self.seen.append(("call", request, kw))
+        return "answer"
+
+    def with_call(self, request: Any, **kw: Any) -> str:
+        self.seen.append(("with_call", request, kw))
+        return "answer"
+
+    def future(self, request: Any, **kw: Any) -> str:
+        self.seen.append(("future", request, kw))
+        return "answer"
 
 
-def test_every_kind_of_call_states_the_format_beside_its_own_metadata() -> None:
-    seen: list[Any] = []
+def test_every_way_of_calling_states_the_format_beside_its_own_metadata() -> None:
+    inner = Call()
+    stub = Stating(inner)
+    assert stub("r", timeout=5) == "answer"
+    assert stub.with_call("r", metadata=(("x-trace", "1"),)) == "answer"
+    assert stub.future("r", timeout=1, wait_for_ready=True) == "answer"
+    stated = (FORMAT_KEY, str(WIRE_FORMAT))
+    assert [(how, kw["metadata"]) for how, _, kw in inner.seen] == [
+        ("call", (stated,)),
+        ("with_call", (("x-trace", "1"), stated)),
+        ("future", (stated,)),
+    ]
+    assert inner.seen[0][2]["timeout"] == 5 and inner.seen[2][2]["wait_for_ready"] is True
 
-    def continuation(details: Any, request: Any) -> str:
-        seen.append(details)
-        return "call"
 
-    for intercept in (
-        STATE_FORMAT.intercept_unary_unary,
-        STATE_FORMAT.intercept_unary_stream,
-        STATE_FORMAT.intercept_stream_unary,
-        STATE_FORMAT.intercept_stream_stream,
-    ):
-        assert intercept(continuation, Details(), object()) == "call"  # the call as it is
-    for details in seen:
-        assert details.metadata == (("x-trace", "1"), (FORMAT_KEY, str(WIRE_FORMAT)))
-        assert (details.method, details.timeout) == (Details.method, Details.timeout)
+CLOSED = """
+import grpc
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.client import relay_stub
+from hypertrain.wire.tls import PLAINTEXT
+
+channel = PLAINTEXT.channel("127.0.0.1:9", "")
+stub = relay_stub(channel)
+channel.close()
+try:
+    stub.Status(pb.StatusRequest(), timeout=1)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_stub_called_after_its_channel_closed_raises_and_does_not_crash() -> None:
+    """A daemon closing its peer while a thread starts its first call (an island stopping
+    in its first sync): the call raises.  (A channel interceptor made the method at the
+    call, and that crashed the process with SIGSEGV in grpc 1.85.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", CLOSED], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "refused:" in done.stdout and "closed channel" in done.stdout, done.stdout
