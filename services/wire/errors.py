@@ -72,6 +72,17 @@ class WireError(Exception):
         """The peer refused this build's wire format (``MISMATCH_KEY``): the caller stops
         as on a bad config (exit code 2)."""
 
+    def marked(self, key: str) -> bool:
+        """Is this refusal marked with the trailing metadata ``key`` (``STALE_KEY``,
+        ``OVER_KEY``, ``MISMATCH_KEY``)?"""
+        return {STALE_KEY: self.stale, OVER_KEY: self.over, MISMATCH_KEY: self.mismatch}[key]
+
+    @property
+    def mark(self) -> str | None:
+        """The trailing metadata key a server answers this refusal with (the first set of
+        ``STALE_KEY``, ``OVER_KEY``, ``MISMATCH_KEY``), or None."""
+        return next((k for k in (STALE_KEY, OVER_KEY, MISMATCH_KEY) if self.marked(k)), None)
+
 
 class StaleDelta(WireError):
     """The peer refused a delta as stale (see ``WireError.stale``)."""

@@ -46,7 +46,7 @@ from hypertrain.common.settings import parse_address
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import frames
 from hypertrain.wire.calls import CallGuard, part_size
-from hypertrain.wire.errors import MISMATCH_KEY, OVER_KEY, STALE_KEY, WireError, status_of
+from hypertrain.wire.errors import WireError, status_of
 from hypertrain.wire.lines import write_line
 from hypertrain.wire.options import SERVER_OPTIONS, tune_allocator
 from hypertrain.wire.tls import PLAINTEXT, Security
@@ -378,9 +378,8 @@ def _reject(method: Callable[..., Any], context: grpc.ServicerContext, exc: Exce
         log.log(
             level, "%s rejected: %s: %s%s", method.__qualname__, status[0].name, status[1], extra
         )
-    if isinstance(exc, WireError) and (exc.stale or exc.over or exc.mismatch):
-        key = STALE_KEY if exc.stale else OVER_KEY if exc.over else MISMATCH_KEY
-        context.set_trailing_metadata(((key, "1"),))
+    if isinstance(exc, WireError) and exc.mark is not None:
+        context.set_trailing_metadata(((exc.mark, "1"),))
     abort(context, *status)
 
 

@@ -57,7 +57,7 @@ def _marked(e: grpc.RpcError | WireError, key: str) -> bool:
     """Did the peer mark this refusal with trailing metadata ``key`` (``errors.STALE_KEY``,
     ``errors.OVER_KEY``, ``errors.MISMATCH_KEY``)?"""
     if isinstance(e, WireError):
-        return {STALE_KEY: e.stale, OVER_KEY: e.over, MISMATCH_KEY: e.mismatch}[key]
+        return e.marked(key)
     trailing = getattr(e, "trailing_metadata", None)
     if not callable(trailing):
         return False

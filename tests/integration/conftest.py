@@ -70,6 +70,15 @@ class Cluster:
         self.children.append(child)
         return child
 
+    def again(self, child: Child, name: str) -> Child:
+        """Start ``child``'s command again, as ``name`` (its log ``logs/<name>.log``)."""
+        again = Child(
+            name, child.argv, self.run_dir / "logs" / f"{name}.log", self.progress.on_event,
+            child_env(),
+        )  # fmt: skip
+        self.children.append(again)
+        return again
+
     def spawn_region(
         self, region: str = "eu", keys: Path | None = None, tls: bool = False, sign: bool = True
     ) -> Child:
@@ -133,14 +142,7 @@ class Cluster:
         victim.proc.kill()
         # killed, not ended on its own first (else the trial would test no resume)
         assert victim.proc.wait() == -signal.SIGKILL, victim.failure_message()
-        again = Child(
-            f"island-{island}-again",
-            victim.argv,
-            log.with_name(f"island-{island}-again.log"),
-            self.progress.on_event,
-            child_env(),
-        )
-        self.children.append(again)
+        again = self.again(victim, f"island-{island}-again")
         while any(c.proc.poll() is None for c in self.children if c is not victim):
             assert time.monotonic() < deadline, "run did not finish"
             failed = [

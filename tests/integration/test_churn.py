@@ -303,12 +303,18 @@ def test_a_region_everyone_left_follows_the_run_to_its_end(cluster_factory) -> N
         assert c.proc.wait(timeout=60) == 0
     failed = supervise(cluster.children, deadline_s=300)
     assert failed is None, failed.failure_message()
+    _ended_with_us_alone(cluster, logs / "relay-eu.log")
+
+
+def _ended_with_us_alone(cluster, relay_log: Path) -> None:  # type: ignore[no-untyped-def]
+    """Region us's islands ended on the run's final digest; eu's relay (its log
+    ``relay_log``) followed the global rounds to the last step; the audit replays it."""
     progress = cluster.progress
     assert sorted(progress.done) == ["us-0", "us-1"]
     assert {e["digest"] for e in progress.done.values()} == {progress.final_digest}
-    followed = [e for e in _events(logs / "relay-eu.log", "global") if e.get("followed")]
-    assert followed and followed[-1]["step"] == str(cfg.steps), followed
-    assert _audit(run_dir) == progress.final_digest
+    followed = [e for e in _events(relay_log, "global") if e.get("followed")]
+    assert followed and followed[-1]["step"] == str(cluster.cfg.steps), followed
+    assert _audit(cluster.run_dir) == progress.final_digest
 
 
 def test_a_following_relay_whose_store_fails_stops_then_recovers(cluster_factory) -> None:  # type: ignore[no-untyped-def]
@@ -363,22 +369,10 @@ def test_a_following_relay_whose_store_fails_stops_then_recovers(cluster_factory
     size = tape.stat().st_size
     folder.unlink()
     folder.with_name("checkpoints.kept").rename(folder)
-    again = Child(
-        "relay-eu-again",
-        relay.argv,
-        logs / "relay-eu-again.log",
-        cluster.progress.on_event,
-        child_env(),
-    )
-    cluster.children.append(again)
+    cluster.again(relay, "relay-eu-again")
     failed = supervise(
         [c for c in cluster.children if c is not relay and c not in eu], deadline_s=300
     )
     assert failed is None, failed.failure_message()
     assert tape.stat().st_size > size
-    progress = cluster.progress
-    assert sorted(progress.done) == ["us-0", "us-1"]
-    assert {e["digest"] for e in progress.done.values()} == {progress.final_digest}
-    followed = [e for e in _events(logs / "relay-eu-again.log", "global") if e.get("followed")]
-    assert followed and followed[-1]["step"] == str(cfg.steps), followed
-    assert _audit(run_dir) == progress.final_digest
+    _ended_with_us_alone(cluster, logs / "relay-eu-again.log")
