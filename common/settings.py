@@ -215,14 +215,35 @@ class DaemonSettings:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AggregatorSettings(DaemonSettings):
+class NodeSettings(DaemonSettings):
+    """What the daemons that keep a tape, inputs and checkpoints (relays and the
+    aggregator) have beside the shared settings."""
+
+    keep_rounds: int = 0
+    """Keep the checkpoints of this many global rounds, the newest, and the published
+    inputs taped after the oldest of them; delete the rest after each round (0: keep every
+    round, so the whole run can be audited; else at least common/rounds/store.py's
+    MIN_KEEP_ROUNDS).  The tape is kept
+    whole; the run is then auditable from the oldest round every node kept."""
+
+    def _validate(self) -> None:
+        from hypertrain.common.rounds.store import check_keep_rounds  # (torch: only here)
+
+        try:
+            check_keep_rounds(self.keep_rounds)
+        except ConfigError as e:
+            raise ConfigError(f"{self.TABLE}: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AggregatorSettings(NodeSettings):
     """hypertrain-aggregator: the shared settings only (state_dir default: ``aggregator``)."""
 
     TABLE: ClassVar[str] = "aggregator"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RelaySettings(DaemonSettings):
+class RelaySettings(NodeSettings):
     """hypertrain-relay: one region's relay (state_dir default: ``relay-<region>``)."""
 
     TABLE: ClassVar[str] = "relay"

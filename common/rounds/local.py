@@ -877,6 +877,9 @@ class Cluster:
     """The run's streaming fragments (``fragments.run_fragments``); needed when
     ``cfg.fragments`` > 1: then every relay and the aggregator run once per fragment
     (``fragment_name``), each on its range and schedule, in a folder of its own."""
+    keep_rounds: int = 0
+    """The global rounds whose checkpoints and inputs each node keeps (``NodeStore.prune``,
+    the daemons' ``--keep-rounds``; 0: all)."""
 
     def __post_init__(self) -> None:
         topo = self.cfg.topology
@@ -939,7 +942,14 @@ class Cluster:
         return f"{name}.f{index}"
 
     def store(self, folder: Path, key: SigningKey | None, name: str) -> NodeStore:
-        return NodeStore(folder, self.cfg.run_id, key, sync=False, crash=self.crash_hook(name))
+        return NodeStore(
+            folder,
+            self.cfg.run_id,
+            key,
+            sync=False,
+            crash=self.crash_hook(name),
+            keep_rounds=self.keep_rounds,
+        )
 
     @property
     def actors(self) -> dict[str, Actor]:

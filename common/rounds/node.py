@@ -251,6 +251,12 @@ class _Node:
     def settle(self) -> None:
         """Finish what was made fetchable before it was durable (nothing here)."""
 
+    def _prune(self) -> None:
+        """A global round is durable (its entry taped, its checkpoint written or queued):
+        with ``keep_rounds`` the store deletes the older rounds' files (``NodeStore.prune``)."""
+        if self.store is not None:
+            self.store.prune()
+
     def reject(self, code: str, reason: str, delta: Delta, digest: str | None = None) -> bool:
         """Tape a refused delta as evidence against its sender (changes nothing), if it is
         authenticated and its sender's allowance is not spent (``tapes_refusal``);
@@ -550,6 +556,7 @@ class RelayNode(_Node):
             self._crash("relay_after_checkpoint")
             self._record(applied)
             self._unsettled = None
+            self._prune()
 
     def _checkpoint(self, applied: Applied) -> None:
         """The relay's state after a global update, written before the update's tape entry;
@@ -706,10 +713,13 @@ class RelayNode(_Node):
         theta = self._round_start(g)
         if theta is None:
             return None
+        folder = self.store.published
+        if not all((folder / str(d)).is_file() for ds in digests for d in ds.values()):
+            return None  # pruned (keep_rounds): the asker takes a newer merge instead
         core = RegionCore(self.cfg, self.region, theta, adopt=True)  # theta is not written
         commitment = None
         for ds in digests:
-            blobs = {i: (self.store.published / str(d)).read_bytes() for i, d in ds.items()}
+            blobs = {i: (folder / str(d)).read_bytes() for i, d in ds.items()}
             _, commitment = core.merge(blobs, keep=False)
         assert commitment is not None
         post = flat_digest(core.base_view())
@@ -886,6 +896,7 @@ class AggregatorNode(_Node):
         next push changes the state."""
         if self.store is not None:  # the outer step may change what a checkpoint refers to
             self.store.settle()
+            self._prune()  # the settled checkpoint may be the K+1-th kept
         decision, effects = self.machine.on_regional(delta)
         self._decided(decision, delta, effects, publisher)
         return decision, effects
@@ -893,6 +904,7 @@ class AggregatorNode(_Node):
     def _before_event(self) -> None:
         if self.store is not None:
             self.store.settle()
+            self._prune()
 
     def _carry_out(self, effect: Effect) -> None:
         if isinstance(effect, Switched):
@@ -914,6 +926,7 @@ class AggregatorNode(_Node):
         self._crash("after_tape")
         self._checkpoint(effect)
         self.committed.append(effect)
+        self._prune()
 
     def _checkpoint(
         self, c: Committed, position: tuple[int, str] | None = None, deferrable: bool = True

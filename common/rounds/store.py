@@ -9,6 +9,12 @@ One folder per relay or aggregator (a daemon's ``--state-dir``)::
     state.pt                  aggregator: a hard link to the latest checkpoint
     lawa.pt                   aggregator: the LAWA average (RunConfig.lawa), after the last round
     final/<member>            members known to hold the run's final merge (shard eu/1: eu@1)
+    pruned                    with keep_rounds, the oldest round kept (``PRUNED_FILE``)
+
+Nothing is deleted unless the store keeps a number of rounds (``keep_rounds``, the
+daemons' ``--keep-rounds``): then, after each global round, the checkpoints of older
+rounds and the inputs only they need go (``prune``), the tape stays whole, and the run
+is auditable from the oldest round kept (a segment audit).
 
 Small files are written atomically (temp file in the same folder, fsync, rename, fsync of
 the folder); ``sync=False`` skips the fsyncs (simulations on a memory file system only).
@@ -32,11 +38,13 @@ releases what is held first.
 from __future__ import annotations
 
 import io
+import json
 import os
 import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -44,13 +52,21 @@ import torch
 from torch.utils.serialization import config as _torch_save_config
 
 from hypertrain.common.aggregate import Blob
-from hypertrain.common.errors import HypertrainError
+from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.rounds.replay import PublishedFolder
 from hypertrain.common.trust.keys import SigningKey, fsync_dir
-from hypertrain.common.trust.schema import Record
+from hypertrain.common.trust.schema import InputEntry, Record
 from hypertrain.common.trust.tape import Entry, TapeWriter
 
 LAWA_FILE = "lawa.pt"
+PRUNED_FILE = "pruned"
+"""A node that pruned: ``{"kept_from_round": R}``, written before it deletes anything of
+the rounds before R (an auditor starts a segment audit there)."""
+MIN_KEEP_ROUNDS = 2
+"""The fewest global rounds a pruning node keeps (``keep_rounds``): the newest, from
+which it resumes, and the one before, from which a relay recomputes a regional merge of
+the last completed round for an island that restarted (its parameters start that round;
+the round's inputs are taped after it)."""
 FRAGMENT_DIR = "fragment"
 """With streaming fragments, fragment f's node keeps its folder in ``<state-dir>/fragment-f``."""
 """The aggregator's LAWA average, the run's final model when RunConfig.lawa is set."""
@@ -128,6 +144,49 @@ def atomic_link(source: Path, path: Path, sync: bool = True) -> None:
         fsync_dir(path.parent)
 
 
+def check_keep_rounds(keep_rounds: int) -> None:
+    """ConfigError unless ``keep_rounds`` is 0 (keep every round) or MIN_KEEP_ROUNDS or more."""
+    if keep_rounds != 0 and keep_rounds < MIN_KEEP_ROUNDS:
+        raise ConfigError(
+            f"keep_rounds must be 0 (keep every round) or at least {MIN_KEEP_ROUNDS} (the "
+            f"newest round and the one its open round starts from), got {keep_rounds}"
+        )
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What one ``NodeStore.prune`` deleted: checkpoints of rounds before ``kept_from``
+    (``checkpoints`` files) and ``inputs`` published inputs; ``bytes`` freed in all."""
+
+    kept_from: int
+    checkpoints: int
+    inputs: int
+    bytes: int
+    error: str = ""
+    """Why it stopped short (a file that could not be read or deleted); "" if it did not."""
+
+
+def _remove(path: Path) -> int | None:
+    """Delete ``path`` if it is there; its size (None if it was not)."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except FileNotFoundError:
+        return None
+    return size
+
+
+def pruned_from(folder: Path) -> int | None:
+    """From a node's folder: the oldest global round it keeps since it pruned older ones
+    (``PRUNED_FILE``; None: it never pruned, every round it committed is there)."""
+    try:
+        return int(json.loads((folder / PRUNED_FILE).read_text())["kept_from_round"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise HypertrainError(f"{folder / PRUNED_FILE} is not a pruning marker: {e}") from None
+
+
 def save_state(state: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -154,13 +213,22 @@ class NodeStore:
         defer: bool = False,
         hold_s: float = 0.0,
         writer_init: Callable[[], None] | None = None,
+        keep_rounds: int = 0,
+        on_prune: Callable[[Pruned], None] | None = None,
     ) -> None:
         """``key``: the node's signing key; without one nothing is taped (and a restart
         cannot resume).  ``checkpoint_every``: tape entries between signed tape checkpoints
         (None: the tape's default).  ``defer``: write deferrable checkpoints on a background
         thread; ``hold_s``: each of them first waits up to this long for ``release()`` (see
         the module docstring); ``writer_init``: run first on that thread (e.g. to lower
-        its CPU priority)."""
+        its CPU priority).  ``keep_rounds``: keep the checkpoints of this many global rounds
+        and the inputs taped after the oldest of them (``prune``; 0: everything, the whole
+        run stays auditable), and tell
+        ``on_prune`` what each prune deleted (the daemons log it)."""
+        check_keep_rounds(keep_rounds)
+        self.keep_rounds = keep_rounds
+        self.on_prune = on_prune
+        self._pruned_to = 0  # the tape position the last prune kept inputs from
         self.folder = folder
         self.sync = sync
         self.crash = crash
@@ -280,8 +348,91 @@ class NodeStore:
         return (self.folder / LAWA_FILE).exists()
 
     def latest_checkpoint(self) -> Path | None:
-        found = sorted(self.checkpoints.glob("round-*.pt"))
+        found = self.checkpoint_files()
         return found[-1] if found else None
+
+    def checkpoint_files(self) -> list[Path]:
+        """The checkpoints on disk, oldest round first (temp files of a write in flight,
+        named with a leading dot, are not among them)."""
+        return sorted(self.checkpoints.glob("round-*.pt"))
+
+    def prune(self) -> Pruned | None:
+        """With ``keep_rounds`` K: delete the checkpoints of all but the K newest rounds on
+        disk, then the published inputs that only tape entries before the oldest kept one
+        refer to; report it to ``on_prune`` and return it (None: nothing to delete, or
+        K = 0: keep everything).
+
+        What is kept is what anything still reads: a restart resumes from the newest
+        checkpoint and the inputs taped after it; a relay recomputes a regional merge of
+        the last completed round from that round's first parameters (the checkpoint before)
+        and its inputs (an older one it no longer can: the asker takes a newer merge, as
+        one left behind at a cutoff does); a segment audit starts from any kept round (``hypertrain audit
+        --from-round``).  Checkpoints go first, so a crash midway leaves inputs nobody
+        needs (deleted next time), never a kept checkpoint without its inputs.  An input
+        published and not taped yet (the driver's lock is held here, so none is) or taped
+        again after the oldest kept checkpoint stays.  A file that cannot be deleted is
+        reported (``Pruned.error``, the first of its errors), not raised, and the others are
+        still deleted: the round is durable either way, and the next round tries again.  Call under the driver's lock, after a global round's
+        entry."""
+        k = self.keep_rounds
+        files = self.checkpoint_files()
+        if k == 0 or self.tape is None or len(files) <= k:
+            return None
+        oldest = files[-k]
+        done = Pruned(-1, 0, 0, 0)
+        errors: list[str] = []
+
+        def remove(path: Path) -> int | None:
+            try:
+                return _remove(path)
+            except OSError as e:  # say it, and go on with the others
+                errors.append(f"{type(e).__name__}: {e}")
+                return None
+
+        try:
+            kept_from = int(oldest.stem.split("-")[1])
+            done = replace(done, kept_from=kept_from)
+            # First the marker (an auditor starts from the round it names), then the files.
+            if self.pruned_from() != kept_from:
+                marker = json.dumps({"kept_from_round": kept_from}, sort_keys=True)
+                atomic_write(self.folder / PRUNED_FILE, marker.encode(), sync=self.sync)
+                self.crash("prune_marked")
+            start = int(torch.load(oldest, weights_only=True, mmap=True)["tape_seq"])
+            entries = self.tape.entries
+            needed = {e.body["digest"] for e in entries[start:] if e.kind == InputEntry.KIND}
+            # (entries before the last prune's start were dealt with then)
+            spent = {
+                e.body["digest"]
+                for e in entries[self._pruned_to : start]
+                if e.kind == InputEntry.KIND
+            } - needed
+            for path in files[:-k]:
+                size = remove(path)
+                if size is not None:
+                    done = replace(done, checkpoints=done.checkpoints + 1, bytes=done.bytes + size)
+            if self.sync:
+                fsync_dir(self.checkpoints)
+            self.crash("prune_mid")
+            for digest in sorted(spent):
+                size = remove(self.published / digest)
+                if size is not None:
+                    done = replace(done, inputs=done.inputs + 1, bytes=done.bytes + size)
+            if self.sync:
+                fsync_dir(self.published)
+            if not errors:
+                self._pruned_to = start
+        except (OSError, KeyError, RuntimeError, ValueError, HypertrainError) as e:
+            errors.append(f"{type(e).__name__}: {e}")  # e.g. an unreadable checkpoint
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            done = replace(done, error=errors[0] + more)
+        if self.on_prune is not None:
+            self.on_prune(done)
+        return done
+
+    def pruned_from(self) -> int | None:
+        """The oldest round this node still keeps, if it has pruned (None: it has not)."""
+        return pruned_from(self.folder)
 
     def has_state(self) -> bool:
         """Did an earlier start leave state here?"""
@@ -300,9 +451,12 @@ class NodeStore:
         }
 
     def close(self) -> None:
-        """A final signed tape checkpoint (the tape's end is attested), then no more entries."""
+        """The deferred checkpoints written (and, with ``keep_rounds``, the rounds they make
+        surplus pruned), a final signed tape checkpoint (the tape's end is attested), then
+        no more entries."""
         try:
             self.settle()
+            self.prune()
         finally:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)

@@ -20,7 +20,9 @@ Steps, each failure naming the first bad entry and why:
 3. A segment audit starts from the checkpoints of a global round (the
    aggregator's parameters and outer state, each relay's parameters, error
    feedback and the aggregator's commitment), after checking them against the
-   tape entries of that round.
+   tape entries of that round.  Nodes run with ``--keep-rounds`` keep only their
+   newest rounds' checkpoints and inputs: their runs are audited from one of those
+   (a whole-run audit that finds them gone names the round to start from).
 4. Receipts (common/trust/receipts.py): every signed tape head an island or a relay
    kept with a merge (``<state-dir>/receipts`` in the run folder, and any
    ``receipts`` file under the folders given) is its signer's, and is a head of that
@@ -47,7 +49,7 @@ import torch
 
 from hypertrain.common.aggregate import Commitment
 from hypertrain.common.config import RunConfig
-from hypertrain.common.digest import state_digest
+from hypertrain.common.digest import state_digest, zeros_digest
 from hypertrain.common.errors import HypertrainError, TapeError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.fragments import run_fragments
@@ -68,6 +70,7 @@ from hypertrain.common.rounds.replay import (
     ReplayError,
 )
 from hypertrain.common.rounds.store import FRAGMENT_DIR, LAWA_FILE
+from hypertrain.common.rounds.store import pruned_from as store_pruned_from
 from hypertrain.common.shards import relay_members
 from hypertrain.common.trust import merkle
 from hypertrain.common.trust.certs import fingerprint
@@ -304,7 +307,8 @@ class Auditor:
 
         A node writes ``checkpoints/round-N.pt`` for each global round it commits (the
         aggregator, after its ``global_merge`` entry) or applies (a relay, before its
-        ``global_applied`` entry); nothing deletes them.  The files are not signed, so
+        ``global_applied`` entry), and deletes those of old rounds only when run with
+        ``--keep-rounds`` (``NodeStore.prune``).  The files are not signed, so
         nothing in them is believed: each must record the tape position right after that
         entry (only tape checkpoints between) and the entry's hash.  A file of a round the
         tape does not have is a truncated tape; one that disagrees, a fork or a replaced
@@ -362,22 +366,26 @@ class Auditor:
             self._same_as_replay.add((signer, round_))
 
     def _check_checkpoint_files(
-        self, signer: str, tape: Path, entries: list[Entry], files: list[_CheckpointFile]
+        self,
+        signer: str,
+        tape: Path,
+        entries: list[Entry],
+        files: list[_CheckpointFile],
+        from_round: int | None = None,
     ) -> None:
         """After the replay: every round's checkpoint is on disk (except the aggregator's
-        last of a run that has not ended: written after its entry, possibly not yet) and
+        last of a run that has not ended: written after its entry, possibly not yet; and,
+        in a segment audit, the rounds before ``from_round``: a node run with
+        ``--keep-rounds`` deletes them) and
         holds the state its entry digests: the aggregator's parameters and outer state, a
         relay's parameters and the error feedback its forward of the round left (a file
         found bit for bit equal to the replay's state of that round, ``_compare_live``, is
         not hashed again)."""
         relay = signer != AGGREGATOR_KEY
-        post_residual = {
-            int(e.body["round"]): str(e.body["post_residual"])
-            for e in entries
-            if e.kind == ForwardEntry.KIND
-        }
         for i, f in enumerate(files):
             if f.path is None:
+                if from_round is not None and f.round < from_round:
+                    continue
                 if relay or i < len(files) - 1 or f.entry.body["sync_step"] == self.cfg.steps:
                     raise AuditError(
                         f"{tape} {_where(f.entry)}: the checkpoint of round {f.round} is "
@@ -402,10 +410,10 @@ class Auditor:
             elif isinstance(rec, GlobalAppliedEntry):
                 if flat_digest(ck["theta"]) != rec.theta:
                     problem = "its parameters are not the theta the relay applied"
-                elif f.round in post_residual and post_residual[f.round] != stored_residual_digest(
-                    ck["residual"], ck["theta"].numel()
+                elif _residual_left(entries, f.entry.seq, ck["theta"].numel()) != (
+                    stored_residual_digest(ck["residual"], ck["theta"].numel())
                 ):
-                    problem = "its error feedback is not what the round's forward left"
+                    problem = "its error feedback is not what the relay's last forward left"
             if problem is not None:
                 raise AuditError(
                     f"{f.path}: checkpoint of round {f.round}: {problem} ({_where(f.entry)})"
@@ -417,7 +425,17 @@ class Auditor:
         nodes' own tapes and folders (``RunLayout.fragment``), as the run it is: its own
         rounds, inputs, merges and checkpoints; the final state joins their last merges."""
         if self.cfg.fragments == 1:
-            report, _, _ = self._run(from_round)
+            try:
+                report, _, _ = self._run(from_round)
+            except AuditError as e:
+                # A file gone (a checkpoint, an input): say where the files left allow an
+                # audit from, if nodes pruned.
+                hint = (
+                    "" if from_round is not None or "missing" not in str(e) else self._pruned_hint()
+                )
+                if hint:
+                    raise AuditError(f"{e}; {hint}") from None
+                raise
             return report
         if from_round is not None:
             raise AuditError(
@@ -452,6 +470,52 @@ class Auditor:
             receipts=sum(r.receipts for r in reports),
             fragments=len(reports),
             lawa_digest=lawa,
+        )
+
+    def pruned_from(self) -> int | None:
+        """Where a segment audit of a run whose nodes pruned (``--keep-rounds``) starts:
+        the oldest round, no older than any node's pruning marker says it keeps
+        (``store.pruned_from``), of which the aggregator has its checkpoint and every
+        relay its checkpoint or, if it took no merge of that round, a kept one before, or
+        none if it took no merge yet and never pruned (``_load_segment``); None when no
+        node pruned, or no such round is left."""
+        lay = self.layout
+        marks = {
+            folder: m
+            for folder in (lay.aggregator, *lay.relays.values())
+            if (m := store_pruned_from(folder)) is not None
+        }
+        if not marks:
+            return None
+        relays = {folder: _checkpoint_rounds(folder) for folder in lay.relays.values()}
+        for r in _checkpoint_rounds(lay.aggregator):
+            if r < max(marks.values()):
+                continue
+            if all(
+                any(marks.get(folder, 0) <= x <= r for x in rounds)
+                or (folder not in marks and not any(x <= r for x in rounds))
+                for folder, rounds in relays.items()
+            ):
+                return r
+        return None
+
+    def _pruned_hint(self) -> str:
+        """After a whole-run audit failed: the round a segment audit can start from, when
+        nodes pruned their oldest rounds ("" when none did)."""
+        folders = (self.layout.aggregator, *self.layout.relays.values())
+        try:
+            pruned = sorted(str(f.name) for f in folders if store_pruned_from(f) is not None)
+            start = self.pruned_from() if pruned else None
+        except HypertrainError as e:  # a damaged marker: the error above stands, with this
+            return str(e)
+        if not pruned:
+            return ""
+        gone = f"{', '.join(pruned)} pruned their oldest rounds (--keep-rounds)"
+        if start is None:
+            return f"{gone}, and no round's checkpoints are left on every node"
+        return (
+            f"{gone}: every node keeps what round {start} starts from, so "
+            f"`hypertrain audit --from-round {start}` audits the rounds after it"
         )
 
     def _run(
@@ -535,7 +599,9 @@ class Auditor:
             raise self._fail(agg_tape, err) from None
         self._check_forwards(agg_tape, agg_replay, replays)
         for signer, files in checkpoints.items():
-            self._check_checkpoint_files(signer, tapes[signer][1], verified[signer], files)
+            self._check_checkpoint_files(
+                signer, tapes[signer][1], verified[signer], files, from_round
+            )
         receipts = self._check_receipts({k: p for k, (_, p) in tapes.items()}, verified)
         self.bytes += agg_blobs.bytes + sum(b.bytes for _, _, b in replays.values())
         merges = agg_replay.merges
@@ -805,37 +871,60 @@ class Auditor:
         for region, folder in self.layout.relays.items():  # each relay by its member id
             a, b = shards.bounds(shards.split(region)[1])
             part = theta.view(-1)[a:b] if shards.sharded else theta
-            rpath = folder / "checkpoints" / name
-            if not rpath.is_file():
-                raise AuditError(f"no relay checkpoint of {region} for round {round_} ({rpath})")
-            rck = torch.load(rpath, weights_only=True)
+            # Its checkpoint of the round; or, for a relay that applied no merge of it (its
+            # region was left out at a cutoff, or followed: it rejoins later), its newest
+            # before, if it applied nothing between (its state then is its state now).
+            rentries = verified[relay_key(region)]
+            older = [r for r in _checkpoint_rounds(folder) if r <= round_]
+            rpath = folder / "checkpoints" / f"round-{older[-1]:06d}.pt" if older else None
+            rck = torch.load(rpath, weights_only=True) if rpath is not None else {}
+            seq = int(rck.get("tape_seq", 0))  # none: it took no merge yet, replayed whole
+            since = [
+                r
+                for r in records(rentries[seq:])
+                if isinstance(r, GlobalAppliedEntry) and r.round <= round_
+            ]
+            if since:
+                raise AuditError(
+                    f"no relay checkpoint of {region} for round {round_} "
+                    f"({folder / 'checkpoints' / name}), and it applied round {since[0].round} "
+                    f"after {'its start' if rpath is None else rpath.name}"
+                )
+            if rpath is None:
+                starts[relay_key(region)] = 0
+                continue
             if rck.get("format") != CHECKPOINT_FORMAT:
                 raise AuditError(
                     f"{rpath}: a relay checkpoint of an older format; cannot audit from it"
                 )
-            rentries = verified[relay_key(region)]
-            seq = int(rck["tape_seq"])
             taped = records(rentries[:seq])
-            forward = next(
-                (r for r in taped if isinstance(r, ForwardEntry) and r.round == round_), None
-            )
+            residual = _residual_left(rentries, seq, part.numel())
+            at: GlobalMergeEntry | None = merge
+            if older[-1] != round_:  # the aggregator's merge of that round, from its tape
+                at = next(
+                    (r for r in prior if isinstance(r, GlobalMergeEntry) and r.round == older[-1]),
+                    None,
+                )
+            if at is None:
+                raise AuditError(f"{rpath}: the aggregator's tape has no round {older[-1]}")
             applied = [
                 r
                 for r in taped
-                if isinstance(r, GlobalAppliedEntry) and r.sync_step == merge.sync_step
+                if isinstance(r, GlobalAppliedEntry) and r.sync_step == at.sync_step
             ]
-            if (
-                not applied
-                or not torch.equal(rck["theta"], part)
-                or int(rck["sync_step"]) != merge.sync_step
-            ):
-                raise AuditError(f"{rpath}: relay checkpoint does not match round {round_}")
-            if forward is None or forward.post_residual != stored_residual_digest(
-                rck["residual"], part.numel()
-            ):
+            if older[-1] == round_:
+                same = torch.equal(rck["theta"], part)
+            else:  # its applied entry's, and (one relay per region) the aggregator's
+                digest = flat_digest(rck["theta"])
+                same = bool(applied) and applied[-1].theta == digest
+                same = same and (shards.sharded or digest == at.post_state)
+                part = rck["theta"]
+            if not applied or not same or int(rck["sync_step"]) != at.sync_step:
+                raise AuditError(f"{rpath}: relay checkpoint does not match round {older[-1]}")
+            if residual != stored_residual_digest(rck["residual"], part.numel()):
                 raise AuditError(f"{rpath}: error-feedback state does not match the tape")
             rsnap = RelaySnapshot(
-                merge.sync_step,
+                at.sync_step,
                 part,
                 rck["residual"],
                 Commitment.from_dict(json.loads(rck["commitment"])),
@@ -843,6 +932,22 @@ class Auditor:
             relays[region].restore(rsnap, taped)
             starts[relay_key(region)] = seq
         return starts
+
+
+def _checkpoint_rounds(folder: Path) -> list[int]:
+    """The rounds of the checkpoint files in a node's folder, oldest first."""
+    return sorted(int(p.stem.split("-")[1]) for p in (folder / "checkpoints").glob("round-*.pt"))
+
+
+def _residual_left(entries: list[Entry], end: int, numel: int) -> str:
+    """The digest of a relay's error feedback after its first ``end`` entries: what its last
+    forward left (a relay that rejoined after a cutoff, or followed the rounds of an empty
+    region, forwarded nothing in that round, and ``RelayMachine.on_global`` keeps the
+    residual), or ``numel`` zeros if it never forwarded."""
+    for i in range(min(end, len(entries)) - 1, -1, -1):
+        if entries[i].kind == ForwardEntry.KIND:
+            return str(entries[i].body["post_residual"])
+    return zeros_digest(numel)
 
 
 def audit_run(

@@ -10,6 +10,7 @@ from hypertrain.common.errors import HypertrainError
 from hypertrain.common.settings import AggregatorSettings
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY
 from hypertrain.wire.daemon import (
+    add_store_flags,
     call_guard,
     daemon_parser,
     fail,
@@ -35,6 +36,7 @@ from hypertrain.wire.server import (
 def main(argv: Sequence[str] | None = None) -> int:
     tune_allocator()  # before any thread allocates (wire/options.py)
     p = daemon_parser("aggregator", "Hold the global state; apply the outer optimizer.")
+    add_store_flags(p)
     args = p.parse_args(argv)
     try:
         cfg = load_run_config(args)
@@ -47,12 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         service: AggregatorService | AggregatorFragments
         if cfg.fragments == 1:
             service = AggregatorService(
-                cfg, settings.state_path, shutdown, metrics, key, trusted, security
-            )
+                cfg, settings.state_path, shutdown, metrics, key, trusted, security,
+                keep_rounds=settings.keep_rounds,
+            )  # fmt: skip
         else:  # one node per streaming fragment, each in its own folder
             service = AggregatorFragments(
-                cfg, settings.state_path, shutdown, metrics, key, trusted, security
-            )
+                cfg, settings.state_path, shutdown, metrics, key, trusted, security,
+                keep_rounds=settings.keep_rounds,
+            )  # fmt: skip
         guard = call_guard(settings, metrics, cfg.fragments)
         server = make_server(guard.limits.pool_size(len(service.callers.names)))
         add_servicer(service, server, "Aggregator", guard)

@@ -45,7 +45,13 @@ from hypertrain.common.shards import relay_members
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import flat_digest, relay_key
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.daemon import fault_point, log_event, memory_fields, starting_parameters
+from hypertrain.wire.daemon import (
+    fault_point,
+    log_event,
+    log_pruned,
+    memory_fields,
+    starting_parameters,
+)
 from hypertrain.wire.metrics import Metrics
 from hypertrain.wire.options import CHECKPOINT_NICE, lower_priority, trim_heap
 from hypertrain.wire.rounds import CHECKPOINT_HOLD_S, Intake, MergeBoard
@@ -243,11 +249,13 @@ class AggregatorService:
         security: Security = PLAINTEXT,
         fragment: tuple[int, torch.Tensor] | None = None,
         joint: AggregatorFragments | None = None,
+        keep_rounds: int = 0,
     ) -> None:
         """``security``: with TLS, only relays may push, fetch or report, each as
         itself (``tls.Callers``).  ``fragment``: the streaming fragment it serves (its
         index and initial values), in ``<state-dir>/fragment-<index>``, as a part of
-        ``joint``, which evaluates and reports the joined model."""
+        ``joint``, which evaluates and reports the joined model.  ``keep_rounds``: the
+        global rounds whose checkpoints and inputs it keeps (``NodeStore.prune``; 0: all)."""
         self.cfg = cfg
         topo = cfg.topology
         self.callers = Callers(
@@ -277,6 +285,10 @@ class AggregatorService:
                 defer=True,
                 hold_s=CHECKPOINT_HOLD_S,
                 writer_init=lambda: lower_priority(CHECKPOINT_NICE),
+                keep_rounds=keep_rounds,
+                on_prune=log_pruned(
+                    "aggregator", {} if self.fragment is None else {"fragment": self.fragment}
+                ),
             ),
             trusted,
             security.ca_fingerprint,
@@ -478,6 +490,7 @@ class AggregatorFragments:
         key: SigningKey | None = None,
         trusted: TrustedKeys | None = None,
         security: Security = PLAINTEXT,
+        keep_rounds: int = 0,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics or Metrics("aggregator")
@@ -500,6 +513,7 @@ class AggregatorFragments:
                     security,
                     (f.index, theta0[f.lo : f.hi].clone()),
                     self,
+                    keep_rounds,
                 )
             )
         if not any(p.node.recovered for p in self.parts):

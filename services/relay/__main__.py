@@ -12,6 +12,7 @@ from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.ledger import relay_key
 from hypertrain.relay.server import RELAY_DONE, RelayFragments, RelayService
 from hypertrain.wire.daemon import (
+    add_store_flags,
     call_guard,
     daemon_parser,
     fail,
@@ -56,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="serve each global merge to the islands only once it arrived whole from the "
         "aggregator (default: while it arrives)",
     )
+    add_store_flags(p)
     args = p.parse_args(argv)
     try:
         cfg = load_run_config(args)
@@ -89,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shard,
                 security,
                 cut_through=settings.cut_through,
+                keep_rounds=settings.keep_rounds,
             )
         else:  # one node per streaming fragment, each in its own folder
             layout, theta0 = starting_parameters(cfg)
@@ -108,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         security,
                         (f.index, theta0[f.lo : f.hi].clone()),
                         cut_through=settings.cut_through,
+                        keep_rounds=settings.keep_rounds,
                     )
                     for f in run_fragments(cfg, layout)
                 ]

@@ -49,6 +49,7 @@ from hypertrain.wire.daemon import (
     durable_or_die,
     fault_point,
     log_event,
+    log_pruned,
     memory_fields,
     starting_parameters,
 )
@@ -89,13 +90,16 @@ class RelayService:
         security: Security = PLAINTEXT,
         fragment: tuple[int, torch.Tensor] | None = None,
         cut_through: bool = True,
+        keep_rounds: int = 0,
     ) -> None:
         """``shard``: which of the region's relay shards this is (common/shards.py); it
         keeps, serves and forwards only its range of the parameters.  ``security``: with
         TLS, each island may act only as itself (``tls.Callers``).  ``fragment``: the
         streaming fragment it serves (its index and initial values; ``RelayFragments``
         runs one per fragment), in ``<state-dir>/fragment-<index>``.  ``cut_through``:
-        serve each global merge to the islands while it arrives (``wire/cutthrough.py``)."""
+        serve each global merge to the islands while it arrives (``wire/cutthrough.py``).
+        ``keep_rounds``: the global rounds whose checkpoints and inputs it keeps
+        (``NodeStore.prune``; 0: all)."""
         self.cfg = cfg
         self.region = region
         index = None
@@ -112,7 +116,17 @@ class RelayService:
         self.numel = theta0.numel()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
-        store = NodeStore(state_dir, cfg.run_id, key, crash=fault_point)
+        where: dict[str, object] = {"shard": shards.label(shard)} if shards.sharded else {}
+        if index is not None:
+            where["fragment"] = index
+        store = NodeStore(
+            state_dir,
+            cfg.run_id,
+            key,
+            crash=fault_point,
+            keep_rounds=keep_rounds,
+            on_prune=log_pruned("relay", {"region": region, **where}),
+        )
         self.node = RelayNode(
             cfg,
             region,
@@ -126,10 +140,8 @@ class RelayService:
         )
         self.member = self.node.member
         """This relay's id at the aggregator (its region, or ``region/i``)."""
-        self.where: dict[str, object] = {"shard": shards.label(shard)} if shards.sharded else {}
+        self.where = where
         """What log lines add to ``region`` to say which relay this is."""
-        if index is not None:
-            self.where["fragment"] = index
         self.key = key
         self.peer = aggregator
         self.shutdown = shutdown

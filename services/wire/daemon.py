@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -34,6 +34,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.roles import initial_parameters
+from hypertrain.common.rounds.store import Pruned
 from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.settings import DaemonSettings, load_tables
 from hypertrain.common.trust.certs import TlsFiles
@@ -166,6 +167,34 @@ def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
         help="end a streaming call slower than this on average (default 256 KiB/s)",
     )
     return p
+
+
+def add_store_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a daemon that keeps a tape, inputs and checkpoints (relay, aggregator)."""
+    p.add_argument(
+        "--keep-rounds",
+        type=int,
+        metavar="K",
+        help="keep the checkpoints of the K newest global rounds (at least 2) and the "
+        "published inputs taped after the oldest of them, and delete the rest; the tape "
+        "stays whole and the run is auditable from the oldest round kept (default 0: keep "
+        "every round)",
+    )
+
+
+def log_pruned(role: str, where: dict[str, object]) -> Callable[[Pruned], None]:
+    """A NodeStore's ``on_prune``: one ``event=pruned`` line per prune, or a warning
+    naming the file it could not read or delete (the round is durable either way)."""
+
+    def log(p: Pruned) -> None:
+        if p.error:
+            log_event("warning", role=role, **where,
+                      message=f"pruning rounds before {p.kept_from} stopped short: {p.error}")  # fmt: skip
+            return
+        log_event("pruned", role=role, **where, kept_from_round=p.kept_from,
+                  checkpoints=p.checkpoints, inputs=p.inputs, bytes=p.bytes)  # fmt: skip
+
+    return log
 
 
 S = TypeVar("S", bound=DaemonSettings)

@@ -22,7 +22,7 @@ import pytest
 from hypertrain.common.config import RunConfig
 from hypertrain.common.reference import run_reference
 from hypertrain.common.shards import relay_member
-from hypertrain.common.trust.audit import audit_run
+from hypertrain.common.trust.audit import AuditError, audit_run
 from hypertrain.common.trust.certs import init_daemons
 from hypertrain.common.trust.keys import TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import relay_key
@@ -97,15 +97,36 @@ def test_a_relay_killed_at_the_anneal_switch_resumes_from_its_tape(tmp_path: Pat
     _trial(tmp_path, run_reference(cfg).final_digest, "before_anneal_entry:1", cfg)
 
 
-def _trial(tmp_path: Path, reference_digest: str, fault: str, cfg: RunConfig = CFG) -> None:
+def test_a_relay_killed_while_it_prunes_resumes_from_what_it_kept(tmp_path: Path) -> None:
+    """Every relay and the aggregator keep 2 global rounds (``keep_rounds`` in their config
+    tables, the ``--keep-rounds`` flag's setting); relay eu dies between deleting the
+    checkpoint of round 0 and the inputs only it needed, restarts from what it kept and
+    prunes again at the next round.  The run ends on the reference digest, every node
+    keeps its 2 newest rounds, and the run audits from the oldest kept (a whole-run audit
+    names that round)."""
+    cfg = CFG.with_overrides(steps=80)  # 4 global rounds: pruned after rounds 2 and 3
+    _trial(tmp_path, run_reference(cfg).final_digest, "prune_mid:1", cfg, keep_rounds=2)
+
+
+def _trial(
+    tmp_path: Path,
+    reference_digest: str,
+    fault: str,
+    cfg: RunConfig = CFG,
+    keep_rounds: int = 0,
+) -> None:
     """One run whose relay eu (with relay shards: its last shard) dies at ``fault`` and
-    is restarted.
+    is restarted; ``keep_rounds``: the relays' and the aggregator's (0: all).
 
     At the checkpoint of the last round the relay has fetched the final state but
     not yet reported it durable: the aggregator must still be there to serve it
     again (it ends when every relay has reported, not fetched)."""
     cluster = Cluster(cfg, tmp_path / "run")
     run_dir = cluster.run_dir
+    if keep_rounds:
+        with (run_dir / "run.toml").open("a") as f:
+            f.write(f"\n[relay]\nkeep_rounds = {keep_rounds}\n")
+            f.write(f"\n[aggregator]\nkeep_rounds = {keep_rounds}\n")
     keys = run_dir / "keys"
     init_daemons(keys, daemon_key_names(cfg.topology))
     port = free_port()
@@ -185,8 +206,20 @@ def _trial(tmp_path: Path, reference_digest: str, fault: str, cfg: RunConfig = C
         cluster.stop()
     digests = {e["digest"] for e in cluster.progress.done.values()}
     assert digests == {reference_digest}, f"{fault}: islands {digests} != reference"
-    report = audit_run(run_dir, TrustedKeys.load(keys / "trusted_keys.json"))
-    assert report.final_digest == reference_digest and report.last_round == 2
+    trusted = TrustedKeys.load(keys / "trusted_keys.json")
+    last = cfg.steps // cfg.topology.h_g - 1
+    start = None
+    if keep_rounds:
+        start = last - keep_rounds + 1
+        for node in ("aggregator", "relay-eu", "relay-us"):
+            kept = sorted(p.name for p in (run_dir / node / "checkpoints").glob("round-*.pt"))
+            assert kept == [f"round-{r:06d}.pt" for r in range(start, last + 1)], (node, kept)
+            log = "".join(p.read_text() for p in (run_dir / "logs").glob(f"{node}*.log"))
+            assert f"event=pruned role={node.split('-')[0]}" in log, log
+        with pytest.raises(AuditError, match=f"--from-round {start}"):
+            audit_run(run_dir, trusted)
+    report = audit_run(run_dir, trusted, from_round=start)
+    assert report.final_digest == reference_digest and report.last_round == last
 
 
 def test_a_relay_without_a_tape_refuses_to_resume_an_earlier_state(tmp_path: Path) -> None:

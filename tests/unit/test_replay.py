@@ -27,7 +27,7 @@ from hypertrain.common.rounds.store import NodeStore
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import flat_digest, outer_state_digest
 from hypertrain.common.trust.tape import TapeWriter, verify_tape
-from tests.unit.toycluster import CrashHook, drive, toy_cluster
+from tests.unit.toycluster import CrashHook, crash_at, drive, toy_cluster
 
 CFG = RunConfig.from_dict(
     {
@@ -131,19 +131,7 @@ def test_a_node_killed_at_a_crash_point_resumes_from_its_folder(
     """Each node dies the ``nth`` time it passes ``point`` (between two of its durable writes),
     is restarted from its folder, and the run ends on the fault-free digest."""
     fired: list[str] = []
-    seen: dict[str, int] = {}
-
-    def hook(name: str) -> Callable[[str], None]:
-        def crash(p: str) -> None:
-            if p == point:
-                seen[name] = seen.get(name, 0) + 1
-                if seen[name] == nth:
-                    fired.append(name)
-                    raise Crash(f"{name} at {p}")
-
-        return crash
-
-    cluster = _cluster(tmp_path, hook)
+    cluster = _cluster(tmp_path, crash_at(point, nth, fired))
     assert flat_digest(_run(cluster)) == reference
     assert fired, f"{point} was never passed {nth} times"
 

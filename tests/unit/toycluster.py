@@ -8,12 +8,30 @@ from pathlib import Path
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.rounds.local import Cluster, IslandActor, Observer
+from hypertrain.common.rounds.local import Cluster, Crash, IslandActor, Observer
 from hypertrain.common.toy import ToyIsland
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 
 CrashHook = Callable[[str], Callable[[str], None]]
 """For each process name, the hook its store calls at every crash point."""
+
+
+def crash_at(point: str, nth: int, fired: list[str]) -> CrashHook:
+    """A crash hook under which each process dies the ``nth`` time it passes ``point``
+    (its name is added to ``fired`` then)."""
+    seen: dict[str, int] = {}
+
+    def hook(name: str) -> Callable[[str], None]:
+        def crash(p: str) -> None:
+            if p == point:
+                seen[name] = seen.get(name, 0) + 1
+                if seen[name] == nth:
+                    fired.append(name)
+                    raise Crash(f"{name} at {p}")
+
+        return crash
+
+    return hook
 
 
 class Restarter(Observer):
@@ -38,9 +56,11 @@ def toy_cluster(
     keys: dict[str, SigningKey],
     trusted: TrustedKeys,
     crash: CrashHook | None = None,
+    keep_rounds: int = 0,
 ) -> Cluster:
     """The cluster of ``cfg`` (a toy model): with ``run_dir`` its nodes keep folders and
-    tapes signed with ``keys``; without, everything is in memory and untaped."""
+    tapes signed with ``keys``, and the checkpoints and inputs of ``keep_rounds`` global
+    rounds (0: all); without, everything is in memory and untaped."""
     _, theta0 = initial_parameters(cfg)
     restarter = Restarter()
     cluster = Cluster(
@@ -51,6 +71,7 @@ def toy_cluster(
         keys=keys if run_dir else {},
         trusted=trusted if run_dir else None,
         observer=restarter,
+        keep_rounds=keep_rounds,
         **({} if crash is None else {"crash_hook": crash}),  # type: ignore[arg-type]
     )
     restarter.cluster = cluster

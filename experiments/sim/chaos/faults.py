@@ -18,11 +18,22 @@ from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.optim import InnerConfig
 from hypertrain.common.rounds.local import Crash
+from hypertrain.common.rounds.store import MIN_KEEP_ROUNDS
 from hypertrain.common.schedule import anneal_start
 from hypertrain.common.shards import shard_unit
 from hypertrain.common.toy import TOY_NUMEL
 
 REGIONS = ("a", "b", "c")
+
+
+def draw_keep_rounds(seed: int, cfg: RunConfig) -> int:
+    """How many global rounds the nodes of ``seed``'s schedule keep (``NodeStore.prune``):
+    the fewest allowed in a third of the schedules without streaming fragments (whose
+    runs cannot be audited from a round yet), all of them otherwise; from a generator of
+    its own, so that every other draw is the seed's as before pruning existed."""
+    if cfg.fragments > 1:
+        return 0
+    return random.Random(f"keep-rounds-{seed}").choice((0, 0, MIN_KEEP_ROUNDS))
 
 
 def draw_config(rng: random.Random, seed: int, model: str = TOY_MODEL) -> RunConfig:

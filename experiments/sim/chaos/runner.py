@@ -51,7 +51,7 @@ from hypertrain.common.toy import ToyIsland
 from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import flat_digest, relay_key
-from hypertrain.sim.chaos.faults import Churn, Faults, draw_config
+from hypertrain.sim.chaos.faults import Churn, Faults, draw_config, draw_keep_rounds
 from hypertrain.sim.chaos.invariants import Checker, Violation
 
 MAX_EVENTS = 200_000
@@ -202,6 +202,8 @@ def _run(
         anneal=None if kept is None or len(starts) != cfg.fragments else (starts, kept),
     )
     keys, trusted = _keys(tuple(daemon_key_names(topo)))
+    keep_rounds = draw_keep_rounds(out.seed, cfg)
+    out.config["keep_rounds"] = keep_rounds
     cluster = _cluster(
         cfg,
         layout,
@@ -212,6 +214,7 @@ def _run(
         policy=faults,
         observer=checker,
         crash_hook=faults.hook,
+        keep_rounds=keep_rounds,
     )
     checker.attach(cluster)
     net = cluster.net
@@ -303,8 +306,11 @@ def _run(
         if r.alive:
             r.node.close()
     relays = {m: run_dir / relay_key(m) for m in sorted(relay_members)}
+    auditor = Auditor(RunLayout(cfg, run_dir / "aggregator", relays), trusted)
+    # Nodes that prune keep their newest rounds: the run is audited from the oldest kept.
+    start = auditor.pruned_from() if keep_rounds else None
     try:
-        Auditor(RunLayout(cfg, run_dir / "aggregator", relays), trusted).run()
+        auditor.run(start)
     except AuditError as e:
         raise Violation(f"audit failed: {e}") from None
 

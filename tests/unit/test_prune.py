@@ -1,0 +1,233 @@
+"""Bounded state folders: a node run with ``keep_rounds`` (the daemons' ``--keep-rounds``)
+keeps the checkpoints and published inputs of its newest global rounds, changes no number,
+resumes from what it kept at every crash point of its pruning, and its run is audited from
+the oldest round kept (the toy model, real files, no sockets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hypertrain.common.config import RunConfig
+from hypertrain.common.errors import ConfigError
+from hypertrain.common.rounds.store import (
+    MIN_KEEP_ROUNDS,
+    PRUNED_FILE,
+    NodeStore,
+    Pruned,
+    atomic_save,
+)
+from hypertrain.common.settings import AggregatorSettings, IslandSettings, RelaySettings
+from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout, audit_run
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
+from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.common.trust.schema import InputEntry, parse
+from hypertrain.common.trust.tape import verify_tape
+from hypertrain.up import config_toml
+from tests.unit.toycluster import CrashHook, crash_at, drive, toy_cluster
+
+CFG = RunConfig.from_dict(
+    {
+        "model": "toy",
+        "steps": 24,  # 6 global rounds
+        "topology": {"regions": ["a", "b"], "islands_per_region": 2, "h_r": 2, "h_g": 4, "tau": 1},
+    }
+)
+KEYS = {n: SigningKey.generate(n) for n in daemon_key_names(CFG.topology)}
+TRUSTED = TrustedKeys.of(KEYS.values())
+NODES = ("aggregator", "relay-a", "relay-b")
+
+
+def _run(run_dir: Path | None, keep: int = 0, crash: CrashHook | None = None) -> torch.Tensor:
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.toml").write_text(config_toml(CFG))
+    cluster = toy_cluster(CFG, run_dir, KEYS, TRUSTED, crash, keep_rounds=keep)
+    theta = drive(cluster).final_theta()
+    for actor in (*cluster.aggregators, *cluster.relays.values()):
+        if actor.alive and actor.node.store is not None:
+            actor.node.store.close()
+    return theta
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    return flat_digest(_run(None))
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    run_dir = tmp_path_factory.mktemp("pruned")
+    return run_dir, flat_digest(_run(run_dir, keep=2))
+
+
+def _rounds(folder: Path) -> list[int]:
+    return sorted(int(p.stem.split("-")[1]) for p in (folder / "checkpoints").glob("round-*.pt"))
+
+
+def test_a_pruning_node_keeps_its_newest_rounds_and_changes_no_number(
+    pruned: tuple[Path, str], reference: str
+) -> None:
+    run_dir, digest = pruned
+    assert digest == reference
+    for node in NODES:
+        folder = run_dir / node
+        assert _rounds(folder) == [4, 5], node  # the run's last two global rounds
+        assert json.loads((folder / PRUNED_FILE).read_text()) == {"kept_from_round": 4}
+        # published: exactly the inputs taped after the oldest kept round's checkpoint
+        start = torch.load(folder / "checkpoints" / "round-000004.pt", weights_only=True)
+        entries = verify_tape(folder / "tape", TRUSTED).entries
+        taped = [parse(e) for e in entries]
+        wanted = {r.digest for r in taped[start["tape_seq"] :] if isinstance(r, InputEntry)}
+        assert wanted and {p.name for p in (folder / "published").iterdir()} == wanted, node
+        assert len({r.digest for r in taped if isinstance(r, InputEntry)}) > len(wanted)
+
+
+def test_a_pruned_run_is_audited_from_its_oldest_kept_round(pruned: tuple[Path, str]) -> None:
+    run_dir, _ = pruned
+    with pytest.raises(AuditError, match=r"pruned their oldest rounds.*--from-round 4"):
+        audit_run(run_dir, TRUSTED)
+    layout = RunLayout.of(run_dir)
+    assert Auditor(layout, TRUSTED).pruned_from() == 4
+    report = audit_run(run_dir, TRUSTED, from_round=4)
+    assert report.segment and report.first_round == 5 and report.last_round == 5
+    assert report.final_digest  # the state digest of the run's final parameters
+    with pytest.raises(AuditError, match="no aggregator checkpoint for round 3"):
+        audit_run(run_dir, TRUSTED, from_round=3)
+
+
+def test_a_run_that_keeps_everything_is_not_pruned(tmp_path: Path, reference: str) -> None:
+    assert flat_digest(_run(tmp_path)) == reference
+    for node in NODES:
+        assert _rounds(tmp_path / node) == list(range(6))
+        assert not (tmp_path / node / PRUNED_FILE).exists()
+    assert Auditor(RunLayout.of(tmp_path), TRUSTED).pruned_from() is None
+    audit_run(tmp_path, TRUSTED)
+
+
+@pytest.mark.parametrize("point", ["prune_marked", "prune_mid"])
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_node_killed_while_it_prunes_resumes_and_its_run_audits(
+    tmp_path: Path, reference: str, point: str, nth: int
+) -> None:
+    """Each node dies the ``nth`` time it passes ``point`` (after the marker; between
+    deleting checkpoints and inputs), restarts from what it kept, and the run ends on the
+    fault-free digest and audits from its oldest kept round."""
+    fired: list[str] = []
+    assert flat_digest(_run(tmp_path, keep=2, crash=crash_at(point, nth, fired))) == reference
+    assert sorted(fired) == sorted(NODES)
+    start = Auditor(RunLayout.of(tmp_path), TRUSTED).pruned_from()
+    assert start == 4
+    audit_run(tmp_path, TRUSTED, from_round=start)
+
+
+def _store(folder: Path, keep: int, seen: list[Pruned]) -> NodeStore:
+    return NodeStore(folder, "run", KEYS["aggregator"], keep_rounds=keep, on_prune=seen.append)
+
+
+def _round(store: NodeStore, r: int, inputs: list[bytes]) -> None:
+    """Tape and publish ``inputs`` for round ``r``, then its checkpoint after them."""
+    from hypertrain.common.aggregate import blob_digest
+
+    for i, data in enumerate(inputs):
+        digest = blob_digest(data)
+        store.publish(digest, data)
+        store.record(InputEntry(round=r, sync_step=r, sender=f"s{i}", digest=digest,
+                                size=len(data), codec="fp32", signature=""))  # fmt: skip
+    seq, head = store.tape_position
+    atomic_save(store.checkpoints / f"round-{r:06d}.pt", {"tape_seq": seq, "tape_head": head})
+
+
+def test_prune_deletes_only_what_no_kept_round_refers_to(tmp_path: Path) -> None:
+    from hypertrain.common.aggregate import blob_digest
+
+    seen: list[Pruned] = []
+    store = _store(tmp_path, 2, seen)
+    _round(store, 0, [b"old", b"again"])
+    _round(store, 1, [b"one"])
+    assert store.prune() is None and not seen  # two rounds: nothing to delete
+    _round(store, 2, [b"two", b"again"])  # "again" is taped once more, after round 1
+    store.publish(blob_digest(b"untaped"), b"untaped")  # accepted, not taped yet
+    got = store.prune()
+    assert got == seen[-1] and got is not None
+    # Kept: round 1's checkpoint and what is taped after it; round 1's own inputs come
+    # before it (a restart from it does not replay them), so they go with round 0's.
+    assert (got.kept_from, got.checkpoints, got.inputs, got.error) == (1, 1, 2, "")
+    assert got.bytes > len(b"old") + len(b"one")
+    assert [p.name for p in store.checkpoint_files()] == ["round-000001.pt", "round-000002.pt"]
+    left = {p.name for p in store.published.iterdir()}
+    assert left == {blob_digest(d) for d in (b"again", b"two", b"untaped")}
+    assert store.pruned_from() == 1
+    store.close()
+
+
+def test_a_file_that_cannot_be_deleted_is_reported_and_deleted_next_time(tmp_path: Path) -> None:
+    from hypertrain.common.aggregate import blob_digest
+
+    seen: list[Pruned] = []
+    store = _store(tmp_path, 2, seen)
+    _round(store, 0, [b"old"])
+    _round(store, 1, [b"one"])
+    _round(store, 2, [b"two"])
+    stuck = store.published / blob_digest(b"old")
+    stuck.unlink()
+    stuck.mkdir()  # unlink() of a folder fails: the input stays, the error is said
+    (stuck / "x").write_bytes(b"")
+    got = store.prune()
+    assert got is not None and "IsADirectoryError" in got.error and got.checkpoints == 1
+    assert seen == [got]  # reported, not raised: the round is durable either way
+    (stuck / "x").unlink()
+    stuck.rmdir()
+    stuck.write_bytes(b"old")
+    _round(store, 3, [b"three"])
+    again = store.prune()
+    assert again is not None and again.error == "" and again.checkpoints == 1
+    assert {p.name for p in store.published.iterdir()} == {blob_digest(b"three")}
+    store.close()
+
+
+@pytest.mark.parametrize("cls", [RelaySettings, AggregatorSettings])
+def test_keep_rounds_below_the_minimum_is_refused_naming_it(cls: type[RelaySettings]) -> None:
+    assert cls(keep_rounds=0).keep_rounds == 0
+    assert cls(keep_rounds=MIN_KEEP_ROUNDS).keep_rounds == MIN_KEEP_ROUNDS
+    with pytest.raises(ConfigError, match=rf"{cls.TABLE}: keep_rounds must be 0 .* got 1"):
+        cls(keep_rounds=1)
+    with pytest.raises(ConfigError, match="got -1"):
+        cls.resolve({"keep_rounds": -1})
+    with pytest.raises(ConfigError, match="keep_rounds must be 0"):
+        NodeStore(Path("/nonexistent"), "run", None, keep_rounds=1)
+
+
+def test_an_island_has_no_keep_rounds() -> None:
+    with pytest.raises(ConfigError, match="unknown key 'keep_rounds'"):
+        IslandSettings.resolve({"keep_rounds": 2})
+
+
+def test_an_island_that_starts_late_takes_a_newer_merge_when_the_old_inputs_are_pruned(
+    tmp_path: Path,
+) -> None:
+    """With cutoffs the region goes on without an island that starts late; asked for a
+    regional merge of round 0 whose inputs were pruned, the relay does not recompute it
+    (it cannot), and the island takes a newer merge instead, as when it was left behind."""
+    cfg = RunConfig.from_dict(
+        {
+            "model": "toy",
+            "steps": 24,
+            "topology": {"regions": ["a"], "islands_per_region": 3, "h_r": 2, "h_g": 4},
+            "membership": {"regional_cutoff_s": 3.0, "global_cutoff_s": 3.0,
+                           "regional_quorum": 2},
+        }
+    )  # fmt: skip
+    keys = {n: SigningKey.generate(n) for n in daemon_key_names(cfg.topology)}
+    cluster = toy_cluster(cfg, tmp_path, keys, TrustedKeys.of(keys.values()), keep_rounds=2)
+    late = cluster.islands["a-0"]
+    for island in cluster.islands.values():
+        if island is not late:
+            cluster.start_training(island, 1.0)
+    cluster.net.at(60.0, lambda: cluster.start_training(late, 1.0))  # after round 0 is pruned
+    cluster.drive(100_000)
+    assert cluster.complete
+    assert _rounds(tmp_path / "relay-a") == [4, 5]
