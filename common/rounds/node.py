@@ -69,7 +69,7 @@ from hypertrain.common.rounds.machines import (
     out_of_range,
 )
 from hypertrain.common.rounds.replay import AggregatorReplay, RelayReplay, ReplayError
-from hypertrain.common.rounds.store import NodeStore, load_state
+from hypertrain.common.rounds.store import NodeStore, checkpoint_path, load_state
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY, flat_digest, relay_key
 from hypertrain.common.trust.receipts import Witness, raw_receipt
@@ -661,7 +661,7 @@ class RelayNode(_Node):
             or sync_step >= max(held)
         ):
             return None
-        path = self.store.folder / "checkpoints" / f"round-{s.round_of(sync_step):06d}.pt"
+        path = checkpoint_path(self.store.folder, s.round_of(sync_step))
         if not path.is_file():
             return None
         snap, _, _ = self._read_checkpoint(path)
@@ -757,7 +757,7 @@ class RelayNode(_Node):
             a, b = m.bounds
             return theta0[a:b]
         assert self.store is not None
-        path = self.store.folder / "checkpoints" / f"round-{g - 1:06d}.pt"
+        path = checkpoint_path(self.store.folder, g - 1)
         if not path.is_file():
             return None
         theta = load_state(path)["theta"]
@@ -894,14 +894,14 @@ class AggregatorNode(_Node):
         """A relay's regional delta arrived: decide; an outer step is taped before the push
         is answered, and checkpointed then or (a store opened with ``defer``) before the
         next push changes the state."""
-        if self.store is not None:  # the outer step may change what a checkpoint refers to
-            self.store.settle()
-            self._prune()  # the settled checkpoint may be the K+1-th kept
+        self._before_event()  # the outer step may change what a checkpoint refers to
         decision, effects = self.machine.on_regional(delta)
         self._decided(decision, delta, effects, publisher)
         return decision, effects
 
     def _before_event(self) -> None:
+        """Before a push or a cutoff: the deferred checkpoint written, and (``keep_rounds``)
+        the round it makes surplus pruned."""
         if self.store is not None:
             self.store.settle()
             self._prune()

@@ -144,12 +144,25 @@ def atomic_link(source: Path, path: Path, sync: bool = True) -> None:
         fsync_dir(path.parent)
 
 
+def checkpoint_path(folder: Path, round_: int) -> Path:
+    """A node's checkpoint of global round ``round_`` (``folder``: its state folder)."""
+    return folder / "checkpoints" / f"round-{round_:06d}.pt"
+
+
+def checkpoints_of(folder: Path) -> dict[int, Path]:
+    """A node's checkpoints on disk by round, oldest first (temp files of a write in
+    flight, named with a leading dot, are not among them)."""
+    found = sorted((folder / "checkpoints").glob("round-*.pt"))
+    return {int(p.stem.split("-")[1]): p for p in found}
+
+
 def check_keep_rounds(keep_rounds: int) -> None:
     """ConfigError unless ``keep_rounds`` is 0 (keep every round) or MIN_KEEP_ROUNDS or more."""
     if keep_rounds != 0 and keep_rounds < MIN_KEEP_ROUNDS:
         raise ConfigError(
             f"keep_rounds must be 0 (keep every round) or at least {MIN_KEEP_ROUNDS} (the "
-            f"newest round and the one its open round starts from), got {keep_rounds}"
+            f"newest round, and the one before, which the last completed round starts from), "
+            f"got {keep_rounds}"
         )
 
 
@@ -223,8 +236,8 @@ class NodeStore:
         the module docstring); ``writer_init``: run first on that thread (e.g. to lower
         its CPU priority).  ``keep_rounds``: keep the checkpoints of this many global rounds
         and the inputs taped after the oldest of them (``prune``; 0: everything, the whole
-        run stays auditable), and tell
-        ``on_prune`` what each prune deleted (the daemons log it)."""
+        run stays auditable), and tell ``on_prune`` what each prune deleted (the daemons
+        log it)."""
         check_keep_rounds(keep_rounds)
         self.keep_rounds = keep_rounds
         self.on_prune = on_prune
@@ -323,7 +336,7 @@ class NodeStore:
             gate.set()
 
     def _write(self, round_: int, state: dict[str, Any], copy_as: str) -> None:
-        path = self.checkpoints / f"round-{round_:06d}.pt"
+        path = checkpoint_path(self.folder, round_)
         atomic_save(path, state, self.crash, self.sync)
         if copy_as:
             self.crash("between_checkpoints")
@@ -348,13 +361,8 @@ class NodeStore:
         return (self.folder / LAWA_FILE).exists()
 
     def latest_checkpoint(self) -> Path | None:
-        found = self.checkpoint_files()
+        found = list(checkpoints_of(self.folder).values())
         return found[-1] if found else None
-
-    def checkpoint_files(self) -> list[Path]:
-        """The checkpoints on disk, oldest round first (temp files of a write in flight,
-        named with a leading dot, are not among them)."""
-        return sorted(self.checkpoints.glob("round-*.pt"))
 
     def prune(self) -> Pruned | None:
         """With ``keep_rounds`` K: delete the checkpoints of all but the K newest rounds on
@@ -366,20 +374,21 @@ class NodeStore:
         checkpoint and the inputs taped after it; a relay recomputes a regional merge of
         the last completed round from that round's first parameters (the checkpoint before)
         and its inputs (an older one it no longer can: the asker takes a newer merge, as
-        one left behind at a cutoff does); a segment audit starts from any kept round (``hypertrain audit
-        --from-round``).  Checkpoints go first, so a crash midway leaves inputs nobody
+        one left behind at a cutoff does); a segment audit starts from any kept round
+        (``hypertrain audit --from-round``).  Checkpoints go first, so a crash midway leaves inputs nobody
         needs (deleted next time), never a kept checkpoint without its inputs.  An input
         published and not taped yet (the driver's lock is held here, so none is) or taped
         again after the oldest kept checkpoint stays.  A file that cannot be deleted is
         reported (``Pruned.error``, the first of its errors), not raised, and the others are
-        still deleted: the round is durable either way, and the next round tries again.  Call under the driver's lock, after a global round's
-        entry."""
+        still deleted: the round is durable either way, and the next round tries again.
+        Call under the driver's lock, after a global round's entry."""
         k = self.keep_rounds
-        files = self.checkpoint_files()
-        if k == 0 or self.tape is None or len(files) <= k:
+        found = checkpoints_of(self.folder)
+        if k == 0 or self.tape is None or len(found) <= k:
             return None
-        oldest = files[-k]
-        done = Pruned(-1, 0, 0, 0)
+        kept_from = list(found)[-k]
+        oldest, files = found[kept_from], list(found.values())
+        done = Pruned(kept_from, 0, 0, 0)
         errors: list[str] = []
 
         def remove(path: Path) -> int | None:
@@ -390,8 +399,6 @@ class NodeStore:
                 return None
 
         try:
-            kept_from = int(oldest.stem.split("-")[1])
-            done = replace(done, kept_from=kept_from)
             # First the marker (an auditor starts from the round it names), then the files.
             if self.pruned_from() != kept_from:
                 marker = json.dumps({"kept_from_round": kept_from}, sort_keys=True)

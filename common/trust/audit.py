@@ -69,7 +69,12 @@ from hypertrain.common.rounds.replay import (
     RelayReplay,
     ReplayError,
 )
-from hypertrain.common.rounds.store import FRAGMENT_DIR, LAWA_FILE
+from hypertrain.common.rounds.store import (
+    FRAGMENT_DIR,
+    LAWA_FILE,
+    checkpoint_path,
+    checkpoints_of,
+)
 from hypertrain.common.rounds.store import pruned_from as store_pruned_from
 from hypertrain.common.shards import relay_members
 from hypertrain.common.trust import merkle
@@ -319,7 +324,7 @@ class Auditor:
         for e in entries:
             if e.kind == (GlobalAppliedEntry.KIND if relay else GlobalMergeEntry.KIND):
                 commits[int(e.body["round"])] = e
-        files = {int(p.stem.split("-")[1]): p for p in (folder / "checkpoints").glob("round-*.pt")}
+        files = checkpoints_of(folder)
         for round_ in sorted(set(files) - set(commits)):
             raise AuditError(
                 f"{tape}: truncated tape: {files[round_].name} was written for round {round_}, "
@@ -389,7 +394,7 @@ class Auditor:
                 if relay or i < len(files) - 1 or f.entry.body["sync_step"] == self.cfg.steps:
                     raise AuditError(
                         f"{tape} {_where(f.entry)}: the checkpoint of round {f.round} is "
-                        f"missing ({tape.parent / 'checkpoints' / f'round-{f.round:06d}.pt'})"
+                        f"missing ({checkpoint_path(tape.parent, f.round)})"
                     )
                 continue
             ck = torch.load(f.path, weights_only=True, mmap=True)
@@ -479,16 +484,12 @@ class Auditor:
         relay its checkpoint or, if it took no merge of that round, a kept one before, or
         none if it took no merge yet and never pruned (``_load_segment``); None when no
         node pruned, or no such round is left."""
-        lay = self.layout
-        marks = {
-            folder: m
-            for folder in (lay.aggregator, *lay.relays.values())
-            if (m := store_pruned_from(folder)) is not None
-        }
+        marks = self._markers()
         if not marks:
             return None
-        relays = {folder: _checkpoint_rounds(folder) for folder in lay.relays.values()}
-        for r in _checkpoint_rounds(lay.aggregator):
+        lay = self.layout
+        relays = {folder: list(checkpoints_of(folder)) for folder in lay.relays.values()}
+        for r in checkpoints_of(lay.aggregator):
             if r < max(marks.values()):
                 continue
             if all(
@@ -499,12 +500,16 @@ class Auditor:
                 return r
         return None
 
+    def _markers(self) -> dict[Path, int]:
+        """Each node folder that holds a pruning marker, and the oldest round it keeps."""
+        folders = (self.layout.aggregator, *self.layout.relays.values())
+        return {f: m for f in folders if (m := store_pruned_from(f)) is not None}
+
     def _pruned_hint(self) -> str:
         """After a whole-run audit failed: the round a segment audit can start from, when
         nodes pruned their oldest rounds ("" when none did)."""
-        folders = (self.layout.aggregator, *self.layout.relays.values())
         try:
-            pruned = sorted(str(f.name) for f in folders if store_pruned_from(f) is not None)
+            pruned = sorted(f.name for f in self._markers())
             start = self.pruned_from() if pruned else None
         except HypertrainError as e:  # a damaged marker: the error above stands, with this
             return str(e)
@@ -844,8 +849,7 @@ class Auditor:
         verified: dict[str, list[Entry]],
     ) -> dict[str, int]:
         """Start from the checkpoints of global round ``round_``, checked against the tapes."""
-        name = f"round-{round_:06d}.pt"
-        path = self.layout.aggregator / "checkpoints" / name
+        path = checkpoint_path(self.layout.aggregator, round_)
         if not path.is_file():
             raise AuditError(f"no aggregator checkpoint for round {round_} ({path})")
         ck = torch.load(path, weights_only=True)
@@ -875,8 +879,9 @@ class Auditor:
             # region was left out at a cutoff, or followed: it rejoins later), its newest
             # before, if it applied nothing between (its state then is its state now).
             rentries = verified[relay_key(region)]
-            older = [r for r in _checkpoint_rounds(folder) if r <= round_]
-            rpath = folder / "checkpoints" / f"round-{older[-1]:06d}.pt" if older else None
+            kept = checkpoints_of(folder)
+            older = [r for r in kept if r <= round_]
+            rpath = kept[older[-1]] if older else None
             rck = torch.load(rpath, weights_only=True) if rpath is not None else {}
             seq = int(rck.get("tape_seq", 0))  # none: it took no merge yet, replayed whole
             since = [
@@ -887,7 +892,7 @@ class Auditor:
             if since:
                 raise AuditError(
                     f"no relay checkpoint of {region} for round {round_} "
-                    f"({folder / 'checkpoints' / name}), and it applied round {since[0].round} "
+                    f"({checkpoint_path(folder, round_)}), and it applied round {since[0].round} "
                     f"after {'its start' if rpath is None else rpath.name}"
                 )
             if rpath is None:
@@ -934,11 +939,6 @@ class Auditor:
         return starts
 
 
-def _checkpoint_rounds(folder: Path) -> list[int]:
-    """The rounds of the checkpoint files in a node's folder, oldest first."""
-    return sorted(int(p.stem.split("-")[1]) for p in (folder / "checkpoints").glob("round-*.pt"))
-
-
 def _residual_left(entries: list[Entry], end: int, numel: int) -> str:
     """The digest of a relay's error feedback after its first ``end`` entries: what its last
     forward left (a relay that rejoined after a cutoff, or followed the rounds of an empty
@@ -972,5 +972,4 @@ def audit_run(
 
 def iter_rounds(run_dir: Path) -> Iterator[int]:
     """Global rounds that have an aggregator checkpoint (segment starts)."""
-    for p in sorted((run_dir / "aggregator" / "checkpoints").glob("round-*.pt")):
-        yield int(p.stem.split("-")[1])
+    yield from checkpoints_of(run_dir / "aggregator")

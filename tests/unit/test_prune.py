@@ -19,6 +19,8 @@ from hypertrain.common.rounds.store import (
     NodeStore,
     Pruned,
     atomic_save,
+    checkpoint_path,
+    checkpoints_of,
 )
 from hypertrain.common.settings import AggregatorSettings, IslandSettings, RelaySettings
 from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout, audit_run
@@ -65,7 +67,7 @@ def pruned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def _rounds(folder: Path) -> list[int]:
-    return sorted(int(p.stem.split("-")[1]) for p in (folder / "checkpoints").glob("round-*.pt"))
+    return list(checkpoints_of(folder))
 
 
 def test_a_pruning_node_keeps_its_newest_rounds_and_changes_no_number(
@@ -138,7 +140,7 @@ def _round(store: NodeStore, r: int, inputs: list[bytes]) -> None:
         store.record(InputEntry(round=r, sync_step=r, sender=f"s{i}", digest=digest,
                                 size=len(data), codec="fp32", signature=""))  # fmt: skip
     seq, head = store.tape_position
-    atomic_save(store.checkpoints / f"round-{r:06d}.pt", {"tape_seq": seq, "tape_head": head})
+    atomic_save(checkpoint_path(store.folder, r), {"tape_seq": seq, "tape_head": head})
 
 
 def test_prune_deletes_only_what_no_kept_round_refers_to(tmp_path: Path) -> None:
@@ -157,7 +159,10 @@ def test_prune_deletes_only_what_no_kept_round_refers_to(tmp_path: Path) -> None
     # before it (a restart from it does not replay them), so they go with round 0's.
     assert (got.kept_from, got.checkpoints, got.inputs, got.error) == (1, 1, 2, "")
     assert got.bytes > len(b"old") + len(b"one")
-    assert [p.name for p in store.checkpoint_files()] == ["round-000001.pt", "round-000002.pt"]
+    assert [p.name for p in checkpoints_of(tmp_path).values()] == [
+        "round-000001.pt",
+        "round-000002.pt",
+    ]
     left = {p.name for p in store.published.iterdir()}
     assert left == {blob_digest(d) for d in (b"again", b"two", b"untaped")}
     assert store.pruned_from() == 1
