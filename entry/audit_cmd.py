@@ -20,7 +20,9 @@ Receipts are read from the run folder's island and relay state folders
 from islands elsewhere).
 
 ``--from-round G`` audits the segment after global round G's checkpoint and says so
-(``segment rounds ...``).  Pin the trusted keys you got out of band; the default (the
+(``segment rounds ...``); in a run with streaming fragments, after each fragment's round G,
+or ``--from-round G0,G1,...`` names each fragment's (``-``: that one from its start), as the
+whole audit of a pruned run suggests.  Pin the trusted keys you got out of band; the default (the
 run folder's own keys/trusted_keys.json) is for local runs.
 """
 
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.trust.audit import AuditError, audit_run
+from hypertrain.common.trust.audit import AuditError, audit_run, parse_rounds
 from hypertrain.common.trust.keys import TrustedKeys
 
 
@@ -52,11 +54,22 @@ def run_audit(args: argparse.Namespace) -> int:
     return 0 if report.complete or args.partial else 1
 
 
+def _rounds(text: str) -> object:
+    try:
+        return parse_rounds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("audit", help="verify a run's tapes and replay every merge")
     p.add_argument("run_dir", type=Path, help="the run folder (hypertrain up's --run-dir)")
     p.add_argument(
-        "--from-round", type=int, help="segment audit from this global round's checkpoint"
+        "--from-round",
+        type=_rounds,
+        metavar="G",
+        help="segment audit from this global round's checkpoint (a run with streaming "
+        "fragments: one round for all, or G0,G1,... one per fragment, - for one from its start)",
     )
     p.add_argument("--trusted-keys", type=Path, help="pinned public keys (trusted_keys.json)")
     p.add_argument(

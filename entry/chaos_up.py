@@ -41,7 +41,7 @@ from pathlib import Path
 
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.trust.audit import AuditError, audit_run
+from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout, audit_run
 from hypertrain.common.trust.keys import TrustedKeys
 from hypertrain.common.trust.schema import (
     GlobalAppliedEntry,
@@ -576,10 +576,12 @@ def cutoff_lines(cfg: RunConfig, cutoffs: list[dict[str, str]]) -> list[str]:
 
 
 def audit_line(run_dir: Path) -> tuple[str, str | None]:
-    """The audit's verdict line, and the final digest it recomputed (None: it failed)."""
+    """The audit's verdict line, and the final digest it recomputed (None: it failed):
+    from the oldest round every node kept, when they pruned (``--keep-rounds``)."""
     try:
         trusted = TrustedKeys.load(run_dir / "keys" / "trusted_keys.json")
-        report = audit_run(run_dir, trusted)
+        start = Auditor(RunLayout.of(run_dir), trusted).pruned_from()
+        report = audit_run(run_dir, trusted, start)
     except AuditError as e:
         return f"audit FAILED: {e}", None
     except HypertrainError as e:

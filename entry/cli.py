@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the islands train (cuda: rank r on cuda:r, NCCL between the ranks)",
     )
     up.add_argument(
+        "--keep-rounds",
+        type=int,
+        default=0,
+        metavar="K",
+        help="relays and the aggregator keep the checkpoints and inputs of their newest K "
+        "global rounds only (K >= 2; default 0: every round), and the run is audited from "
+        "the oldest kept (docs/operations.md, Disk)",
+    )
+    up.add_argument(
         "--chaos",
         type=int,
         metavar="SEED",

@@ -41,7 +41,7 @@ from hypertrain.chaos_up import (
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.rounds.store import FRAGMENT_DIR
+from hypertrain.common.rounds.store import FRAGMENT_DIR, check_keep_rounds
 from hypertrain.common.runflags import run_config_from_args
 from hypertrain.common.shards import relay_member
 from hypertrain.common.trust.certs import cert_path, ensure_certs
@@ -212,6 +212,7 @@ def start_cluster(
     env_of: Mapping[str, dict[str, str]] | None = None,
     hold: Collection[str] = (),
     island_device: str = "cpu",
+    keep_rounds: int = 0,
 ) -> list[Child]:
     """Start aggregator, relays and islands; returns them in start order.
 
@@ -223,6 +224,7 @@ def start_cluster(
 
     ``hold``: islands not started (``start_island`` starts them later: ``--chaos``).
     ``island_device``: where the islands train (``cuda``: NCCL between an island's ranks).
+    ``keep_rounds``: the relays' and the aggregator's ``--keep-rounds`` (0: every round).
     """
     keys = run_dir / "keys"
     names = daemon_key_names(cfg.topology)
@@ -231,6 +233,7 @@ def start_cluster(
     ensure_certs(keys, names)  # a run folder from before TLS has keys only
     env = child_env() | (extra_env or {})
     children: list[Child] = []
+    keep = ("--keep-rounds", str(keep_rounds)) if keep_rounds else ()
 
     def own(name: str) -> dict[str, str]:
         return env | (env_of or {}).get(name, {})
@@ -239,7 +242,7 @@ def start_cluster(
         run_dir,
         "aggregator",
         "hypertrain.aggregator",
-        ("--listen", "127.0.0.1:0", "--state-dir", str(run_dir / "aggregator")),
+        ("--listen", "127.0.0.1:0", "--state-dir", str(run_dir / "aggregator"), *keep),
         progress,
         own("aggregator"),
     )
@@ -254,6 +257,7 @@ def start_cluster(
                 *("--region", region, "--aggregator", agg_addr, "--listen", "127.0.0.1:0"),
                 *(("--shard", f"{i}/{count}") if count > 1 else ()),
                 *("--state-dir", str(run_dir / name)),
+                *keep,
             )
             relays.append(_spawn(run_dir, name, "hypertrain.relay", args, progress, own(name)))
     children.extend(relays)
@@ -402,6 +406,8 @@ def summary(cfg: RunConfig, progress: Progress, run_dir: Path, wall: float) -> t
 
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = run_config_from_args(args)
+    keep_rounds = getattr(args, "keep_rounds", 0)
+    check_keep_rounds(keep_rounds)  # refused before anything is written
     plan: ChaosPlan | None = None
     if getattr(args, "chaos", None) is not None:  # refused before anything is written
         plan = plan_chaos(cfg, args.chaos, args.island_ranks)
@@ -436,7 +442,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         ranks = dict.fromkeys(topo.island_ids(), args.island_ranks)
         hold = () if plan is None else (plan.standby,)
         children = start_cluster(cfg, run_dir, progress, island_ranks=ranks, hold=hold,
-                                 island_device=args.island_device)  # fmt: skip
+                                 island_device=args.island_device,
+                                 keep_rounds=keep_rounds)  # fmt: skip
         (run_dir / "processes.txt").write_text(
             "".join(f"{c.name} {c.proc.pid}\n" for c in children)
         )

@@ -102,6 +102,10 @@ from hypertrain.common.trust.schema import (
 )
 from hypertrain.common.trust.tape import CHECKPOINT, Entry, verify_tape
 
+FromRound = int | tuple[int | None, ...] | None
+"""Where a segment audit starts: a global round (of every streaming fragment), one per
+fragment (None: that fragment from its start), or None: the whole run."""
+
 
 class AuditError(HypertrainError):
     """The audit found a problem; the message names the first bad entry and why."""
@@ -173,6 +177,8 @@ class AuditReport:
     fragments: int = 1
     """Streaming fragments replayed (each its own tapes); rounds and steps are fragment
     0's, and the audit is complete when every fragment's replay reached the last step."""
+    starts: tuple[int, ...] = ()
+    """A segment whose fragments started from different rounds: each one's first."""
 
     @property
     def complete(self) -> bool:
@@ -191,6 +197,7 @@ class AuditReport:
             f"{what} {self.first_round}..{self.last_round} of {self.rounds} (steps "
             f"{self.first_step}..{self.last_step} of {self.steps})"
             + (f" in {self.fragments} fragments" if self.fragments > 1 else "")
+            + (f" (from rounds {', '.join(map(str, self.starts))})" if self.starts else "")
             + f", {self.entries} entries and "
             f"{self.bytes} bytes checked, {self.receipts} receipts agree, final state digest "
             f"{self.final_digest}"
@@ -424,29 +431,28 @@ class Auditor:
                     f"{f.path}: checkpoint of round {f.round}: {problem} ({_where(f.entry)})"
                 )
 
-    def run(self, from_round: int | None = None) -> AuditReport:
+    def run(self, from_round: FromRound = None) -> AuditReport:
         """Audit the run (from global round ``from_round``'s checkpoints: a segment).  A
         run split into streaming fragments is replayed fragment by fragment, each from its
         nodes' own tapes and folders (``RunLayout.fragment``), as the run it is: its own
-        rounds, inputs, merges and checkpoints; the final state joins their last merges."""
+        rounds, inputs, merges and checkpoints; the final state joins their last merges.
+        A segment of such a run starts each fragment from its own round ``from_round``, or
+        from the round named for it (a tuple, one per fragment, None: from its start):
+        their rounds end at different steps, and each node prunes its fragment's own."""
+        try:
+            return self._run_fragments(from_round)
+        except AuditError as e:
+            # A file gone (a checkpoint, an input): say where the files left allow an
+            # audit from, if nodes pruned.
+            hint = "" if from_round is not None or "missing" not in str(e) else self._pruned_hint()
+            if hint:
+                raise AuditError(f"{e}; {hint}") from None
+            raise
+
+    def _run_fragments(self, from_round: FromRound) -> AuditReport:
+        starts = self._starts(from_round)
         if self.cfg.fragments == 1:
-            try:
-                report, _, _ = self._run(from_round)
-            except AuditError as e:
-                # A file gone (a checkpoint, an input): say where the files left allow an
-                # audit from, if nodes pruned.
-                hint = (
-                    "" if from_round is not None or "missing" not in str(e) else self._pruned_hint()
-                )
-                if hint:
-                    raise AuditError(f"{e}; {hint}") from None
-                raise
-            return report
-        if from_round is not None:
-            raise AuditError(
-                "a segment audit of a run with streaming fragments is not supported yet "
-                "(their rounds end at different steps): audit the whole run"
-            )
+            return self._run(starts[0])[0]
         whole = self.layout
         layout, theta0 = initial_parameters(self.cfg)
         reports, finals, averages = [], [], []
@@ -454,7 +460,8 @@ class Auditor:
             for fr in run_fragments(self.cfg, layout):
                 self.layout, self.fragment = whole.fragment(fr.index), fr.index
                 self._files, self._same_as_replay = {}, set()
-                report, final, average = self._run(None, theta0[fr.lo : fr.hi], layout)
+                part = theta0[fr.lo : fr.hi]
+                report, final, average = self._run(starts[fr.index], part, layout)
                 reports.append(report)
                 finals.append(final)
                 averages.append(average)
@@ -475,52 +482,74 @@ class Auditor:
             receipts=sum(r.receipts for r in reports),
             fragments=len(reports),
             lawa_digest=lawa,
+            segment=any(r.segment for r in reports),
+            starts=tuple(r.first_round for r in reports) if len(set(starts)) > 1 else (),
         )
 
-    def pruned_from(self) -> int | None:
+    def _starts(self, from_round: FromRound) -> list[int | None]:
+        """Where each fragment's replay starts (one entry when the run is not split)."""
+        n = self.cfg.fragments
+        if not isinstance(from_round, tuple):
+            return [from_round] * n
+        if len(from_round) != n:
+            raise AuditError(
+                f"{len(from_round)} rounds to start from ({round_arg(from_round)}), and the run "
+                f"has {n} streaming fragment{'s' if n > 1 else ''}: name one round, or one "
+                "per fragment"
+            )
+        return list(from_round)
+
+    def _layouts(self) -> list[RunLayout]:
+        """The node folders of each fragment (the run's own when it is not split)."""
+        if self.cfg.fragments == 1:
+            return [self.layout]
+        return [self.layout.fragment(i) for i in range(self.cfg.fragments)]
+
+    def pruned_from(self) -> FromRound:
         """Where a segment audit of a run whose nodes pruned (``--keep-rounds``) starts:
         the oldest round, no older than any node's pruning marker says it keeps
         (``store.pruned_from``), of which the aggregator has its checkpoint and every
         relay its checkpoint or, if it took no merge of that round, a kept one before, or
-        none if it took no merge yet and never pruned (``_load_segment``); None when no
-        node pruned, or no such round is left."""
-        marks = self._markers()
-        if not marks:
+        none if it took no merge yet and never pruned (``_load_segment``).  With streaming
+        fragments, that round of each fragment whose nodes pruned (None for one whose
+        nodes did not: replayed whole), as one round when they agree.  None when no node
+        pruned, or no such round is left for some fragment."""
+        if not self._markers():
             return None
-        lay = self.layout
-        relays = {folder: list(checkpoints_of(folder)) for folder in lay.relays.values()}
-        for r in checkpoints_of(lay.aggregator):
-            if r < max(marks.values()):
+        starts: list[int | None] = []
+        for lay in self._layouts():
+            if not _markers(lay):
+                starts.append(None)
                 continue
-            if all(
-                any(marks.get(folder, 0) <= x <= r for x in rounds)
-                or (folder not in marks and not any(x <= r for x in rounds))
-                for folder, rounds in relays.items()
-            ):
-                return r
-        return None
+            rounds = _segment_starts(lay)
+            if not rounds:
+                return None
+            starts.append(rounds[0])
+        return starts[0] if len(set(starts)) == 1 else tuple(starts)
 
     def _markers(self) -> dict[Path, int]:
-        """Each node folder that holds a pruning marker, and the oldest round it keeps."""
-        folders = (self.layout.aggregator, *self.layout.relays.values())
-        return {f: m for f in folders if (m := store_pruned_from(f)) is not None}
+        """Each node folder (of every fragment) that holds a pruning marker, and the oldest
+        round it keeps."""
+        return {f: m for lay in self._layouts() for f, m in _markers(lay).items()}
 
     def _pruned_hint(self) -> str:
         """After a whole-run audit failed: the round a segment audit can start from, when
         nodes pruned their oldest rounds ("" when none did)."""
         try:
-            pruned = sorted(f.name for f in self._markers())
-            start = self.pruned_from() if pruned else None
+            marks = self._markers()
+            start = self.pruned_from() if marks else None
         except HypertrainError as e:  # a damaged marker: the error above stands, with this
             return str(e)
-        if not pruned:
+        if not marks:
             return ""
-        gone = f"{', '.join(pruned)} pruned their oldest rounds (--keep-rounds)"
+        split = self.cfg.fragments > 1  # (a fragment's folder is in its node's)
+        names = sorted({f"{f.parent.name}/{f.name}" if split else f.name for f in marks})
+        gone = f"{', '.join(names)} pruned their oldest rounds (--keep-rounds)"
         if start is None:
             return f"{gone}, and no round's checkpoints are left on every node"
         return (
             f"{gone}: every node keeps what round {start} starts from, so "
-            f"`hypertrain audit --from-round {start}` audits the rounds after it"
+            f"`hypertrain audit --from-round {round_arg(start)}` audits the rounds after it"
         )
 
     def _run(
@@ -939,6 +968,53 @@ class Auditor:
         return starts
 
 
+def round_arg(rounds: FromRound) -> str:
+    """``rounds`` as ``--from-round`` takes it: ``R``, or ``R0,R1,...`` per streaming
+    fragment (``-``: that fragment from its start)."""
+    if not isinstance(rounds, tuple):
+        return "-" if rounds is None else str(rounds)
+    return ",".join("-" if r is None else str(r) for r in rounds)
+
+
+def parse_rounds(text: str) -> FromRound:
+    """``--from-round``'s value (``round_arg``'s form); ValueError naming what is wrong."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        rounds = tuple(None if p == "-" else int(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"{text!r}: a global round, or one per streaming fragment (R0,R1,...; - for a "
+            "fragment from its start)"
+        ) from None
+    if any(r is not None and r < 0 for r in rounds):
+        raise ValueError(f"{text!r}: a round is 0 or more")
+    return rounds[0] if len(rounds) == 1 else rounds
+
+
+def _markers(lay: RunLayout) -> dict[Path, int]:
+    """Each node folder of ``lay`` that holds a pruning marker, and the oldest round it keeps."""
+    folders = (lay.aggregator, *lay.relays.values())
+    return {f: m for f in folders if (m := store_pruned_from(f)) is not None}
+
+
+def _segment_starts(lay: RunLayout) -> list[int]:
+    """The rounds, oldest first, from which a segment audit of ``lay``'s nodes can start
+    (``Auditor.pruned_from``)."""
+    marks = _markers(lay)
+    floor = max(marks.values(), default=0)
+    relays = {folder: list(checkpoints_of(folder)) for folder in lay.relays.values()}
+    return [
+        r
+        for r in checkpoints_of(lay.aggregator)
+        if r >= floor
+        and all(
+            any(marks.get(folder, 0) <= x <= r for x in rounds)
+            or (folder not in marks and not any(x <= r for x in rounds))
+            for folder, rounds in relays.items()
+        )
+    ]
+
+
 def _residual_left(entries: list[Entry], end: int, numel: int) -> str:
     """The digest of a relay's error feedback after its first ``end`` entries: what its last
     forward left (a relay that rejoined after a cutoff, or followed the rounds of an empty
@@ -953,7 +1029,7 @@ def _residual_left(entries: list[Entry], end: int, numel: int) -> str:
 def audit_run(
     run_dir: Path,
     trusted: TrustedKeys,
-    from_round: int | None = None,
+    from_round: FromRound = None,
     receipts: tuple[Path, ...] = (),
     ca_cert: Path | None = None,
     threads: int | None = None,

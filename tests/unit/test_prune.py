@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hypertrain.cli import main
 from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.rounds.store import (
@@ -23,7 +24,14 @@ from hypertrain.common.rounds.store import (
     checkpoints_of,
 )
 from hypertrain.common.settings import AggregatorSettings, IslandSettings, RelaySettings
-from hypertrain.common.trust.audit import AuditError, Auditor, RunLayout, audit_run
+from hypertrain.common.trust.audit import (
+    AuditError,
+    Auditor,
+    RunLayout,
+    audit_run,
+    parse_rounds,
+    round_arg,
+)
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys, daemon_key_names
 from hypertrain.common.trust.ledger import flat_digest
 from hypertrain.common.trust.schema import InputEntry, parse
@@ -124,6 +132,75 @@ def test_a_node_killed_while_it_prunes_resumes_and_its_run_audits(
     start = Auditor(RunLayout.of(tmp_path), TRUSTED).pruned_from()
     assert start == 4
     audit_run(tmp_path, TRUSTED, from_round=start)
+
+
+SPLIT = RunConfig.from_dict({**CFG.to_dict(), "fragments": 2})
+"""CFG in two streaming fragments: fragment 1's first round is a partial one, so it
+ends the run with one round more than fragment 0."""
+
+
+def _run_split(run_dir: Path, keep: int) -> str:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.toml").write_text(config_toml(SPLIT))
+    cluster = toy_cluster(SPLIT, run_dir, KEYS, TRUSTED, keep_rounds=keep)
+    digest = flat_digest(drive(cluster).final_theta())
+    for actor in (*cluster.aggregators, *cluster.relays.values()):
+        actor.node.close()
+    return digest
+
+
+def test_a_pruned_run_in_streaming_fragments_is_audited_from_each_ones_kept_rounds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each fragment's nodes prune their own rounds; the whole audit names a round per
+    fragment to start from, and the segment audit from them ends on the whole run's
+    final state."""
+    whole = _run_split(tmp_path / "whole", keep=0)
+    pruned = _run_split(tmp_path / "pruned", keep=2)
+    assert pruned == whole
+    want = audit_run(tmp_path / "whole", TRUSTED)
+    run_dir = tmp_path / "pruned"
+    kept = [_rounds(run_dir / "aggregator" / f"fragment-{f}") for f in range(2)]
+    assert kept == [[4, 5], [5, 6]]
+    assert Auditor(RunLayout.of(run_dir), TRUSTED).pruned_from() == (4, 5)
+    with pytest.raises(AuditError, match=r"aggregator/fragment-0.*--from-round 4,5`"):
+        audit_run(run_dir, TRUSTED)
+    report = audit_run(run_dir, TRUSTED, from_round=(4, 5))
+    assert report.segment and report.complete and report.fragments == 2
+    assert report.starts == (5, 6) and "(from rounds 5, 6)" in report.summary()
+    assert report.final_digest == want.final_digest
+    # One round for every fragment: fragment 1's round 4 is gone.
+    with pytest.raises(AuditError, match="no aggregator checkpoint for round 4"):
+        audit_run(run_dir, TRUSTED, from_round=4)
+    with pytest.raises(AuditError, match=r"3 rounds to start from \(4,5,-\).*2 streaming"):
+        audit_run(run_dir, TRUSTED, from_round=(4, 5, None))
+    # The command line takes the rounds as the hint names them.
+    keys = run_dir / "trusted_keys.json"
+    keys.write_text(json.dumps(TRUSTED.to_json()))
+    cli = ["audit", str(run_dir), "--trusted-keys", str(keys)]
+    assert main([*cli, "--from-round", "4,5"]) == 0
+    assert "from rounds 5, 6" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main([*cli, "--from-round", "4,x"])
+    assert exit_.value.code == 2 and "'4,x': a global round" in capsys.readouterr().err
+    # A fragment whose nodes did not prune is replayed whole ("-").
+    report = audit_run(tmp_path / "whole", TRUSTED, from_round=(None, 5))
+    assert report.segment and report.starts == (0, 6)
+    assert report.final_digest == want.final_digest
+
+
+@pytest.mark.parametrize(
+    ("text", "rounds"), [("4", 4), ("4,5", (4, 5)), ("-, 3", (None, 3)), ("-", None)]
+)
+def test_from_round_takes_a_round_or_one_per_fragment(text: str, rounds: object) -> None:
+    assert parse_rounds(text) == rounds
+    assert parse_rounds(round_arg(rounds)) == rounds  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "why"), [("x", "a global round"), ("3,-2", "0 or more")])
+def test_a_bad_from_round_is_refused_naming_it(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_rounds(text)
 
 
 def _store(folder: Path, keep: int, seen: list[Pruned]) -> NodeStore:

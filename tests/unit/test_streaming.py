@@ -281,8 +281,13 @@ def test_the_audit_replays_each_fragment_and_joins_their_final_states(
     assert report.final_digest == state_digest(layout.unflatten(theta))
     assert report.receipts > 0
     assert " in 2 fragments, " in report.summary()
-    with pytest.raises(AuditError, match="segment audit of a run with streaming fragments"):
+    segment = audit_run(run_dir, TRUSTED, from_round=0)  # each fragment from its round 0
+    assert segment.segment and segment.complete and segment.first_round == 1
+    assert segment.final_digest == report.final_digest
+    # Fragment 0's round 1 is its last: a segment from there replays none of its rounds.
+    with pytest.raises(AuditError, match="fragment-0/tape: no global round after round 1"):
         audit_run(run_dir, TRUSTED, from_round=1)
+    assert audit_run(run_dir, TRUSTED, from_round=(0, 1)).starts == (1, 2)
 
 
 def test_the_audit_refuses_a_receipt_of_a_fragment_the_run_does_not_have(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hypertrain.common.config import RunConfig
+from hypertrain.common.fragments import run_fragments
 from hypertrain.common.roles import initial_parameters
 from hypertrain.common.rounds.local import Cluster, Crash, IslandActor, Observer
 from hypertrain.common.toy import ToyIsland
@@ -61,12 +62,14 @@ def toy_cluster(
     """The cluster of ``cfg`` (a toy model): with ``run_dir`` its nodes keep folders and
     tapes signed with ``keys``, and the checkpoints and inputs of ``keep_rounds`` global
     rounds (0: all); without, everything is in memory and untaped."""
-    _, theta0 = initial_parameters(cfg)
+    layout, theta0 = initial_parameters(cfg)
+    frags = run_fragments(cfg, layout) if cfg.fragments > 1 else None  # (streaming)
     restarter = Restarter()
     cluster = Cluster(
         cfg,
         theta0,
-        lambda i: ToyIsland(cfg, i, theta0),
+        lambda i: ToyIsland(cfg, i, theta0, frags),
+        fragments=frags,
         run_dir=run_dir,
         keys=keys if run_dir else {},
         trusted=trusted if run_dir else None,

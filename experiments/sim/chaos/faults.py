@@ -26,13 +26,11 @@ from hypertrain.common.toy import TOY_NUMEL
 REGIONS = ("a", "b", "c")
 
 
-def draw_keep_rounds(seed: int, cfg: RunConfig) -> int:
+def draw_keep_rounds(seed: int) -> int:
     """How many global rounds the nodes of ``seed``'s schedule keep (``NodeStore.prune``):
-    the fewest allowed in a third of the schedules without streaming fragments (whose
-    runs cannot be audited from a round yet), all of them otherwise; from a generator of
-    its own, so that every other draw is the seed's as before pruning existed."""
-    if cfg.fragments > 1:
-        return 0
+    the fewest allowed in a third of the schedules, all of them otherwise; from a
+    generator of its own, so that every other draw is the seed's as before pruning
+    existed."""
     return random.Random(f"keep-rounds-{seed}").choice((0, 0, MIN_KEEP_ROUNDS))
 
 

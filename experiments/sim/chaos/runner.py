@@ -202,7 +202,7 @@ def _run(
         anneal=None if kept is None or len(starts) != cfg.fragments else (starts, kept),
     )
     keys, trusted = _keys(tuple(daemon_key_names(topo)))
-    keep_rounds = draw_keep_rounds(out.seed, cfg)
+    keep_rounds = draw_keep_rounds(out.seed)
     out.config["keep_rounds"] = keep_rounds
     cluster = _cluster(
         cfg,
