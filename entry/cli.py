@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="relays and the aggregator keep the checkpoints and inputs of their newest K "
-        "global rounds only (K >= 2; default 0: every round), and the run is audited from "
-        "the oldest kept (docs/operations.md, Disk)",
+        "global rounds only (K >= 2; default 0: every round); audit the run from the oldest "
+        "kept (--chaos does: docs/operations.md, Disk)",
     )
     up.add_argument(
         "--chaos",

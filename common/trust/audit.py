@@ -177,8 +177,9 @@ class AuditReport:
     fragments: int = 1
     """Streaming fragments replayed (each its own tapes); rounds and steps are fragment
     0's, and the audit is complete when every fragment's replay reached the last step."""
-    starts: tuple[int, ...] = ()
-    """A segment whose fragments started from different rounds: each one's first."""
+    starts: tuple[int | None, ...] = ()
+    """A segment whose fragments started from different rounds: each one's round, as
+    ``--from-round`` names it (None: that fragment replayed from its start)."""
 
     @property
     def complete(self) -> bool:
@@ -197,7 +198,7 @@ class AuditReport:
             f"{what} {self.first_round}..{self.last_round} of {self.rounds} (steps "
             f"{self.first_step}..{self.last_step} of {self.steps})"
             + (f" in {self.fragments} fragments" if self.fragments > 1 else "")
-            + (f" (from rounds {', '.join(map(str, self.starts))})" if self.starts else "")
+            + (f" (fragments from rounds {round_arg(self.starts)})" if self.starts else "")
             + f", {self.entries} entries and "
             f"{self.bytes} bytes checked, {self.receipts} receipts agree, final state digest "
             f"{self.final_digest}"
@@ -483,7 +484,7 @@ class Auditor:
             fragments=len(reports),
             lawa_digest=lawa,
             segment=any(r.segment for r in reports),
-            starts=tuple(r.first_round for r in reports) if len(set(starts)) > 1 else (),
+            starts=tuple(starts) if len(set(starts)) > 1 else (),
         )
 
     def _starts(self, from_round: FromRound) -> list[int | None]:
@@ -491,11 +492,15 @@ class Auditor:
         n = self.cfg.fragments
         if not isinstance(from_round, tuple):
             return [from_round] * n
+        if len(from_round) != n and n == 1:
+            raise AuditError(
+                f"{len(from_round)} rounds to start from ({round_arg(from_round)}), and the run "
+                "is not split into streaming fragments: name one round"
+            )
         if len(from_round) != n:
             raise AuditError(
                 f"{len(from_round)} rounds to start from ({round_arg(from_round)}), and the run "
-                f"has {n} streaming fragment{'s' if n > 1 else ''}: name one round, or one "
-                "per fragment"
+                f"has {n} streaming fragments: name one round, or one per fragment"
             )
         return list(from_round)
 
@@ -549,7 +554,11 @@ class Auditor:
             return f"{gone}, and no round's checkpoints are left on every node"
         return (
             f"{gone}: every node keeps what round {start} starts from, so "
-            f"`hypertrain audit --from-round {round_arg(start)}` audits the rounds after it"
+            f"`hypertrain audit --from-round {start}` audits the rounds after it"
+            if not isinstance(start, tuple)
+            else f"{gone}: every node keeps what rounds {round_arg(start)} (one per fragment, "
+            f"-: from its start) start from, so `hypertrain audit --from-round "
+            f"{round_arg(start)}` audits the rounds after them"
         )
 
     def _run(

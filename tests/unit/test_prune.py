@@ -150,42 +150,45 @@ def _run_split(run_dir: Path, keep: int) -> str:
 
 
 def test_a_pruned_run_in_streaming_fragments_is_audited_from_each_ones_kept_rounds(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, pruned: tuple[Path, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each fragment's nodes prune their own rounds; the whole audit names a round per
     fragment to start from, and the segment audit from them ends on the whole run's
     final state."""
     whole = _run_split(tmp_path / "whole", keep=0)
-    pruned = _run_split(tmp_path / "pruned", keep=2)
-    assert pruned == whole
+    assert _run_split(tmp_path / "pruned", keep=2) == whole
     want = audit_run(tmp_path / "whole", TRUSTED)
     run_dir = tmp_path / "pruned"
     kept = [_rounds(run_dir / "aggregator" / f"fragment-{f}") for f in range(2)]
     assert kept == [[4, 5], [5, 6]]
     assert Auditor(RunLayout.of(run_dir), TRUSTED).pruned_from() == (4, 5)
-    with pytest.raises(AuditError, match=r"aggregator/fragment-0.*--from-round 4,5`"):
+    with pytest.raises(
+        AuditError, match=r"aggregator/fragment-0.*rounds 4,5 \(one per .*--from-round 4,5`"
+    ):
         audit_run(run_dir, TRUSTED)
     report = audit_run(run_dir, TRUSTED, from_round=(4, 5))
     assert report.segment and report.complete and report.fragments == 2
-    assert report.starts == (5, 6) and "(from rounds 5, 6)" in report.summary()
+    assert report.starts == (4, 5) and "(fragments from rounds 4,5)" in report.summary()
     assert report.final_digest == want.final_digest
     # One round for every fragment: fragment 1's round 4 is gone.
     with pytest.raises(AuditError, match="no aggregator checkpoint for round 4"):
         audit_run(run_dir, TRUSTED, from_round=4)
     with pytest.raises(AuditError, match=r"3 rounds to start from \(4,5,-\).*2 streaming"):
         audit_run(run_dir, TRUSTED, from_round=(4, 5, None))
+    with pytest.raises(AuditError, match=r"\(3,4\), and the run is not split .*: name one round"):
+        audit_run(pruned[0], TRUSTED, from_round=(3, 4))  # CFG, not split
     # The command line takes the rounds as the hint names them.
     keys = run_dir / "trusted_keys.json"
     keys.write_text(json.dumps(TRUSTED.to_json()))
     cli = ["audit", str(run_dir), "--trusted-keys", str(keys)]
     assert main([*cli, "--from-round", "4,5"]) == 0
-    assert "from rounds 5, 6" in capsys.readouterr().out
+    assert "fragments from rounds 4,5" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:
         main([*cli, "--from-round", "4,x"])
     assert exit_.value.code == 2 and "'4,x': a global round" in capsys.readouterr().err
     # A fragment whose nodes did not prune is replayed whole ("-").
     report = audit_run(tmp_path / "whole", TRUSTED, from_round=(None, 5))
-    assert report.segment and report.starts == (0, 6)
+    assert report.segment and report.starts == (None, 5)
     assert report.final_digest == want.final_digest
 
 
