@@ -492,15 +492,15 @@ class Auditor:
         n = self.cfg.fragments
         if not isinstance(from_round, tuple):
             return [from_round] * n
-        if len(from_round) != n and n == 1:
-            raise AuditError(
-                f"{len(from_round)} rounds to start from ({round_arg(from_round)}), and the run "
-                "is not split into streaming fragments: name one round"
-            )
         if len(from_round) != n:
+            run = (
+                "is not split into streaming fragments: name one round"
+                if n == 1
+                else f"has {n} streaming fragments: name one round, or one per fragment"
+            )
             raise AuditError(
-                f"{len(from_round)} rounds to start from ({round_arg(from_round)}), and the run "
-                f"has {n} streaming fragments: name one round, or one per fragment"
+                f"{len(from_round)} rounds to start from ({round_arg(from_round)}), and the "
+                f"run {run}"
             )
         return list(from_round)
 
@@ -519,17 +519,18 @@ class Auditor:
         fragments, that round of each fragment whose nodes pruned (None for one whose
         nodes did not: replayed whole), as one round when they agree.  None when no node
         pruned, or no such round is left for some fragment."""
-        if not self._markers():
-            return None
         starts: list[int | None] = []
         for lay in self._layouts():
-            if not _markers(lay):
+            marks = _markers(lay)
+            if not marks:
                 starts.append(None)
                 continue
-            rounds = _segment_starts(lay)
+            rounds = _segment_starts(lay, marks)
             if not rounds:
                 return None
             starts.append(rounds[0])
+        if all(r is None for r in starts):  # no node pruned
+            return None
         return starts[0] if len(set(starts)) == 1 else tuple(starts)
 
     def _markers(self) -> dict[Path, int]:
@@ -1006,10 +1007,9 @@ def _markers(lay: RunLayout) -> dict[Path, int]:
     return {f: m for f in folders if (m := store_pruned_from(f)) is not None}
 
 
-def _segment_starts(lay: RunLayout) -> list[int]:
+def _segment_starts(lay: RunLayout, marks: dict[Path, int]) -> list[int]:
     """The rounds, oldest first, from which a segment audit of ``lay``'s nodes can start
-    (``Auditor.pruned_from``)."""
-    marks = _markers(lay)
+    (``Auditor.pruned_from``); ``marks``: their pruning markers (``_markers``)."""
     floor = max(marks.values(), default=0)
     relays = {folder: list(checkpoints_of(folder)) for folder in lay.relays.values()}
     return [
