@@ -58,21 +58,28 @@ def test_part_a_counts_each_transfer_each_digest_and_each_sum_once() -> None:
     assert only(encode=1.0, copy=1.0).relay_e2e("int8", n_r, P, path, fwd) == 0.0
 
 
-def test_part_b_floor_is_one_islands_own_path() -> None:
-    """The other islands' deltas and forwards may have gone before this island's window,
-    and their copies of the merge may come after it: only its own path is a floor."""
+@pytest.mark.parametrize(("regions", "per"), [(1, 1), (1, 2), (2, 1)])
+def test_part_b_floor_is_everything_before_the_first_island_has_the_merge(
+    regions: int, per: int
+) -> None:
+    """The islands sync at the same step: every delta and every forward is made, sent and
+    summed and the outer step taken before any island's window can close; only the other
+    relays' and the other islands' copies of the merge may come after it."""
     delta, fwd = 250, 4 * P + 64
-    moved = delta + fwd + 4 * P + 4 * P  # to the relay, to the aggregator, back twice
-    signed = delta + fwd + 4 * P  # its delta, the forward, the merge
-    assert only(tcp=1.0).sync("int8", P, delta, fwd) == moved / 2
-    assert only(grpc_push=1.0).sync("int8", P, delta, fwd) == (delta + fwd) / 2
-    assert only(grpc_fetch=1.0).sync("int8", P, delta, fwd) == 2 * 4 * P / 2
-    assert only(digest=1.0).sync("int8", P, delta, fwd) == (moved + signed) / 2
-    assert only(encode=1.0).sync("int8", P, delta, fwd) == P / 2
-    assert only(int8_add=1.0).sync("int8", P, delta, fwd) == P / 2
-    assert only(fp32_add=1.0).sync("int8", P, delta, fwd) == P / 2
-    assert only(outer=1.0).sync("int8", P, delta, fwd) == P / 2
-    assert only(copy=1.0).sync("int8", P, delta, fwd) == 4 * P / 2
+    n = regions * per
+    pushed = n * delta + regions * fwd  # every delta to its relay, every forward up
+    fetched = 2 * 4 * P  # the merge to this island's relay, then to this island
+    signed = n * delta + regions * fwd + 4 * P  # each payload digested by its sender
+    assert only(tcp=1.0).sync("int8", regions, per, P, delta, fwd) == (pushed + fetched) / 2
+    assert only(grpc_push=1.0).sync("int8", regions, per, P, delta, fwd) == pushed / 2
+    assert only(grpc_fetch=1.0).sync("int8", regions, per, P, delta, fwd) == fetched / 2
+    digested = pushed + fetched + signed
+    assert only(digest=1.0).sync("int8", regions, per, P, delta, fwd) == digested / 2
+    assert only(encode=1.0).sync("int8", regions, per, P, delta, fwd) == n * P / 2
+    assert only(int8_add=1.0).sync("int8", regions, per, P, delta, fwd) == n * P / 2
+    assert only(fp32_add=1.0).sync("int8", regions, per, P, delta, fwd) == regions * P / 2
+    assert only(outer=1.0).sync("int8", regions, per, P, delta, fwd) == P / 2
+    assert only(copy=1.0).sync("int8", regions, per, P, delta, fwd) == 4 * P / 2
 
 
 @pytest.mark.parametrize(("regions", "per"), [(1, 2), (2, 1)])
@@ -94,8 +101,10 @@ def test_part_b_all_at_once_counts_every_island_of_the_case(regions: int, per: i
     assert only(fp32_add=1.0).sync_all("int8", regions, per, P, delta, fwd) == regions * P / 2
     assert only(outer=1.0).sync_all("int8", regions, per, P, delta, fwd) == P / 2
     assert only(copy=1.0).sync_all("int8", regions, per, P, delta, fwd) == n * 4 * P / 2
-    # never less than one island's own path
-    assert every.sync_all("int8", regions, per, P, delta, fwd) > every.sync("int8", P, delta, fwd)
+    # more than the first island's floor by the other copies of the merge alone
+    first = every.sync("int8", regions, per, P, delta, fwd)
+    copies = (regions - 1) + (n - 1)  # the other relays' and the other islands'
+    assert every.sync_all("int8", regions, per, P, delta, fwd) - first == copies * 2 * 4 * P / 2
 
 
 def test_a_missed_target_is_called_floor_only_when_the_floor_is_above_it() -> None:
@@ -136,10 +145,14 @@ def test_part_b_splits_off_the_wait_for_the_round_s_last_island() -> None:
         {"island": "eu-1", "step": 4, "sync_s": 6.5, "end": 108.0},
         {"island": "eu-0", "step": 6, "sync_s": 5.0, "end": 120.0},
     ]
-    bench.split_skew(syncs, {4: 103.0})
+    bench.split_skew(syncs, {4: 103.0}, {4: 105.5})
     assert [s["skew_s"] for s in syncs] == [1.5, 0.0, 0.0]
     assert [s["net_s"] for s in syncs] == [6.5, 6.5, 5.0]
     assert [s.get("to_commit_s") for s in syncs] == [1.5, 1.5, None]
     assert [s.get("after_commit_s") for s in syncs] == [5.0, 5.0, None]
+    # the aggregator commits its round at 105.5: 2.5 s after the relay's, 2.5 s before
+    # the islands take the merge
+    assert [s.get("forward_step_s") for s in syncs] == [2.5, 2.5, None]
+    assert [s.get("back_s") for s in syncs] == [2.5, 2.5, None]
     line = "event=sync role=island step=4 sync_s=6.5 ts=2026-12-05T09:38:24.234Z"
     assert bench.log_seconds(bench.parse_logfmt(line)) == 1796463504.234
