@@ -7,6 +7,7 @@ and the measurement is run on a small sample to see that it gives a cost for eve
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -156,3 +157,41 @@ def test_part_b_splits_off_the_wait_for_the_round_s_last_island() -> None:
     assert [s.get("back_s") for s in syncs] == [2.5, 2.5, None]
     line = "event=sync role=island step=4 sync_s=6.5 ts=2026-12-05T09:38:24.234Z"
     assert bench.log_seconds(bench.parse_logfmt(line)) == 1796463504.234
+
+
+def test_part_b_floor_of_each_sync_counts_what_could_go_before_the_last_end_of_training() -> None:
+    """Step 4: eu-0 ends training at 100.0, eu-1 at 100.5; the case's work before the
+    first island can have the merge is 2.0 s over the cores, one island's own path 0.75 s.
+    eu-1 (the last): its own path after its end (0.75) or the 2.0 s less the 0.5 s its
+    end came after the first (1.5), so 1.5.  eu-0: the 0.5 s wait plus the last island's
+    path (1.25) or the whole 2.0 s, so 2.0.  Step 2's syncs are not used."""
+    syncs = [
+        {"step": 2, "trained": 50.0, "skew_s": 0.0},
+        {"step": 4, "trained": 100.0, "skew_s": 0.5},
+        {"step": 4, "trained": 100.5, "skew_s": 0.0},
+    ]
+    work, disk = bench.sync_floors(syncs, [4], 2.0, 0.75, 0.25)
+    assert work == statistics.median([2.0, 1.5])
+    # the last island's delta, then its forward, after its end of training
+    assert disk == statistics.median([0.5 + 0.25, 0.25])
+    # far apart, the wait and the last island's own path are the floor
+    syncs[1]["trained"], syncs[1]["skew_s"] = 97.0, 3.5
+    work, _ = bench.sync_floors(syncs, [4], 2.0, 0.75, 0.25)
+    assert work == statistics.median([3.5 + 0.75, max(0.75, 2.0 - 3.5)])
+
+
+def test_costs_measured_twice_keep_the_lesser_of_each_piece() -> None:
+    a = only(tcp=1.0, digest=3.0, encode=2.0, fp32_add=5.0)
+    b = only(tcp=2.0, digest=1.0, encode=4.0, fp32_add=1.0, outer=1.0)
+    both = a.least(b)
+    assert (both.tcp, both.digest, both.outer) == (1.0, 1.0, 0.0)
+    assert both.encode == {"fp32": 0.0, "int8": 2.0}
+    assert both.decode_acc == {"fp32": 1.0, "int8": 0.0}
+    assert "decode+add" in both.describe()
+
+
+def test_part_b_split_without_the_aggregator_s_times_leaves_the_rest_whole() -> None:
+    syncs = [{"island": "eu-0", "step": 4, "sync_s": 8.0, "end": 108.0}]
+    bench.split_skew(syncs, {4: 103.0})
+    assert syncs[0]["after_commit_s"] == 5.0
+    assert "forward_step_s" not in syncs[0] and "back_s" not in syncs[0]
