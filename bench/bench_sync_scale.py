@@ -35,9 +35,9 @@ the relay's forward (4P + header) + the merge aggregator -> relay (4P) + relay -
 (4P).  A second table splits those syncs by the daemons' log times (``ts=``,
 ``split_skew``): the wait for the round's last island to finish training the step (no sync
 starts before every delta exists), then up to the relay's commit, then the rest, and that
-rest again at the aggregator's log line of its round (after its commit): the forward and the outer step, then
-the merge's way back to the island and applying it; the figure less that wait is
-``sync_wall_net_over_tcp``.
+rest again at the aggregator's log line of its round (after its commit): the forward and
+the outer step, then the merge's way back to the island and applying it; the figure less
+that wait is ``sync_wall_net_over_tcp``.
 
 Peak RSS of every daemon (max of VmHWM and VmRSS from /proc/<pid>/status, polled every
 0.1 s) is reported in bytes and as a multiple of m = 4P, the fp32 model size, beside the
@@ -371,7 +371,7 @@ class CoreCosts:
         n = regions * n_r
         pushed = n * delta + regions * fwd
         fetched = (relay_copies + island_copies) * 4 * P
-        senders = n * delta + regions * fwd + 4 * P  # each payload digested by its sender
+        senders = pushed + 4 * P  # each payload digested by its sender, the merge too
         work = (
             self.encode[codec] * n * P
             + self.moving(pushed, fetched)
@@ -385,9 +385,12 @@ class CoreCosts:
 
 
 def sync_floors(
-    syncs: list[dict[str, Any]], used_steps: Sequence[int], window_s: float, path_s: float,
+    syncs: list[dict[str, Any]],
+    used_steps: Sequence[int],
+    window_s: float,
+    path_s: float,
     chain_s: float,
-) -> tuple[float, float]:  # fmt: skip
+) -> tuple[float, float]:
     """Part B's floors of the median sync, in seconds: (work, durable writes).
 
     Each sync (``split_skew`` gave it ``trained``, its end of training, and ``skew_s``)
@@ -1423,9 +1426,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases:
             regions, per = c["regions"], c["islands_per_region"]
             delta, fwd = c["delta_bytes"], c["forward_bytes"]
-            # The floors: every island's delta durable at its relay and every region's
-            # forward at the aggregator before the merge exists, and the work before the
-            # first island can have it (CoreCosts.sync). Serial: every island's work and
+            # The floors of each sync, their median (sync_floors): the work before the
+            # first island can have the merge (CoreCosts.sync), and the last island's
+            # delta then its forward made durable. Serial: every island's work and
             # writes, one after another on one core.
             all_disk = (regions * per * delta + regions * fwd) / disk
             c["cpu_all_s"] = costs.sync_all(c["codec"], regions, per, P, delta, fwd)

@@ -151,8 +151,8 @@ def test_part_b_splits_off_the_wait_for_the_round_s_last_island() -> None:
     assert [s["net_s"] for s in syncs] == [6.5, 6.5, 5.0]
     assert [s.get("to_commit_s") for s in syncs] == [1.5, 1.5, None]
     assert [s.get("after_commit_s") for s in syncs] == [5.0, 5.0, None]
-    # the aggregator commits its round at 105.5: 2.5 s after the relay's, 2.5 s before
-    # the islands take the merge
+    # the aggregator logs its round at 105.5: 2.5 s after the relay's commit, 2.5 s
+    # before the islands take the merge
     assert [s.get("forward_step_s") for s in syncs] == [2.5, 2.5, None]
     assert [s.get("back_s") for s in syncs] == [2.5, 2.5, None]
     line = "event=sync role=island step=4 sync_s=6.5 ts=2026-12-05T09:38:24.234Z"
