@@ -15,14 +15,18 @@ Measured here, in one run, on the disk that holds ``--dir`` (default: the reposi
 
 - **baseline**: the round's files (a checkpoint and ``--inputs`` inputs, ``4P`` bytes
   each, written and fsynced as a node writes them) deleted with ``unlink`` and their
-  folders fsynced: what a prune cost before it had a trash;
+  folder fsynced: the deletes a prune made under the lock before it had a trash (less
+  the marker, the tape scan and one more folder fsync, which both make: the ratio
+  flatters the baseline);
 - **prune**: ``NodeStore.prune()`` of the same files after a real round (tape entries,
   checkpoint), its wall time (the time under the lock), then the time until its thread
   has deleted them (``wait_trash``: off the lock, on the cores).
 
 Baseline and prune alternate, ``--trials`` each, medians reported; the figure is
 ``prune_over_unlink``, the lock time's ratio to the baseline's (lower is better).  The
-files are in the page cache when they go, as a node's are (it wrote them moments ago).
+files are in the page cache when they go, as a node's are (it wrote them a round or two
+before).  Not measured here: how much the thread's deleting, on the cores and the disk's
+journal, slows what runs beside it.
 """
 
 from __future__ import annotations

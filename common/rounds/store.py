@@ -10,10 +10,13 @@ One folder per relay or aggregator (a daemon's ``--state-dir``)::
     lawa.pt                   aggregator: the LAWA average (RunConfig.lawa), after the last round
     final/<member>            members known to hold the run's final merge (shard eu/1: eu@1)
     pruned                    with keep_rounds, the oldest round kept (``PRUNED_FILE``)
-    trash/                    what a prune took away, deleted in the background (never state)
+    trash/                    what a prune took away or a crash left, deleted in the background
 
-Nothing is deleted unless the store keeps a number of rounds (``keep_rounds``, the
-daemons' ``--keep-rounds``): then, after each global round, the checkpoints of older
+No state is deleted unless the store keeps a number of rounds (``keep_rounds``, the
+daemons' ``--keep-rounds``); what a process that died mid-write left is not state, and a
+taped store moves it to the trash when it opens (``_sweep``: temp files of interrupted
+writes, a checkpoint's as large as the state; inputs published but never taped).  With
+``keep_rounds``, after each global round, the checkpoints of older
 rounds and the inputs only they need go (``prune``), the tape stays whole, and the run
 is auditable from the oldest round kept (a segment audit).  A prune moves the files into
 ``trash/`` (a rename: the same durable step, in microseconds) and deletes them there off
@@ -43,6 +46,7 @@ releases what is held first.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -68,6 +72,9 @@ from hypertrain.common.trust.schema import InputEntry, Record
 from hypertrain.common.trust.tape import Entry, TapeWriter
 
 LAWA_FILE = "lawa.pt"
+"""The aggregator's LAWA average, the run's final model when RunConfig.lawa is set."""
+STATE_FILE = "state.pt"
+"""The aggregator's hard link to its latest checkpoint."""
 PRUNED_FILE = "pruned"
 """A node that pruned: ``{"kept_from_round": R}``, written before it deletes anything of
 the rounds before R (an auditor starts a segment audit there)."""
@@ -77,10 +84,10 @@ which it resumes, and the one before, from which a relay recomputes a regional m
 the last completed round for an island that restarted (its parameters start that round;
 the round's inputs are taped after it)."""
 TRASH_DIR = "trash"
-"""Where a prune moves what it takes away, to be deleted off the driver's lock."""
+"""Where a prune moves what it takes away, and an open what a crash left, to be deleted
+off the driver's lock."""
 FRAGMENT_DIR = "fragment"
 """With streaming fragments, fragment f's node keeps its folder in ``<state-dir>/fragment-f``."""
-"""The aggregator's LAWA average, the run's final model when RunConfig.lawa is set."""
 
 Crash = Callable[[str], None]
 """A crash hook: called with a point's name where a process may die between two writes."""
@@ -179,29 +186,44 @@ def check_keep_rounds(keep_rounds: int) -> None:
 
 @dataclass(frozen=True)
 class Pruned:
-    """What one ``NodeStore.prune`` deleted: checkpoints of rounds before ``kept_from``
-    (``checkpoints`` files) and ``inputs`` published inputs; ``bytes`` freed in all."""
+    """What one ``NodeStore.prune`` took away: checkpoints of rounds before ``kept_from``
+    (``checkpoints`` files) and ``inputs`` published inputs; ``bytes`` in all (moved to
+    the trash, deleted there by the store's thread)."""
 
     kept_from: int
     checkpoints: int
     inputs: int
     bytes: int
     error: str = ""
-    """Why it stopped short (a file that could not be read or deleted); "" if it did not."""
+    """Why it stopped short (a file that could not be read or taken away); "" if it did not."""
+    trash_error: str = ""
+    """What the store's thread could not delete from the trash since the last prune (it
+    stays there and is tried again); "" if nothing."""
 
 
 def _discard(path: Path, trash: Path) -> int | None:
-    """Move the file ``path`` into ``trash`` (named by its folder and its own name, so
-    that a checkpoint and an input never meet there) if it is there; its size (None if
-    it was not).  Only files: anything else in its place is an error, as deleting it
-    would be."""
+    """Move ``path`` into ``trash`` (named by its folder and its own name, so that a
+    checkpoint and an input never meet there) if it is there; its size (None if it was
+    not).  A folder in its place is an error, as deleting it would be.  A trash that is
+    gone is made again; across file systems (a folder mounted apart) it is deleted here."""
     try:
         st = path.lstat()
-        if not stat.S_ISREG(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, "not a file, not pruned", str(path))
-        os.replace(path, trash / f"{path.parent.name}-{path.name}")
     except FileNotFoundError:
         return None
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a folder, not pruned", str(path))
+    target = trash / f"{path.parent.name}-{path.name}"
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        if not os.path.lexists(path):
+            return None  # gone meanwhile
+        trash.mkdir(parents=True, exist_ok=True)  # the trash was removed: made again
+        os.replace(path, target)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        path.unlink()
     return st.st_size
 
 
@@ -224,6 +246,33 @@ def empty_trash(trash: Path) -> list[str]:
         except OSError as e:
             errors.append(f"{type(e).__name__}: {e}")
     return errors
+
+
+def _first(errors: list[str]) -> str:
+    """The first of ``errors``, and how many more there were."""
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return errors[0] + more
+
+
+def temp_prefixes(*names: str) -> tuple[str, ...]:
+    """How the temp files of atomic writes of ``names`` begin (``_atomic``, ``atomic_link``)."""
+    return tuple(f".{name}." for name in names)
+
+
+def remove_temps(folder: Path, *names: str) -> tuple[int, int]:
+    """Delete the temp files that interrupted atomic writes of ``names`` left in
+    ``folder`` (a process killed mid-write); (files, bytes).  Call at start-up, before
+    anything writes those files."""
+    files = size = 0
+    if not folder.is_dir():
+        return 0, 0
+    for path in folder.iterdir():
+        if path.name.startswith(temp_prefixes(*names)) and path.is_file():
+            with contextlib.suppress(FileNotFoundError):
+                n = path.stat().st_size
+                path.unlink()
+                files, size = files + 1, size + n
+    return files, size
 
 
 def pruned_from(folder: Path) -> int | None:
@@ -265,16 +314,18 @@ class NodeStore:
         writer_init: Callable[[], None] | None = None,
         keep_rounds: int = 0,
         on_prune: Callable[[Pruned], None] | None = None,
+        on_sweep: Callable[[int, int], None] | None = None,
     ) -> None:
         """``key``: the node's signing key; without one nothing is taped (and a restart
         cannot resume).  ``checkpoint_every``: tape entries between signed tape checkpoints
         (None: the tape's default).  ``defer``: write deferrable checkpoints on a background
         thread; ``hold_s``: each of them first waits up to this long for ``release()`` (see
-        the module docstring); ``writer_init``: run first on that thread (e.g. to lower
-        its CPU priority).  ``keep_rounds``: keep the checkpoints of this many global rounds
+        the module docstring); ``writer_init``: run first on that thread and on the one
+        that empties the trash (e.g. to lower their CPU priority).  ``keep_rounds``: keep the checkpoints of this many global rounds
         and the inputs taped after the oldest of them (``prune``; 0: everything, the whole
         run stays auditable), and tell ``on_prune`` what each prune deleted (the daemons
-        log it)."""
+        log it).  ``on_sweep``: told (files, bytes) when the open found what a process
+        that died mid-write left (``_sweep``)."""
         check_keep_rounds(keep_rounds)
         self.keep_rounds = keep_rounds
         self.on_prune = on_prune
@@ -313,7 +364,10 @@ class NodeStore:
         self._trash_errors: list[str] = []
         """What the last emptying could not delete (said by the next prune)."""
         self._trash_lock = threading.Lock()
-        if any(self.trash.iterdir()):  # a prune's leftovers: a crash, or a stop mid-way
+        swept = self._sweep()
+        if swept[0] and on_sweep is not None:
+            on_sweep(*swept)
+        if any(self.trash.iterdir()):  # a prune's leftovers, or what the sweep found
             self._empty_trash()
 
     @property
@@ -480,28 +534,57 @@ class NodeStore:
         except (OSError, KeyError, RuntimeError, ValueError, HypertrainError) as e:
             errors.append(f"{type(e).__name__}: {e}")  # e.g. an unreadable checkpoint
         with self._trash_lock:  # what the last emptying of the trash could not delete
-            errors += [f"emptying {self.trash}: {e}" for e in self._trash_errors]
-            self._trash_errors = []
-        if done.checkpoints or done.inputs:
+            trash_errors, self._trash_errors = self._trash_errors, []
+        if done.checkpoints or done.inputs or trash_errors:
             self._empty_trash()
         if errors:
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            done = replace(done, error=errors[0] + more)
+            done = replace(done, error=_first(errors))
+        if trash_errors:
+            done = replace(done, trash_error=f"emptying {self.trash}: {_first(trash_errors)}")
         if self.on_prune is not None:
             self.on_prune(done)
         return done
 
+    def _sweep(self) -> tuple[int, int]:
+        """Move into the trash what a process that died mid-write left in this folder, on
+        a taped store only (its tape's lock says no other process writes here): the temp
+        files of interrupted atomic writes (a checkpoint's is the size of the state), and
+        published inputs no tape entry names (one published, then the process died before
+        its entry: nothing reads it, and a sender that sends it again publishes it again).
+        (files, bytes) moved."""
+        if self.tape is None:
+            return 0, 0
+        taped = {e.body["digest"] for e in self.tape.entries if e.kind == InputEntry.KIND}
+        found = list(self.checkpoints.glob(".*"))
+        found += [p for p in self.published.iterdir() if p.name not in taped]  # temps too
+        temps = temp_prefixes(LAWA_FILE, STATE_FILE, PRUNED_FILE)
+        found += [p for p in self.folder.iterdir() if p.name.startswith(temps)]
+        files = size = 0
+        for path in found:
+            with contextlib.suppress(OSError):  # what cannot be moved stays, as before
+                moved = _discard(path, self.trash)
+                if moved is not None:
+                    files, size = files + 1, size + moved
+        if files and self.sync:
+            for folder in (self.checkpoints, self.published, self.folder):
+                if folder.is_dir():
+                    fsync_dir(folder)
+        return files, size
+
     def _empty_trash(self) -> None:
         """Delete what is in the trash: on a thread of its own (inline where the store does
         not fsync: the fault simulation stays on one thread)."""
-        if not self.sync:
-            self._emptied()
-            return
-        if self._deleter is None:
-            self._deleter = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="trash", initializer=self._writer_init
-            )
-        self._deleter.submit(self._emptied)
+        if self.sync:
+            try:
+                if self._deleter is None:
+                    self._deleter = ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="trash", initializer=self._writer_init
+                    )
+                self._deleter.submit(self._emptied)
+                return
+            except RuntimeError:  # no thread to be had (a limit, or shutting down): here
+                pass
+        self._emptied()
 
     def _emptied(self) -> None:
         errors = empty_trash(self.trash)
@@ -510,7 +593,7 @@ class NodeStore:
 
     def wait_trash(self) -> None:
         """Wait until what was moved to the trash so far is deleted (or failed to be)."""
-        if self._deleter is not None:
+        if self._deleter is not None and not self.closed:
             self._deleter.submit(lambda: None).result()
 
     def pruned_from(self) -> int | None:

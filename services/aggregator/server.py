@@ -49,6 +49,7 @@ from hypertrain.wire.daemon import (
     fault_point,
     log_event,
     log_pruned,
+    log_swept,
     memory_fields,
     starting_parameters,
 )
@@ -273,6 +274,7 @@ class AggregatorService:
         self.numel = theta0.numel()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
+        where: dict[str, object] = {} if self.fragment is None else {"fragment": self.fragment}
         self.node = AggregatorNode(
             cfg,
             theta0,
@@ -286,9 +288,8 @@ class AggregatorService:
                 hold_s=CHECKPOINT_HOLD_S,
                 writer_init=lambda: lower_priority(CHECKPOINT_NICE),
                 keep_rounds=keep_rounds,
-                on_prune=log_pruned(
-                    "aggregator", {} if self.fragment is None else {"fragment": self.fragment}
-                ),
+                on_prune=log_pruned("aggregator", where),
+                on_sweep=log_swept("aggregator", where),
             ),
             trusted,
             security.ca_fingerprint,

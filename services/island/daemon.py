@@ -53,7 +53,7 @@ from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore
 from hypertrain.common.rounds.island import IslandRounds
 from hypertrain.common.rounds.machines import JOIN, LEAVE, Committed, Delta, MemberRequest
-from hypertrain.common.rounds.store import atomic_save, atomic_write
+from hypertrain.common.rounds.store import atomic_save, atomic_write, remove_temps
 from hypertrain.common.rounds.transport import Unavailable
 from hypertrain.common.schedule import PendingMerge
 from hypertrain.common.trust.keys import SigningKey, TrustedKeys
@@ -637,6 +637,12 @@ class Island:
 
         Training from it is deterministic, so the island re-sends bit-identical deltas
         for steps its relay already has (answered as duplicates) and catches up."""
+        if self.state_path is not None and self.lead:
+            # A kill mid-save left its temp file (the size of the rejoin state, several
+            # times the model's): nothing reads it, so it goes before the first save.
+            files, size = remove_temps(self.state_path.parent, self.state_path.name)
+            if files:
+                self._log("swept", role="island", island=self.island_id, files=files, bytes=size)
         if self.state_path is None or not self.state_path.exists():
             return 0
         state = torch.load(self.state_path, weights_only=True)

@@ -50,6 +50,7 @@ from hypertrain.wire.daemon import (
     fault_point,
     log_event,
     log_pruned,
+    log_swept,
     memory_fields,
     starting_parameters,
 )
@@ -125,7 +126,10 @@ class RelayService:
             key,
             crash=fault_point,
             keep_rounds=keep_rounds,
+            # the trash emptied behind the islands' transfers, as checkpoints are written
+            writer_init=lambda: lower_priority(CHECKPOINT_NICE),
             on_prune=log_pruned("relay", {"region": region, **where}),
+            on_sweep=log_swept("relay", {"region": region, **where}),
         )
         self.node = RelayNode(
             cfg,

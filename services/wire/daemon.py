@@ -187,12 +187,24 @@ def log_pruned(role: str, where: dict[str, object]) -> Callable[[Pruned], None]:
     naming the file it could not read or delete (the round is durable either way)."""
 
     def log(p: Pruned) -> None:
+        if p.trash_error:  # the deletes of an earlier prune, tried again now
+            log_event("warning", role=role, **where, message=p.trash_error)
         if p.error:
             log_event("warning", role=role, **where,
                       message=f"pruning rounds before {p.kept_from} stopped short: {p.error}")  # fmt: skip
             return
         log_event("pruned", role=role, **where, kept_from_round=p.kept_from,
                   checkpoints=p.checkpoints, inputs=p.inputs, bytes=p.bytes)  # fmt: skip
+
+    return log
+
+
+def log_swept(role: str, where: dict[str, object]) -> Callable[[int, int], None]:
+    """A NodeStore's ``on_sweep``: one ``event=swept`` line when it opened on what a
+    process that died mid-write left (temp files, inputs published but never taped)."""
+
+    def log(files: int, size: int) -> None:
+        log_event("swept", role=role, **where, files=files, bytes=size)
 
     return log
 

@@ -235,11 +235,23 @@ def test_a_killed_island_rejoins_from_its_state(
     if save == "live":
         monkeypatch.setenv("HYPERTRAIN_SAVE_COPY_BYTES", "0")
     cluster = Cluster(CFG, tmp_path / "run")
+    # The temp file a kill in the middle of a save leaves (``atomic_save``'s name for it):
+    # the restarted island deletes it before its first save.
+    torn = cluster.run_dir / "island-eu-1" / ".island.pt.k2j4h1x9"
+
+    def ready(log: str) -> bool:
+        if "kind=global" in log and "step=40 " in log:
+            torn.write_bytes(b"t" * 4096)
+            return True
+        return False
+
     try:
-        again = cluster.kill_island_and_restart(
-            "eu-1", lambda log: "kind=global" in log and "step=40 " in log
-        )
-        assert "event=resumed" in again.log_path.read_text()
+        again = cluster.kill_island_and_restart("eu-1", ready)
+        log = again.log_path.read_text()
+        assert "event=resumed" in log
+        # (the kill itself may have torn a save too: then it deletes that one as well)
+        assert re.search(r"event=swept role=island island=eu-1 files=[12] bytes=\d+", log), log
+        assert not list(torn.parent.glob(".island.pt.*"))
     finally:
         cluster.stop()
     digests = {e["digest"] for e in cluster.progress.done.values()}

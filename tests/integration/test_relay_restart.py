@@ -202,6 +202,12 @@ def _trial(
         assert again is not None, f"fault {fault} never fired"
         log = again.log_path.read_text()
         assert "event=recovered role=relay region=eu" in log, log
+        # What the kill left mid-write (a checkpoint's temp file) went when it restarted.
+        for sub in ("checkpoints", "published"):
+            left = [p.name for p in (run_dir / victim_name / sub).glob(".*")]
+            assert not left, (fault, sub, left)
+        if fault.startswith(("before_rename", "mid_write")):
+            assert "event=swept role=relay region=eu" in log, log
     finally:
         cluster.stop()
     digests = {e["digest"] for e in cluster.progress.done.values()}

@@ -6,7 +6,9 @@ the oldest round kept (the toy model, real files, no sockets)."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -276,26 +278,95 @@ def test_a_file_that_cannot_be_deleted_is_reported_and_deleted_next_time(tmp_pat
     store.close()
 
 
-def test_a_prune_moves_the_files_to_the_trash_and_a_thread_deletes_them(tmp_path: Path) -> None:
-    """Under the driver's lock a prune only renames (a model-sized unlink frees its pages
-    and extents, 0.1 s per 400 MB); the deleting is done on the store's own thread."""
-    from hypertrain.common.aggregate import blob_digest
-
-    seen: list[Pruned] = []
-    store = _store(tmp_path, 2, seen)
+def _three_rounds(folder: Path, seen: list[Pruned], sync: bool = True) -> NodeStore:
+    """A store that keeps 2 rounds and holds three (one to prune: a checkpoint and two
+    inputs, round 1's own being taped before its checkpoint)."""
+    store = NodeStore(
+        folder, "run", KEYS["aggregator"], keep_rounds=2, on_prune=seen.append, sync=sync
+    )
     for r in range(3):
         _round(store, r, [f"input {r}".encode()])
-    old = [checkpoint_path(tmp_path, 0), store.published / blob_digest(b"input 0")]
+    return store
+
+
+def _gone(folder: Path) -> list[str]:
+    """What a prune of ``_three_rounds`` takes away, as the trash names it."""
+    from hypertrain.common.aggregate import blob_digest
+
+    return sorted(
+        ["checkpoints-round-000000.pt"]
+        + [f"published-{blob_digest(f'input {r}'.encode())}" for r in (0, 1)]
+    )
+
+
+def test_a_prune_moves_the_files_to_the_trash_and_a_thread_deletes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the driver's lock a prune only renames (a model-sized unlink frees its pages
+    and extents, 0.1 s per 400 MB); the deleting is done on the store's own thread."""
+    import hypertrain.common.rounds.store as store_module
+
+    release, ran_on = threading.Event(), []
+    empty = store_module.empty_trash
+
+    def held(trash: Path) -> list[str]:
+        ran_on.append(threading.current_thread())
+        release.wait(10)
+        return empty(trash)
+
+    monkeypatch.setattr(store_module, "empty_trash", held)
+    seen: list[Pruned] = []
+    store = _three_rounds(tmp_path, seen)
     got = store.prune()
-    # (round 1's own input is taped before its checkpoint: a restart from it never reads it)
     assert got is not None and (got.checkpoints, got.inputs, got.error) == (1, 2, "")
-    assert not any(p.exists() for p in old)  # gone from their places at once
+    assert not checkpoint_path(tmp_path, 0).exists()  # gone from its place at once
+    assert sorted(p.name for p in store.trash.iterdir()) == _gone(tmp_path)  # not deleted yet
+    release.set()
     store.wait_trash()
     assert list(store.trash.iterdir()) == []
-    threads = {t.name.split("_")[0] for t in threading.enumerate()}
-    assert "trash" in threads  # not deleted on the caller's thread
+    assert ran_on and all(t is not threading.current_thread() for t in ran_on)
+    store.close()
+
+
+def test_close_waits_for_the_trash_to_be_emptied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hypertrain.common.rounds.store as store_module
+
+    empty = store_module.empty_trash
+
+    def slow(trash: Path) -> list[str]:
+        time.sleep(0.3)
+        return empty(trash)
+
+    monkeypatch.setattr(store_module, "empty_trash", slow)
+    store = _three_rounds(tmp_path, [])
+    assert store.prune() is not None
     store.close()
     assert list(store.trash.iterdir()) == []
+
+
+def test_a_store_that_does_not_fsync_empties_the_trash_on_its_own_thread(tmp_path: Path) -> None:
+    """The fault simulation's stores (``sync=False``) start no thread: the trash is
+    emptied before the prune returns."""
+    store = _three_rounds(tmp_path, [], sync=False)
+    got = store.prune()
+    assert got is not None and got.checkpoints == 1
+    assert list(store.trash.iterdir()) == [] and store._deleter is None
+    store.close()
+
+
+def test_a_prune_makes_a_removed_trash_again(tmp_path: Path) -> None:
+    """An operator who deleted ``trash/`` (it is never state) does not stop the pruning."""
+    seen: list[Pruned] = []
+    store = _three_rounds(tmp_path, seen)
+    shutil.rmtree(store.trash)
+    got = store.prune()
+    assert got is not None and (got.checkpoints, got.inputs, got.error) == (1, 2, "")
+    assert not checkpoint_path(tmp_path, 0).exists()
+    store.wait_trash()
+    assert list(store.trash.iterdir()) == []
+    store.close()
 
 
 @pytest.mark.parametrize("sync", [True, False])
@@ -314,11 +385,58 @@ def test_what_a_stopped_prune_left_in_the_trash_is_deleted_when_the_store_opens(
     store.close()
 
 
+def test_an_open_sweeps_what_a_process_that_died_mid_write_left(tmp_path: Path) -> None:
+    """Temp files of interrupted atomic writes (a checkpoint's is the state's size) and an
+    input published but never taped are not state: a taped store moves them to the trash
+    when it opens, says so, and keeps everything else."""
+    from hypertrain.common.aggregate import blob_digest
+
+    store = _store(tmp_path, 0, [])
+    _round(store, 0, [b"taped"])
+    store.publish(blob_digest(b"never taped"), b"never taped")
+    store.close()
+    leftovers = [
+        tmp_path / "checkpoints" / ".round-000001.pt.k2j4h1x9",
+        tmp_path / "published" / f".{blob_digest(b'x')}.a8s7d6f5",
+        tmp_path / "published" / ".incoming-q1w2e3r4.part",
+        tmp_path / ".lawa.pt.z9x8c7v6",
+        tmp_path / ".state.pt.4242.4243.link",
+    ]
+    for i, path in enumerate(leftovers):
+        path.write_bytes(b"t" * (100 + i))
+    kept = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    swept: list[tuple[int, int]] = []
+    again = NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=lambda *s: swept.append(s))
+    again.wait_trash()
+    size = sum(100 + i for i in range(len(leftovers))) + len(b"never taped")
+    assert swept == [(len(leftovers) + 1, size)]
+    left = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    gone = {p.relative_to(tmp_path) for p in leftovers}
+    gone.add(Path("published") / blob_digest(b"never taped"))
+    assert left == [p for p in kept if p not in gone]
+    assert (tmp_path / "published" / blob_digest(b"taped")).exists()
+    assert checkpoint_path(tmp_path, 0).exists()
+    again.close()
+    swept.clear()  # nothing is left: the next open finds nothing and says nothing
+    NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=lambda *s: swept.append(s)).close()
+    assert swept == []
+
+
+def test_a_store_without_a_tape_sweeps_nothing(tmp_path: Path) -> None:
+    """Without a tape there is no lock that says no other process writes here, nor a
+    record of what was taped: nothing is taken."""
+    leftover = tmp_path / "checkpoints" / ".round-000001.pt.k2j4h1x9"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"t")
+    (tmp_path / "published").mkdir()
+    (tmp_path / "published" / ("ab" * 32)).write_bytes(b"an input")
+    NodeStore(tmp_path, "run", None).close()
+    assert leftover.exists() and (tmp_path / "published" / ("ab" * 32)).exists()
+
+
 def _three_rounds_with_a_file_for_trash(folder: Path, seen: list[Pruned]) -> NodeStore:
-    """A store that kept three rounds (one to prune) and whose trash is a file."""
-    store = _store(folder, 2, seen)
-    for r in range(3):
-        _round(store, r, [f"input {r}".encode()])
+    """``_three_rounds``, and the trash is a file."""
+    store = _three_rounds(folder, seen)
     store.trash.rmdir()
     store.trash.write_bytes(b"not a folder")
     return store
@@ -354,11 +472,30 @@ def test_what_the_trash_could_not_delete_the_next_prune_reports(tmp_path: Path) 
     store.trash.unlink()
     store.trash.mkdir()
     got = store.prune()
-    assert got is not None and got.error.startswith(f"emptying {store.trash}: NotADirectoryError")
-    assert (got.checkpoints, got.inputs) == (1, 2)  # the prune itself went through
+    assert got is not None and got.error == ""  # the prune itself went through
+    assert got.trash_error.startswith(f"emptying {store.trash}: NotADirectoryError")
+    assert (got.checkpoints, got.inputs) == (1, 2) and seen == [got]
     store.wait_trash()
     assert list(store.trash.iterdir()) == []
     store.close()
+
+
+def test_a_daemon_logs_a_prune_and_what_the_trash_could_not_delete(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hypertrain.wire.daemon import log_pruned
+
+    log = log_pruned("relay", {"region": "eu"})
+    log(Pruned(3, 1, 2, 1200, trash_error="emptying /s/trash: PermissionError: no"))
+    log(Pruned(4, 0, 0, 0, error="IsADirectoryError: x"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("event=warning role=relay region=eu message=")
+    assert "emptying /s/trash: PermissionError: no" in lines[0]
+    assert lines[1].startswith(
+        "event=pruned role=relay region=eu kept_from_round=3 checkpoints=1 inputs=2 bytes=1200"
+    )
+    assert "pruning rounds before 4 stopped short: IsADirectoryError: x" in lines[2]
+    assert len(lines) == 3
 
 
 @pytest.mark.parametrize("cls", [RelaySettings, AggregatorSettings])
