@@ -16,6 +16,9 @@ seeds.  Nothing outside those runs turns a switch on: the set is empty unless
 - ``members_ignore_leaves``: a relay's membership fold forgets leaves, so it still waits
   for (or names absent) an island that left: found only by a checker that folds the
   taped changes itself.
+- ``no_sweep``: a node that opens its folder leaves what a crash left there (an input
+  published whose entry was never taped stays forever): found by the end-of-schedule
+  check that no node's folder holds such leftovers.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ KNOWN = (
     "merge_one_step_late",
     "publish_after_tape",
     "members_ignore_leaves",
+    "no_sweep",
 )
 _ON: set[str] = set()
 

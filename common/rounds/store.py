@@ -64,6 +64,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.utils.serialization import config as _torch_save_config
 
+from hypertrain.common import planted
 from hypertrain.common.aggregate import Blob
 from hypertrain.common.errors import ConfigError, HypertrainError
 from hypertrain.common.rounds.replay import PublishedFolder
@@ -552,15 +553,10 @@ class NodeStore:
         published inputs no tape entry names (one published, then the process died before
         its entry: nothing reads it, and a sender that sends it again publishes it again).
         (files, bytes) moved."""
-        if self.tape is None:
+        if self.tape is None or planted.on("no_sweep"):
             return 0, 0
-        taped = {e.body["digest"] for e in self.tape.entries if e.kind == InputEntry.KIND}
-        found = list(self.checkpoints.glob(".*"))
-        found += [p for p in self.published.iterdir() if p.name not in taped]  # temps too
-        temps = temp_prefixes(LAWA_FILE, STATE_FILE, PRUNED_FILE)
-        found += [p for p in self.folder.iterdir() if p.name.startswith(temps)]
         files = size = 0
-        for path in found:
+        for path in self.leftovers():
             with contextlib.suppress(OSError):  # what cannot be moved stays, as before
                 moved = _discard(path, self.trash)
                 if moved is not None:
@@ -570,6 +566,17 @@ class NodeStore:
                 if folder.is_dir():
                     fsync_dir(folder)
         return files, size
+
+    def leftovers(self) -> list[Path]:
+        """What a process that died mid-write would have left here (``_sweep`` takes it
+        at an open; the fault simulation checks, at a schedule's end, that none is left)."""
+        if self.tape is None:
+            return []
+        taped = {e.body["digest"] for e in self.tape.entries if e.kind == InputEntry.KIND}
+        found = list(self.checkpoints.glob(".*"))
+        found += [p for p in self.published.iterdir() if p.name not in taped]  # temps too
+        temps = temp_prefixes(LAWA_FILE, STATE_FILE, PRUNED_FILE)
+        return found + [p for p in self.folder.iterdir() if p.name.startswith(temps)]
 
     def _empty_trash(self) -> None:
         """Delete what is in the trash: on a thread of its own (inline where the store does

@@ -6,7 +6,8 @@ Default suite: 60 toy seeds and 2 seeds of the real tiny model.  Slow suite
 How soon each planted bug is found (tests below; common/planted.py):
 ``count_duplicate_twice`` within the first 10 seeds, ``publish_after_tape`` within the
 first 20, ``merge_one_step_late`` on the first seed, ``members_ignore_leaves`` within the
-first 12 (the checker folds the taped joins and leaves itself).
+first 12 (the checker folds the taped joins and leaves itself), ``no_sweep`` at seed 246
+(the first of seeds 0-399 whose crash leaves an input published and never taped).
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ def test_toy_schedules_break_no_invariant() -> None:
 
 
 @pytest.mark.parametrize(
-    "bug,within",
+    "bug,first,within",
     [
-        ("count_duplicate_twice", 10),
-        ("publish_after_tape", 20),
-        ("merge_one_step_late", 1),
-        ("members_ignore_leaves", 12),
+        ("count_duplicate_twice", 0, 10),
+        ("publish_after_tape", 0, 20),
+        ("merge_one_step_late", 0, 1),
+        ("members_ignore_leaves", 0, 12),
+        ("no_sweep", 240, 10),  # a crash between a publish and its entry, never resent
     ],
 )
-def test_a_planted_bug_is_found_within_a_few_seeds(bug: str, within: int) -> None:
-    for seed in range(within):
+def test_a_planted_bug_is_found_within_a_few_seeds(bug: str, first: int, within: int) -> None:
+    for seed in range(first, first + within):
         planted.enable(bug)
         outcome = run_schedule(seed)
         if outcome.violation is not None:

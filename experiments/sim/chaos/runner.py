@@ -299,12 +299,14 @@ def _run(
     for relay in cluster.relays.values():
         if not relay.alive:  # killed after the run needed it (a region an anneal left):
             relay.restart()  # its supervisor starts it once more; it resumes from its tape
-    for a in cluster.aggregators:
-        if a.alive:
-            a.node.close()
-    for r in cluster.relays.values():
-        if r.alive:
-            r.node.close()
+    nodes = [(a.name, a) for a in cluster.aggregators] + list(cluster.relays.items())
+    for name, actor in nodes:  # every node restarted after its last crash swept its folder
+        store = actor.node.store if actor.alive else None
+        if store is not None and (left := store.leftovers()):
+            raise Violation(f"{name}: what a crash left is still there: {[p.name for p in left]}")
+    for _, actor in nodes:
+        if actor.alive:
+            actor.node.close()
     relays = {m: run_dir / relay_key(m) for m in sorted(relay_members)}
     auditor = Auditor(RunLayout(cfg, run_dir / "aggregator", relays), trusted)
     # Nodes that prune keep their newest rounds: the run is audited from the oldest kept.
