@@ -16,7 +16,7 @@ seeds.  Nothing outside those runs turns a switch on: the set is empty unless
 - ``members_ignore_leaves``: a relay's membership fold forgets leaves, so it still waits
   for (or names absent) an island that left: found only by a checker that folds the
   taped changes itself.
-- ``no_sweep``: a node that opens its folder leaves what a crash left there (an input
+- ``no_sweep``: a node that resumes leaves what a crash left in its folder (an input
   published whose entry was never taped stays forever): found by the end-of-schedule
   check that no node's folder holds such leftovers.
 """

@@ -135,6 +135,12 @@ class _Node:
         """No encoding of a ``numel``-parameter delta is larger (fp32 plus a header): what
         a transport refuses before receiving it all."""
 
+    def _swept(self) -> None:
+        """After a recovery that found the tape and the folder agree: what a process that
+        died mid-write left goes (not before: a refused start leaves the folder as it was)."""
+        if self.store is not None:
+            self.store.sweep()
+
     @property
     def fragment(self) -> int | None:
         """The streaming fragment this node serves (None: the run is not split)."""
@@ -765,7 +771,12 @@ class RelayNode(_Node):
 
     # -- restart ---------------------------------------------------------------------------
     def recover(self) -> None:
-        """Resume from the latest checkpoint and the tape after it (module docstring)."""
+        """Resume from the latest checkpoint and the tape after it (module docstring),
+        then sweep what a crash left (``NodeStore.sweep``)."""
+        self._recover()
+        self._swept()
+
+    def _recover(self) -> None:
         store = self.store
         if store is None:
             return
@@ -984,7 +995,13 @@ class AggregatorNode(_Node):
         return switch
 
     def recover(self) -> bool:
-        """Resume from ``state.pt`` and the tape after it; False on a fresh start."""
+        """Resume from ``state.pt`` and the tape after it, then sweep what a crash left
+        (``NodeStore.sweep``); False on a fresh start."""
+        resumed = self._recover()
+        self._swept()
+        return resumed
+
+    def _recover(self) -> bool:
         store = self.store
         if store is None:
             return False

@@ -14,8 +14,9 @@ One folder per relay or aggregator (a daemon's ``--state-dir``)::
 
 No state is deleted unless the store keeps a number of rounds (``keep_rounds``, the
 daemons' ``--keep-rounds``); what a process that died mid-write left is not state, and a
-taped store moves it to the trash when it opens (``_sweep``: temp files of interrupted
-writes, a checkpoint's as large as the state; inputs published but never taped).  With
+taped node moves it to the trash once its recovery found tape and folder agree
+(``sweep``: temp files of interrupted writes, a checkpoint's as large as the state; an
+input published but never taped).  With
 ``keep_rounds``, after each global round, the checkpoints of older
 rounds and the inputs only they need go (``prune``), the tape stays whole, and the run
 is auditable from the oldest round kept (a segment audit).  A prune moves the files into
@@ -202,6 +203,24 @@ class Pruned:
     stays there and is tried again); "" if nothing."""
 
 
+@dataclass(frozen=True)
+class Swept:
+    """What ``NodeStore.sweep`` found of a process that died mid-write."""
+
+    files: int
+    """Files moved to the trash (temp files, and the untaped input)."""
+    bytes: int
+    untaped_kept: int = 0
+    """Published inputs no entry names that it left where they are: the tape began with
+    this open, or there were more than a crash leaves (``MAX_UNTAPED``)."""
+    error: str = ""
+    """A file it could not move (it stays)."""
+
+
+MAX_UNTAPED = 1
+"""The most published inputs without an entry that a crash leaves in a node's folder."""
+
+
 def _discard(path: Path, trash: Path) -> int | None:
     """Move ``path`` into ``trash`` (named by its folder and its own name, so that a
     checkpoint and an input never meet there) if it is there; its size (None if it was
@@ -315,7 +334,7 @@ class NodeStore:
         writer_init: Callable[[], None] | None = None,
         keep_rounds: int = 0,
         on_prune: Callable[[Pruned], None] | None = None,
-        on_sweep: Callable[[int, int], None] | None = None,
+        on_sweep: Callable[[Swept], None] | None = None,
     ) -> None:
         """``key``: the node's signing key; without one nothing is taped (and a restart
         cannot resume).  ``checkpoint_every``: tape entries between signed tape checkpoints
@@ -325,8 +344,7 @@ class NodeStore:
         that empties the trash (e.g. to lower their CPU priority).  ``keep_rounds``: keep the checkpoints of this many global rounds
         and the inputs taped after the oldest of them (``prune``; 0: everything, the whole
         run stays auditable), and tell ``on_prune`` what each prune deleted (the daemons
-        log it).  ``on_sweep``: told (files, bytes) when the open found what a process
-        that died mid-write left (``_sweep``)."""
+        log it).  ``on_sweep``: told what ``sweep`` found, when it found anything."""
         check_keep_rounds(keep_rounds)
         self.keep_rounds = keep_rounds
         self.on_prune = on_prune
@@ -365,10 +383,10 @@ class NodeStore:
         self._trash_errors: list[str] = []
         """What the last emptying could not delete (said by the next prune)."""
         self._trash_lock = threading.Lock()
-        swept = self._sweep()
-        if swept[0] and on_sweep is not None:
-            on_sweep(*swept)
-        if any(self.trash.iterdir()):  # a prune's leftovers, or what the sweep found
+        self.on_sweep = on_sweep
+        self._new_tape = self.tape is not None and not self.tape.entries
+        """The tape began with this open: it says nothing of what the folder held before."""
+        if any(self.trash.iterdir()):  # what a stop left there
             self._empty_trash()
 
     @property
@@ -546,30 +564,49 @@ class NodeStore:
             self.on_prune(done)
         return done
 
-    def _sweep(self) -> tuple[int, int]:
-        """Move into the trash what a process that died mid-write left in this folder, on
-        a taped store only (its tape's lock says no other process writes here): the temp
-        files of interrupted atomic writes (a checkpoint's is the size of the state), and
-        published inputs no tape entry names (one published, then the process died before
-        its entry: nothing reads it, and a sender that sends it again publishes it again).
-        (files, bytes) moved."""
-        if self.tape is None or planted.on("no_sweep"):
-            return 0, 0
+    def sweep(self) -> Swept:
+        """Move into the trash what a process that died mid-write left in this folder:
+        the temp files of interrupted atomic writes (a checkpoint's is the size of the
+        state) and a published input that no tape entry names (published, then the
+        process died before its entry: nothing reads it, and a sender that sends it again
+        publishes it again).  Told to ``on_sweep`` when it found anything.
+
+        The node calls it once its recovery found the tape and the folder agree (a
+        refused start leaves the folder as it was, for whoever looks into it), on a taped
+        store only (its tape's lock keeps any other taped process out).  A tape that began
+        with this open says nothing of the folder's inputs, which then stay; and as a
+        crash leaves at most one untaped input (publishing and taping one are one step
+        under the node's lock), several untaped ones are not a crash's: they stay and are
+        reported (``Swept.untaped_kept``)."""
+        found = [] if self.tape is None or planted.on("no_sweep") else self.leftovers()
+        untaped = [p for p in found if p.parent == self.published and not p.name.startswith(".")]
+        kept = len(untaped) if self._new_tape or len(untaped) > MAX_UNTAPED else 0
+        if kept:
+            found = [p for p in found if p not in untaped]
         files = size = 0
-        for path in self.leftovers():
-            with contextlib.suppress(OSError):  # what cannot be moved stays, as before
+        errors: list[str] = []
+        for path in found:
+            try:
                 moved = _discard(path, self.trash)
-                if moved is not None:
-                    files, size = files + 1, size + moved
+            except OSError as e:  # it stays; said below
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            if moved is not None:
+                files, size = files + 1, size + moved
         if files and self.sync:
             for folder in (self.checkpoints, self.published, self.folder):
                 if folder.is_dir():
                     fsync_dir(folder)
-        return files, size
+        swept = Swept(files, size, kept, _first(errors) if errors else "")
+        if files:
+            self._empty_trash()
+        if (files or kept or errors) and self.on_sweep is not None:
+            self.on_sweep(swept)
+        return swept
 
     def leftovers(self) -> list[Path]:
-        """What a process that died mid-write would have left here (``_sweep`` takes it
-        at an open; the fault simulation checks, at a schedule's end, that none is left)."""
+        """What a process that died mid-write would have left here (``sweep`` takes it
+        at a start; the fault simulation checks, at a schedule's end, that none is left)."""
         if self.tape is None:
             return []
         taped = {e.body["digest"] for e in self.tape.entries if e.kind == InputEntry.KIND}

@@ -34,7 +34,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.errors import ConfigError
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.roles import initial_parameters
-from hypertrain.common.rounds.store import Pruned
+from hypertrain.common.rounds.store import Pruned, Swept
 from hypertrain.common.runflags import add_run_config_flags, run_config_from_args
 from hypertrain.common.settings import DaemonSettings, load_tables
 from hypertrain.common.trust.certs import TlsFiles
@@ -199,12 +199,20 @@ def log_pruned(role: str, where: dict[str, object]) -> Callable[[Pruned], None]:
     return log
 
 
-def log_swept(role: str, where: dict[str, object]) -> Callable[[int, int], None]:
-    """A NodeStore's ``on_sweep``: one ``event=swept`` line when it opened on what a
-    process that died mid-write left (temp files, inputs published but never taped)."""
+def log_swept(role: str, where: dict[str, object]) -> Callable[[Swept], None]:
+    """A NodeStore's ``on_sweep``: one ``event=swept`` line for what a process that died
+    mid-write left (temp files, an input published but never taped), and a warning for
+    untaped inputs it left where they are or a file it could not move."""
 
-    def log(files: int, size: int) -> None:
-        log_event("swept", role=role, **where, files=files, bytes=size)
+    def log(s: Swept) -> None:
+        if s.files:
+            log_event("swept", role=role, **where, files=s.files, bytes=s.bytes)
+        if s.untaped_kept:
+            log_event("warning", role=role, **where, message=(
+                f"{s.untaped_kept} published inputs no tape entry names were left in place "
+                "(more than a crash leaves, or a tape begun on an older folder)"))  # fmt: skip
+        if s.error:
+            log_event("warning", role=role, **where, message=f"sweeping: {s.error}")
 
     return log
 

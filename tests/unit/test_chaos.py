@@ -75,6 +75,7 @@ def test_the_real_tiny_model_passes_a_few_seeds() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # about 1000 s on 2 cores (10 schedules/s)
 def test_ten_thousand_toy_schedules() -> None:
     s = run_seeds(range(10_000), processes=2)
     assert s.schedules == 10_000

@@ -23,6 +23,7 @@ from hypertrain.common.rounds.store import (
     TRASH_DIR,
     NodeStore,
     Pruned,
+    Swept,
     atomic_save,
     checkpoint_path,
     checkpoints_of,
@@ -385,52 +386,108 @@ def test_what_a_stopped_prune_left_in_the_trash_is_deleted_when_the_store_opens(
     store.close()
 
 
-def test_an_open_sweeps_what_a_process_that_died_mid_write_left(tmp_path: Path) -> None:
+def test_a_sweep_takes_what_a_process_that_died_mid_write_left(tmp_path: Path) -> None:
     """Temp files of interrupted atomic writes (a checkpoint's is the state's size) and an
-    input published but never taped are not state: a taped store moves them to the trash
-    when it opens, says so, and keeps everything else."""
+    input published but never taped are not state: a taped store's sweep moves them to
+    the trash, says so, and keeps everything else (state files of every kind included)."""
     from hypertrain.common.aggregate import blob_digest
 
     store = _store(tmp_path, 0, [])
     _round(store, 0, [b"taped"])
     store.publish(blob_digest(b"never taped"), b"never taped")
+    store.mark_final("eu/1")
     store.close()
+    for name in ("state.pt", "lawa.pt", PRUNED_FILE, "receipts", ".hidden-note"):
+        (tmp_path / name).write_bytes(b"state")  # names a sweep must not take
     leftovers = [
         tmp_path / "checkpoints" / ".round-000001.pt.k2j4h1x9",
         tmp_path / "published" / f".{blob_digest(b'x')}.a8s7d6f5",
         tmp_path / "published" / ".incoming-q1w2e3r4.part",
         tmp_path / ".lawa.pt.z9x8c7v6",
         tmp_path / ".state.pt.4242.4243.link",
+        tmp_path / f".{PRUNED_FILE}.p0o9i8u7",
     ]
     for i, path in enumerate(leftovers):
         path.write_bytes(b"t" * (100 + i))
     kept = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    swept: list[tuple[int, int]] = []
-    again = NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=lambda *s: swept.append(s))
+    swept: list[Swept] = []
+    again = NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=swept.append)
+    assert not swept and all(p.exists() for p in leftovers)  # not at the open: once asked
+    got = again.sweep()
     again.wait_trash()
     size = sum(100 + i for i in range(len(leftovers))) + len(b"never taped")
-    assert swept == [(len(leftovers) + 1, size)]
+    assert swept == [got] and got == Swept(len(leftovers) + 1, size)
     left = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     gone = {p.relative_to(tmp_path) for p in leftovers}
     gone.add(Path("published") / blob_digest(b"never taped"))
     assert left == [p for p in kept if p not in gone]
     assert (tmp_path / "published" / blob_digest(b"taped")).exists()
     assert checkpoint_path(tmp_path, 0).exists()
+    swept.clear()  # nothing is left: the next sweep finds nothing and says nothing
+    assert again.sweep() == Swept(0, 0) and swept == []
     again.close()
-    swept.clear()  # nothing is left: the next open finds nothing and says nothing
-    NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=lambda *s: swept.append(s)).close()
-    assert swept == []
+
+
+def test_a_sweep_leaves_untaped_inputs_that_no_crash_explains(tmp_path: Path) -> None:
+    """A crash leaves at most one input published without its entry: several, or inputs
+    found by a tape that began with this open (a folder written without a key, say),
+    stay where they are and are reported."""
+    from hypertrain.common.aggregate import blob_digest
+
+    published = tmp_path / "published"
+    published.mkdir()
+    for data in (b"one", b"two"):  # inputs of a start that kept no tape
+        (published / blob_digest(data)).write_bytes(data)
+    swept: list[Swept] = []
+    store = NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=swept.append)
+    assert store.sweep() == Swept(0, 0, untaped_kept=2) and len(swept) == 1
+    _round(store, 0, [b"taped"])  # this start's own input, taped
+    store.close()
+    again = NodeStore(tmp_path, "run", KEYS["aggregator"])  # the tape is older now
+    assert again.sweep() == Swept(0, 0, untaped_kept=2)  # still more than a crash leaves
+    (published / blob_digest(b"two")).unlink()
+    got = again.sweep()  # one: a crash's
+    assert (got.files, got.untaped_kept) == (1, 0)
+    assert [p.name for p in published.iterdir()] == [blob_digest(b"taped")]
+    again.close()
+
+
+def test_a_start_refused_for_its_tape_leaves_the_folder_as_it_was(tmp_path: Path) -> None:
+    """A relay whose tape is not the one its folder was written with (moved aside, or an
+    older copy restored) is refused before anything is swept: the inputs stay, and once
+    the tape is back the run audits."""
+    from hypertrain.common.roles import initial_parameters
+    from hypertrain.common.rounds.node import RelayNode
+
+    run_dir = tmp_path / "run"
+    _run(run_dir)
+    relay = run_dir / "relay-a"
+    before = sorted(p.name for p in (relay / "published").iterdir())
+    (relay / "tape").rename(tmp_path / "tape.aside")
+    swept: list[Swept] = []
+    store = NodeStore(relay, CFG.run_id, KEYS["relay-a"], on_sweep=swept.append)
+    _, theta0 = initial_parameters(CFG)
+    with pytest.raises(ConfigError, match="does not contain what"):
+        RelayNode(CFG, "a", theta0, store, TRUSTED).recover()
+    assert store.tape is not None
+    store.tape.close()
+    assert swept == [] and sorted(p.name for p in (relay / "published").iterdir()) == before
+    (relay / "tape").unlink()
+    (tmp_path / "tape.aside").rename(relay / "tape")
+    assert audit_run(run_dir, TRUSTED).final_digest
 
 
 def test_a_store_without_a_tape_sweeps_nothing(tmp_path: Path) -> None:
-    """Without a tape there is no lock that says no other process writes here, nor a
-    record of what was taped: nothing is taken."""
+    """Without a tape there is no lock that keeps other processes out, nor a record of
+    what was taped: nothing is taken."""
     leftover = tmp_path / "checkpoints" / ".round-000001.pt.k2j4h1x9"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"t")
     (tmp_path / "published").mkdir()
     (tmp_path / "published" / ("ab" * 32)).write_bytes(b"an input")
-    NodeStore(tmp_path, "run", None).close()
+    store = NodeStore(tmp_path, "run", None)
+    assert store.sweep() == Swept(0, 0)
+    store.close()
     assert leftover.exists() and (tmp_path / "published" / ("ab" * 32)).exists()
 
 

@@ -19,7 +19,7 @@ After every event (a message delivered, a step trained, a node crashed or restar
 At the end of the schedule (runner.py): the run completed; the final digest equals the
 fault-free run's when no step went ahead without a member (else every island still ends
 on one digest, invariant 5); no node's folder holds what a crash left
-(``NodeStore.leftovers``, swept when a node opens its folder again); and the run's tapes
+(``NodeStore.leftovers``, swept when a node's recovery resumes it); and the run's tapes
 pass the audit.
 """
 
