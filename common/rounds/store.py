@@ -214,7 +214,7 @@ class Swept:
     """Published inputs no entry names that it left where they are: the tape began with
     this open, or there were more than a crash leaves (``MAX_UNTAPED``)."""
     error: str = ""
-    """A file it could not move (it stays)."""
+    """A file it could not move or delete (it stays: the next start tries again)."""
 
 
 MAX_UNTAPED = 1
@@ -569,7 +569,9 @@ class NodeStore:
         the temp files of interrupted atomic writes (a checkpoint's is the size of the
         state) and a published input that no tape entry names (published, then the
         process died before its entry: nothing reads it, and a sender that sends it again
-        publishes it again).  Told to ``on_sweep`` when it found anything.
+        publishes it again), then deletes them there (on this thread: it runs at a start,
+        and what it cannot delete is said now, ``Swept.error``).  Told to ``on_sweep``
+        when it found anything.
 
         The node calls it once its recovery found the tape and the folder agree (a
         refused start leaves the folder as it was, for whoever looks into it), on a taped
@@ -597,9 +599,9 @@ class NodeStore:
             for folder in (self.checkpoints, self.published, self.folder):
                 if folder.is_dir():
                     fsync_dir(folder)
+        if files:  # here, not on the thread: at a start, and what fails is said now
+            errors += [f"emptying {self.trash}: {e}" for e in empty_trash(self.trash)]
         swept = Swept(files, size, kept, _first(errors) if errors else "")
-        if files:
-            self._empty_trash()
         if (files or kept or errors) and self.on_sweep is not None:
             self.on_sweep(swept)
         return swept

@@ -414,7 +414,7 @@ def test_a_sweep_takes_what_a_process_that_died_mid_write_left(tmp_path: Path) -
     again = NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=swept.append)
     assert not swept and all(p.exists() for p in leftovers)  # not at the open: once asked
     got = again.sweep()
-    again.wait_trash()
+    assert list(again.trash.iterdir()) == []  # deleted before it returns
     size = sum(100 + i for i in range(len(leftovers))) + len(b"never taped")
     assert swept == [got] and got == Swept(len(leftovers) + 1, size)
     left = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
@@ -475,6 +475,29 @@ def test_a_start_refused_for_its_tape_leaves_the_folder_as_it_was(tmp_path: Path
     (relay / "tape").unlink()
     (tmp_path / "tape.aside").rename(relay / "tape")
     assert audit_run(run_dir, TRUSTED).final_digest
+
+
+def test_what_a_sweep_cannot_move_stays_and_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hypertrain.wire.daemon import log_swept
+
+    store = _store(tmp_path, 0, [])
+    _round(store, 0, [b"taped"])
+    store.close()
+    temp = tmp_path / "checkpoints" / ".round-000001.pt.k2j4h1x9"
+    temp.write_bytes(b"t")
+    again = NodeStore(tmp_path, "run", KEYS["aggregator"], on_sweep=log_swept("aggregator", {}))
+    again.trash.rmdir()
+    again.trash.write_bytes(b"not a folder")
+    got = again.sweep()
+    assert got.files == 0 and "NotADirectoryError" in got.error and temp.exists()
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("event=warning role=aggregator message=") and "sweeping:" in line
+    again.trash.unlink()
+    again.trash.mkdir()
+    assert again.sweep().files == 1 and not temp.exists()  # tried again, at the next start
+    again.close()
 
 
 def test_a_store_without_a_tape_sweeps_nothing(tmp_path: Path) -> None:
