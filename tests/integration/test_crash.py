@@ -151,6 +151,10 @@ def _trial(
     report = audit_run(run_dir, TrustedKeys.load(run_dir / "keys" / "trusted_keys.json"))
     assert report.final_digest == reference
     assert report.last_round == cfg.steps // cfg.topology.h_g - 1
+    # What the kill left mid-write (a checkpoint's temp file) went when it resumed.
+    folder = run_dir / "aggregator"
+    left = [*(folder / "checkpoints").glob(".*"), *folder.glob(".state.pt.*")]
+    assert not left, (point, n, [p.name for p in left])
     return cluster
 
 
