@@ -86,8 +86,8 @@ which it resumes, and the one before, from which a relay recomputes a regional m
 the last completed round for an island that restarted (its parameters start that round;
 the round's inputs are taped after it)."""
 TRASH_DIR = "trash"
-"""Where a prune moves what it takes away, and an open what a crash left, to be deleted
-off the driver's lock."""
+"""Where a prune moves what it takes away (deleted off the driver's lock), and a sweep what
+a crash left."""
 FRAGMENT_DIR = "fragment"
 """With streaming fragments, fragment f's node keeps its folder in ``<state-dir>/fragment-f``."""
 
@@ -99,11 +99,22 @@ def no_crash(point: str) -> None:
     """The hook outside crash tests: nothing happens."""
 
 
+def temp_prefix(name: str) -> str:
+    """How the temp file of an atomic write of ``name`` begins (``_atomic``,
+    ``atomic_link``; a sweep finds what a killed write left by it)."""
+    return f".{name}."
+
+
+def temp_prefixes(*names: str) -> tuple[str, ...]:
+    """``temp_prefix`` of each of ``names``."""
+    return tuple(temp_prefix(name) for name in names)
+
+
 def _atomic(path: Path, write: Callable[[BinaryIO], None], crash: Crash, sync: bool) -> None:
     """Create ``path`` atomically: ``write`` into a temp file beside it, fsync, rename,
     fsync of the folder (``crash`` is called mid-write and before the rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name))
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -152,7 +163,7 @@ def atomic_save(path: Path, state: Any, crash: Crash = no_crash, sync: bool = Tr
 
 def atomic_link(source: Path, path: Path, sync: bool = True) -> None:
     """Make ``path`` a hard link to ``source`` atomically (link under a temp name, rename)."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.link"
+    tmp = path.parent / f"{temp_prefix(path.name)}{os.getpid()}.{threading.get_ident()}.link"
     tmp.unlink(missing_ok=True)
     os.link(source, tmp)
     try:
@@ -272,11 +283,6 @@ def _first(errors: list[str]) -> str:
     """The first of ``errors``, and how many more there were."""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return errors[0] + more
-
-
-def temp_prefixes(*names: str) -> tuple[str, ...]:
-    """How the temp files of atomic writes of ``names`` begin (``_atomic``, ``atomic_link``)."""
-    return tuple(f".{name}." for name in names)
 
 
 def remove_temps(folder: Path, *names: str) -> tuple[int, int]:
