@@ -146,7 +146,10 @@ def atomic_write(path: Path, data: Blob, crash: Crash = no_crash, sync: bool = T
 # checks (a flipped byte loads silently, with or without it), so nothing relied on it:
 # computing it was pure cost, the larger part of the CPU time of writing a model-sized
 # state (about 0.19 of 0.32 core-s per 400 MB on the 2-core box; issue 12).  Every
-# checkpoint, node state and island rejoin state is written through this module.
+# checkpoint, node state and island rejoin state is written through this module.  torch's
+# serialization config is per thread (a value set on one thread is not seen by another),
+# and the daemons save on writer threads, so it is set on the saving thread, at each save
+# (``atomic_save``); set here for the importing thread too.
 _torch_save_config.save.compute_crc32 = False
 
 
@@ -155,6 +158,7 @@ def atomic_save(path: Path, state: Any, crash: Crash = no_crash, sync: bool = Tr
     written from their own memory, never copied into a buffer first)."""
 
     def write(f: BinaryIO) -> None:
+        _torch_save_config.save.compute_crc32 = False  # on this thread (see above)
         torch.save(state, f)
         crash("mid_write")
 

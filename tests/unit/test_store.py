@@ -129,14 +129,25 @@ def test_a_held_checkpoint_is_written_after_the_hold_without_release(tmp_path: P
     store.close()
 
 
-def test_a_saved_state_skips_torch_s_unchecked_crc_and_loads_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("on", ["this thread", "a writer thread"])
+def test_a_saved_state_skips_torch_s_unchecked_crc_and_loads_bit_for_bit(
+    tmp_path: Path, on: str
+) -> None:
     """``atomic_save`` writes no CRC-32 into the zip records (torch.load never checks it,
-    and computing it was most of a save's CPU time); the state loads back exactly."""
+    and computing it was most of a save's CPU time); the state loads back exactly.  Also
+    on a thread that never imported the store, as the daemons' checkpoint writers and the
+    island's saver are (torch's serialization config is per thread: set only at import,
+    every save of the daemons still computed it)."""
     import zipfile
+    from concurrent.futures import ThreadPoolExecutor
 
     state = {"theta": torch.randn(100_000), "step": 3}
     path = tmp_path / "state.pt"
-    atomic_save(path, state)
+    if on == "this thread":
+        atomic_save(path, state)
+    else:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(atomic_save, path, state).result()
     with zipfile.ZipFile(path) as z:
         data = [i for i in z.infolist() if "/data/" in i.filename]
     assert data and all(i.CRC == 0 for i in data)
