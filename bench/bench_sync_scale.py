@@ -61,6 +61,15 @@ floor is out of reach here, whatever the code does; the tables mark it FLOOR.  B
 ``serial``: the same work and writes (in part B, every island's) done one after another on
 one core; a ratio above that is spent on work the floor does not count, or on waiting.
 
+Measured beside the floors (part B, ``sync_cpu``): in each sync's window, from /proc, the
+CPU seconds every daemon used (the relays', the aggregator's, the islands') and the
+machine's busy cores, and ``cpu_bound_over_tcp``: those seconds spread over every core,
+over the TCP time, the lowest ratio the work the daemons actually did allows however it
+overlapped.  Where the ratio is near that bound and the cores were busy, the sync is bound
+by the work done (more than the floor counts: writing the spool and the checkpoints,
+checking payloads, the kernel's socket and page-cache copies), and only doing less lowers it.
+``--cases fp32-1x2,...`` runs only those part B cases.
+
 The bench refuses (exit 2, one line) when MemAvailable is short of its estimate for the
 requested P (at 1e8 it estimates ~5.5 GiB for part A, ~8.4 GiB for part B; at 1e9 ~40
 and ~69 GiB), or when the run folders would not fit on the disk.  It stops every process it started (also on Ctrl-C, SIGTERM or an error) and
@@ -73,6 +82,7 @@ put out of reach.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import datetime as dt
 import json
@@ -110,6 +120,8 @@ from hypertrain.procs import Child, child_env, parse_logfmt, python_module
 MIB = 1 << 20
 TARGET_RELAY_E2E = 2.0
 TARGET_SYNC_WALL = 4.0
+#: Part B's cases (``--cases``): codec, then regions x islands per region.
+PART_B_CASES = ("fp32-1x2", "fp32-2x1", "int8-1x2", "int8-2x1")
 #: (multiple of m, constant bytes) of each daemon's peak-RSS target.
 RSS_LIMITS: dict[str, tuple[float, int]] = {
     "relay": (2.0, 64 * MIB),
@@ -534,8 +546,43 @@ def read_rss(pid: int) -> tuple[int, int]:
     return best, anon
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def read_cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of ``pid`` so far, in clock ticks (None when gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def read_busy_ticks() -> int:
+    """Clock ticks every core of the machine spent busy so far (``/proc/stat``: all but
+    idle and iowait), whoever ran: the daemons, the kernel's threads, anything else."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return 0
+    return sum(ticks) - ticks[3] - ticks[4]
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    t: float
+    """Unix time of the sample."""
+    daemons: dict[str, int]
+    """CPU clock ticks used so far, per watched process."""
+    busy: int
+    """``read_busy_ticks``."""
+
+
 class RssPoller:
-    """Polls the peak RSS of named processes every ``period`` seconds on a thread."""
+    """Polls the peak RSS of named processes every ``period`` seconds on a thread, and
+    their CPU time and the machine's (``cpu_in``)."""
 
     def __init__(self, period: float = 0.1) -> None:
         self.period = period
@@ -543,6 +590,7 @@ class RssPoller:
         self.peaks: dict[str, int] = {}
         self.anon: dict[str, int] = {}
         """Largest RssAnon seen per process (polled: a spike between polls is missed)."""
+        self.cpu: list[CpuSample] = []
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="rss", daemon=True)
@@ -560,6 +608,37 @@ class RssPoller:
                 peak, anon = read_rss(pid)
                 self.peaks[name] = max(self.peaks[name], peak)
                 self.anon[name] = max(self.anon[name], anon)
+            ticks = {name: read_cpu_ticks(pid) for name, pid in self.pids.items()}
+            self.cpu.append(
+                CpuSample(
+                    time.time(),
+                    {name: v for name, v in ticks.items() if v is not None},
+                    read_busy_ticks(),
+                )
+            )
+
+    def cpu_in(self, start: float, end: float) -> dict[str, Any] | None:
+        """CPU used between the Unix times ``start`` and ``end`` (from the first samples
+        at or after each; None when the samples do not span it): ``seconds`` between
+        those samples, ``daemons`` (CPU seconds per watched process that lived through
+        it) and ``busy_cores`` (the machine's busy clock ticks over the seconds, in
+        cores: what the daemons used and anything else that ran)."""
+        with self.lock:
+            times = [c.t for c in self.cpu]
+            i, j = bisect.bisect_left(times, start), bisect.bisect_left(times, end)
+            if j >= len(times) or j <= i:
+                return None
+            a, b = self.cpu[i], self.cpu[j]
+        seconds = b.t - a.t
+        return {
+            "seconds": seconds,
+            "daemons": {
+                name: (b.daemons[name] - v) / CLOCK_TICKS
+                for name, v in a.daemons.items()
+                if name in b.daemons
+            },
+            "busy_cores": (b.busy - a.busy) / CLOCK_TICKS / seconds,
+        }
 
     def _run(self) -> None:
         while not self.stopped.wait(self.period):
@@ -1078,6 +1157,7 @@ def run_sync_wall(
     relays = [v for k, v in peaks.items() if k.startswith("relay-")]
     islands = [v for k, v in peaks.items() if k.startswith("island-")]
     names = [c.name for c in cluster.children]
+    cpu = sync_cpu(used, poller, tcp_s)
     return {
         "case": f"{codec} {len(regions)}x{n_r}",
         "codec": codec,
@@ -1117,6 +1197,42 @@ def run_sync_wall(
             )
         },
         "log_lines": daemon_lines(run_dir, [n for n in names if not n.startswith("island-")]),
+        **cpu,
+    }
+
+
+def sync_cpu(used: list[dict[str, Any]], poller: RssPoller, tcp_s: float) -> dict[str, Any]:
+    """What the syncs ``used`` cost in CPU, measured from /proc (``RssPoller.cpu_in``),
+    each sync's window from its island's end of training to its next step: its ``cpu``
+    (adds it to each sync), and medians over them: ``cpu_s`` (every daemon's CPU seconds
+    in the window), ``cpu_by_role`` (the relays', the aggregator's, the islands'),
+    ``busy_cores`` (the machine's, whoever ran) and ``cpu_bound_over_tcp``: ``cpu_s``
+    spread over every core with none idle, over the TCP time: the lowest ratio the work
+    the daemons did in a sync allows, however it overlapped.  A ratio near that bound
+    with ``busy_cores`` near the core count is bound by that work: overlapping it more
+    cannot lower it, only doing less."""
+    roles = {"relay": "relay-", "aggregator": "aggregator", "islands": "island-"}
+    windows = []
+    for s in used:
+        got = poller.cpu_in(s["trained"], s["end"])
+        if got is None:
+            continue
+        s["cpu"] = got
+        windows.append(got)
+    if not windows:
+        return {}
+    cores = os.cpu_count() or 1
+    cpu_s = statistics.median(sum(w["daemons"].values()) for w in windows)
+    return {
+        "cpu_s": cpu_s,
+        "cpu_by_role": {
+            role: statistics.median(
+                sum(v for k, v in w["daemons"].items() if k.startswith(prefix)) for w in windows
+            )
+            for role, prefix in roles.items()
+        },
+        "busy_cores": statistics.median(w["busy_cores"] for w in windows),
+        "cpu_bound_over_tcp": cpu_s / cores / tcp_s,
     }
 
 
@@ -1226,8 +1342,23 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="P = 1e7 and a 64 MiB baseline: a smoke run"
     )
     ap.add_argument("--timeout", type=float, default=3600, help="part B: seconds per cluster run")
+    ap.add_argument(
+        "--cases",
+        default="all",
+        help="part B: the cases to run, comma-separated (fp32-1x2, fp32-2x1, int8-1x2, "
+        "int8-2x1), or all",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="echo the daemons' log events")
     args = ap.parse_args(argv)
+    wanted = PART_B_CASES if args.cases == "all" else tuple(args.cases.split(","))
+    unknown = sorted(set(wanted) - set(PART_B_CASES))
+    if unknown:
+        print(
+            f"bench_sync_scale: unknown part B case {unknown[0]!r}: one of "
+            f"{', '.join(PART_B_CASES)}",
+            file=sys.stderr,
+        )
+        return 2
 
     params = 1e7 if args.quick else args.params
     mcfg = shape_for(params)
@@ -1250,7 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
     # took up to 30m (part B, 2 regions x 1 island, fp32); each is removed after its run
     # unless --keep, which keeps them all.
     keep = args.keep.resolve() if args.keep else None
-    runs = len(codecs) * (1 + (args.shards > 1)) * ("A" in parts) + 4 * ("B" in parts)
+    runs = len(codecs) * (1 + (args.shards > 1)) * ("A" in parts) + len(wanted) * ("B" in parts)
     disk_need = int(DISK_PER_RUN_M * m) * (runs if keep else 1)
     where = keep or Path(tempfile.gettempdir())
     where.mkdir(parents=True, exist_ok=True)
@@ -1307,8 +1438,10 @@ def main(argv: list[str] | None = None) -> int:
             for codec in ("fp32", "int8"):
                 for regions, per in ((("eu",), 2), (("eu", "us"), 1)):
                     label = f"{codec} {len(regions)}x{per}"
-                    print(f"# part B: {label} ...", flush=True)
                     name = f"B-{codec}-{len(regions)}x{per}"
+                    if name[2:] not in wanted:
+                        continue
+                    print(f"# part B: {label} ...", flush=True)
                     cases.append(
                         run_sync_wall(
                             mcfg, regions, per, codec, root / name, rate, args.verbose, args.timeout
@@ -1497,6 +1630,29 @@ def main(argv: list[str] | None = None) -> int:
             "back (the merge to the relay and on to the island, which applies it); medians "
             "of the same syncs)"
         )
+        measured = [c for c in cases if "cpu_s" in c]
+        if measured:
+            print(
+                f"\n{'case':<14}{'ratio':>8}{'busy':>7}{'cpu s':>8}{'relay':>8}{'agg':>8}"
+                f"{'islands':>9}{'floor cpu':>11}{'cpu bound':>11}"
+            )
+            for c in measured:
+                by = c["cpu_by_role"]
+                print(
+                    f"{c['case']:<14}{c['ratio']:>8.1f}{c['busy_cores']:>7.2f}{c['cpu_s']:>8.2f}"
+                    f"{by['relay']:>8.2f}{by['aggregator']:>8.2f}{by['islands']:>9.2f}"
+                    f"{c['cpu_floor_s'] * (os.cpu_count() or 1):>11.2f}"
+                    f"{c['cpu_bound_over_tcp']:>11.1f}"
+                )
+            print(
+                "(measured from /proc in each sync's window, medians of the same syncs: busy: "
+                "the machine's busy cores, whoever ran; cpu s: CPU seconds the daemons used, "
+                "split into the relays', the aggregator's and the islands'; floor cpu: the "
+                "CPU seconds the floor counts (cpu s of the first table times the cores); cpu "
+                "bound: cpu s spread over every core, over tcp s: the lowest ratio the work "
+                "done allows, however it overlapped. A ratio near it, with busy near the core "
+                "count, is bound by work: only doing less lowers it)"
+            )
     if rss_rows:
         print(f"\n## peak RSS (m = {m / 2**20:.0f} MiB)")
         print(
@@ -1575,6 +1731,14 @@ def main(argv: list[str] | None = None) -> int:
             "relay_e2e_serial_over_tcp": int8["rounds"][-1]["serial_over_tcp"] if int8 else None,
             "sync_wall_serial_over_tcp_max": (
                 max(c["serial_over_tcp"] for c in cases) if cases else None
+            ),
+            # measured, not modelled: the daemons' CPU in the syncs (sync_cpu)
+            "sync_wall_cpu_bound_over_tcp_min": min(
+                (c["cpu_bound_over_tcp"] for c in cases if "cpu_bound_over_tcp" in c),
+                default=None,
+            ),
+            "sync_busy_cores_min": min(
+                (c["busy_cores"] for c in cases if "busy_cores" in c), default=None
             ),
             "core_costs": asdict(costs),
             # before the runs and after them (core_costs: the lesser of each piece)

@@ -195,3 +195,53 @@ def test_part_b_split_without_the_aggregator_s_times_leaves_the_rest_whole() -> 
     bench.split_skew(syncs, {4: 103.0})
     assert syncs[0]["after_commit_s"] == 5.0
     assert "forward_step_s" not in syncs[0] and "back_s" not in syncs[0]
+
+
+def _poller_with(samples: list[tuple[float, dict[str, int], int]]) -> bench.RssPoller:
+    poller = bench.RssPoller(period=3600.0)  # its thread polls nothing in this test
+    poller.stopped.set()
+    poller.thread.join()
+    poller.cpu = [bench.CpuSample(t, d, busy) for t, d, busy in samples]
+    return poller
+
+
+def test_cpu_of_a_sync_window_sums_each_role_from_the_samples_after_its_ends() -> None:
+    """Samples at 10, 11, 12.5 and 14 s; a sync from 10.5 to 12.2 is measured from the
+    samples at 11 and 12.5 (the first at or after each end); ticks are per CLOCK_TICKS."""
+    tick = bench.CLOCK_TICKS
+    names = ("relay-eu", "aggregator", "island-eu-0", "island-eu-1")
+    at = [
+        (10.0, (0, 0, 0, 0), 0),
+        (11.0, (1, 2, 3, 4), 10),
+        (12.5, (1 + 2 * tick, 2 + tick, 3 + tick // 2, 4 + tick // 2), 10 + 3 * tick),
+        (14.0, (9 * tick, 9 * tick, 9 * tick, 9 * tick), 20 * tick),
+    ]
+    poller = _poller_with([(t, dict(zip(names, v, strict=True)), busy) for t, v, busy in at])
+    used = [{"trained": 10.5, "end": 12.2}, {"trained": 10.9, "end": 12.5}]
+    got = bench.sync_cpu(used, poller, tcp_s=0.5)
+    assert used[0]["cpu"]["seconds"] == 1.5
+    assert used[0]["cpu"]["busy_cores"] == pytest.approx(2.0)
+    assert got["cpu_by_role"] == {"relay": 2.0, "aggregator": 1.0, "islands": 1.0}
+    assert got["cpu_s"] == 4.0 and got["busy_cores"] == pytest.approx(2.0)
+    cores = bench.os.cpu_count() or 1
+    assert got["cpu_bound_over_tcp"] == pytest.approx(4.0 / cores / 0.5)
+    # a window the samples do not span is left out, and with none there is no figure
+    assert bench.sync_cpu([{"trained": 13.0, "end": 15.0}], poller, 0.5) == {}
+
+
+def test_the_poller_reads_cpu_time_of_a_process_and_of_the_machine() -> None:
+    """Against this very process: burning CPU between two polls shows in both figures."""
+    poller = bench.RssPoller(period=3600.0)
+    poller.watch("island-me", bench.os.getpid())
+    poller.poll()
+    t0 = bench.time.time()
+    end = bench.time.process_time() + 0.3
+    while bench.time.process_time() < end:
+        pass
+    bench.time.sleep(0.05)
+    poller.poll()
+    poller.stop()
+    got = poller.cpu_in(t0 - 1.0, t0 + 0.01)
+    assert got is not None
+    assert 0.2 <= got["daemons"]["island-me"] <= 5.0
+    assert got["busy_cores"] > 0.0
