@@ -21,6 +21,7 @@ from hypertrain.wire.daemon import (
     daemon_parser,
     die_with_parent,
     fail,
+    freeze_heap,
     load_identity,
     load_run_config,
     load_security,
@@ -106,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             trusted,
         )
         island.install_signals()
+        freeze_heap()
         island.run()
         island.close()
         island = None

@@ -16,6 +16,7 @@ from hypertrain.wire.daemon import (
     call_guard,
     daemon_parser,
     fail,
+    freeze_heap,
     load_identity,
     load_run_config,
     load_security,
@@ -123,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         address = bind(server, settings.listen, security)
     except (HypertrainError, WireError, ValueError) as e:
         return fail("relay", str(e))
+    freeze_heap()
     server.start()
     code = run_until_signal(
         server,

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import datetime as dt
+import gc
 import os
 import signal
 import sys
@@ -319,6 +320,16 @@ def starting_parameters(cfg: RunConfig) -> tuple[ParamLayout, torch.Tensor]:
     layout, theta0 = initial_parameters(cfg, release=trim_heap)
     trim_heap()
     return layout, theta0
+
+
+def freeze_heap() -> None:
+    """Once a daemon has started (its imports, the model, its node recovered): every
+    object made so far leaves the cyclic collector's reach (``gc.freeze``).  They live as
+    long as the process; without this, each full collection (the transfers' allocations,
+    a few Python objects per 1 MiB message, trigger several a round) walked all of them
+    again.  Garbage made later is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def fault_point(name: str) -> None:
