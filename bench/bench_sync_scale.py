@@ -65,7 +65,8 @@ Measured beside the floors (part B, ``sync_cpu``): in each sync's window, from /
 CPU seconds every daemon used (the relays', the aggregator's, the islands') and the
 machine's busy cores, and ``cpu_bound_over_tcp``: those seconds spread over every core,
 over the TCP time, the lowest ratio the work the daemons actually did allows however it
-overlapped.  Where the ratio is near that bound and the cores were busy, the sync is bound
+overlapped (never above the ratio: how close it comes is the share of the cores the
+daemons kept busy).  Where it is near the ratio, the sync is bound
 by the work done (more than the floor counts: writing the spool and the checkpoints,
 checking payloads, the kernel's socket and page-cache copies), and only doing less lowers it.
 ``--cases fp32-1x2,...`` runs only those part B cases.
@@ -1208,9 +1209,13 @@ def sync_cpu(used: list[dict[str, Any]], poller: RssPoller, tcp_s: float) -> dic
     in the window), ``cpu_by_role`` (the relays', the aggregator's, the islands'),
     ``busy_cores`` (the machine's, whoever ran) and ``cpu_bound_over_tcp``: ``cpu_s``
     spread over every core with none idle, over the TCP time: the lowest ratio the work
-    the daemons did in a sync allows, however it overlapped.  A ratio near that bound
-    with ``busy_cores`` near the core count is bound by that work: overlapping it more
-    cannot lower it, only doing less."""
+    the daemons did in a sync allows, however it overlapped.  It can never be above the
+    ratio (a window holds at most cores x its seconds of CPU): how close it comes is the
+    share of the cores the daemons kept busy, the same fact as ``busy_cores`` less what
+    else ran.  Near the ratio, the sync is bound by that work: overlapping it more
+    cannot lower it, only doing less.  (Part B uses one sync step per case, and its
+    islands' windows overlap: these are one step's figures, which vary from run to run
+    with the VM's speed.)"""
     roles = {"relay": "relay-", "aggregator": "aggregator", "islands": "island-"}
     windows = []
     for s in used:
@@ -1345,12 +1350,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cases",
         default="all",
-        help="part B: the cases to run, comma-separated (fp32-1x2, fp32-2x1, int8-1x2, "
-        "int8-2x1), or all",
+        help="part B (part A ignores it): the cases to run, comma-separated (fp32-1x2, "
+        "fp32-2x1, int8-1x2, int8-2x1), or all",
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="echo the daemons' log events")
     args = ap.parse_args(argv)
-    wanted = PART_B_CASES if args.cases == "all" else tuple(args.cases.split(","))
+    wanted = (
+        PART_B_CASES
+        if args.cases == "all"
+        else tuple(dict.fromkeys(c.strip() for c in args.cases.split(",") if c.strip()))
+    )
     unknown = sorted(set(wanted) - set(PART_B_CASES))
     if unknown:
         print(
@@ -1641,17 +1650,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{c['case']:<14}{c['ratio']:>8.1f}{c['busy_cores']:>7.2f}{c['cpu_s']:>8.2f}"
                     f"{by['relay']:>8.2f}{by['aggregator']:>8.2f}{by['islands']:>9.2f}"
-                    f"{c['cpu_floor_s'] * (os.cpu_count() or 1):>11.2f}"
+                    f"{c['cpu_all_s'] * (os.cpu_count() or 1):>11.2f}"
                     f"{c['cpu_bound_over_tcp']:>11.1f}"
                 )
             print(
                 "(measured from /proc in each sync's window, medians of the same syncs: busy: "
                 "the machine's busy cores, whoever ran; cpu s: CPU seconds the daemons used, "
                 "split into the relays', the aggregator's and the islands'; floor cpu: the "
-                "CPU seconds the floor counts (cpu s of the first table times the cores); cpu "
-                "bound: cpu s spread over every core, over tcp s: the lowest ratio the work "
-                "done allows, however it overlapped. A ratio near it, with busy near the core "
-                "count, is bound by work: only doing less lowers it)"
+                "CPU seconds the floors' costs count for every island's sync of the case "
+                "(serial's work, without its writes); cpu bound: cpu s spread over every core, "
+                "over tcp s: the lowest ratio the work done allows, however it overlapped, at "
+                "most the ratio. A ratio near it, with busy near the core count, is bound by "
+                "work: only doing less lowers it)"
             )
     if rss_rows:
         print(f"\n## peak RSS (m = {m / 2**20:.0f} MiB)")
