@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from torch.utils.serialization import config as _torch_save_config
 
 from hypertrain.common import planted
 from hypertrain.common.aggregate import Blob
@@ -142,15 +141,21 @@ def atomic_write(path: Path, data: Blob, crash: Crash = no_crash, sync: bool = T
     _atomic(path, write, crash, sync)
 
 
-# torch.save's zip records carry a CRC-32 of every tensor's bytes, which torch.load never
-# checks (a flipped byte loads silently, with or without it), so nothing relied on it:
-# computing it was pure cost, the larger part of the CPU time of writing a model-sized
-# state (about 0.19 of 0.32 core-s per 400 MB on the 2-core box; issue 12).  Every
-# checkpoint, node state and island rejoin state is written through this module.  torch's
-# serialization config is per thread (a value set on one thread is not seen by another),
-# and the daemons save on writer threads, so it is set on the saving thread, at each save
-# (``atomic_save``); set here for the importing thread too.
-_torch_save_config.save.compute_crc32 = False
+def _torch_save(state: Any, f: BinaryIO | io.BytesIO) -> None:
+    """``torch.save`` without the CRC-32 of every record.  torch.load never checks it (a
+    flipped byte loads silently, with or without it), so nothing relied on it: computing
+    it was pure cost, the larger part of the CPU time of writing a model-sized state
+    (about 0.19 of 0.32 core-s per 400 MB on the 2-core box; issue 12).  Every
+    checkpoint, node state and island rejoin state is written through here.  The switch
+    is scoped to this call: torch's serialization config is per thread (the daemons save
+    on writer threads, which a value set at import never reached), and other code's
+    saves keep torch's default."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(state, f)
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def atomic_save(path: Path, state: Any, crash: Crash = no_crash, sync: bool = True) -> None:
@@ -158,8 +163,7 @@ def atomic_save(path: Path, state: Any, crash: Crash = no_crash, sync: bool = Tr
     written from their own memory, never copied into a buffer first)."""
 
     def write(f: BinaryIO) -> None:
-        _torch_save_config.save.compute_crc32 = False  # on this thread (see above)
-        torch.save(state, f)
+        _torch_save(state, f)
         crash("mid_write")
 
     _atomic(path, write, crash, sync)
@@ -318,7 +322,7 @@ def pruned_from(folder: Path) -> int | None:
 
 def save_state(state: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
-    torch.save(state, buf)
+    _torch_save(state, buf)
     return buf.getvalue()
 
 

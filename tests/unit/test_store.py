@@ -153,3 +153,8 @@ def test_a_saved_state_skips_torch_s_unchecked_crc_and_loads_bit_for_bit(
     assert data and all(i.CRC == 0 for i in data)
     back = load_state(path)
     assert back["step"] == 3 and torch.equal(back["theta"], state["theta"])
+    # the switch is the store's own: a plain torch.save on this thread still writes CRCs
+    plain = tmp_path / "plain.pt"
+    torch.save(state, plain)
+    with zipfile.ZipFile(plain) as z:
+        assert all(i.CRC != 0 for i in z.infolist() if "/data/" in i.filename)
