@@ -905,6 +905,7 @@ class RelayMachine:
         taped): what a merge recomputed for a restarted island must hash to."""
         self.done = False
         self._base_digest: str | None = None  # digest of core.base while it is unchanged
+        self._global_digest: str | None = None  # digest of core.theta while it is unchanged
         self._residual_digest: str | None = None  # digest of the residual while unchanged
 
     @property
@@ -1187,7 +1188,7 @@ class RelayMachine:
             self.level.skip_to(s)
         # The transport verified the digest of what arrived (the gRPC download checks the
         # header's tensor digest; in one process it is the aggregator's own record).
-        self._base_digest = event.digest or flat_digest(self.core.theta)
+        self._base_digest = self._global_digest = event.digest or flat_digest(self.core.theta)
         merge = self._global_merge(s, event.commitment)
         self.done = self.schedule.is_final(s)
         record = GlobalAppliedEntry(
@@ -1241,6 +1242,21 @@ class RelayMachine:
         """The merge islands apply for ``sync_step`` (this shard's part), once it exists."""
         return self.merges.get(sync_step)
 
+    def state_digest(self) -> str:
+        """``flat_digest`` of the state this relay holds: the regional base, or while a
+        global round is pending (the base is spent on the forward) the last global
+        parameters.  Taken from the digests the round logic records as it writes them (a
+        commit's new base, the global update's verified digest), and otherwise hashed once
+        and kept until either changes: asking for it (a daemon's Status, any caller) never
+        costs a pass over the model per call."""
+        if self.global_pending is not None:
+            if self._global_digest is None:
+                self._global_digest = flat_digest(self.core.theta)
+            return self._global_digest
+        if self._base_digest is None:
+            self._base_digest = flat_digest(self.core.base_view())
+        return self._base_digest
+
     @property
     def open_round(self) -> int:
         """The global round of the open sync step."""
@@ -1268,7 +1284,7 @@ class RelayMachine:
             raise HypertrainError(f"relay {self.member}: restore needs a fresh machine")
         self.core.adopt_global(snap.theta.clone())
         self.core.feedback.load_state_dict({"residual": snap.residual, "beta": self.cfg.ef_beta})
-        self._base_digest = self._residual_digest = None
+        self._base_digest = self._global_digest = self._residual_digest = None
         self._global_merge(snap.sync_step, snap.commitment)
         self.level.open_step = self.schedule.next_sync_step("regional", snap.sync_step)
         prior = list(prior)
@@ -1434,6 +1450,14 @@ class AggregatorMachine:
         _keep_newest(self.merges, merge)
         self.done = sched.is_final(step)
         return merge
+
+    def state_digest(self) -> str:
+        """``flat_digest`` of theta: the digest the last outer step recorded as it wrote
+        it, otherwise hashed once and kept until theta changes (a daemon's Status asks
+        for it at every call)."""
+        if self._theta_digest is None:
+            self._theta_digest = flat_digest(self.core.theta)
+        return self._theta_digest
 
     def _numel_of(self, member: str) -> int:
         start, end = self.shards.bounds(self.shards.split(member)[1])

@@ -22,6 +22,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -264,6 +265,7 @@ class AggregatorService:
             {m: relay_key(m) for m in relay_members(topo.regions, topo.relay_shards)},
         )
         self.joint = joint
+        self._status_memo: tuple[weakref.ref[torch.Tensor], str] | None = None
         self.fragment: int | None = None
         if fragment is None or joint is None:
             self.layout, theta0 = starting_parameters(cfg)
@@ -404,12 +406,25 @@ class AggregatorService:
                 role="aggregator",
                 round=m.round,
                 last_step=m.level.open_step - m.schedule.h_g,
-                state_digest=state_digest(self.layout.unflatten(m.core.theta))
+                state_digest=self._status_digest(m.core.theta)
                 if self.joint is None
-                else flat_digest(m.core.theta),
+                else m.state_digest(),
                 done=m.done,
                 config_digest=self.cfg.digest,
             )
+
+    def _status_digest(self, theta: torch.Tensor) -> str:
+        """The state digest of the parameters ``theta`` (named, as an island reports its
+        own), computed once per theta: the core never writes its theta in place (each
+        outer step makes a new one, a restore a copy), so the digest of the tensor it
+        holds stays right until it holds another.  A caller asking for Status in a loop
+        costs no pass over the model, and holds the board's lock for no longer than any
+        other call."""
+        memo = self._status_memo
+        if memo is None or memo[0]() is not theta:
+            memo = (weakref.ref(theta), state_digest(self.layout.unflatten(theta)))
+            self._status_memo = memo
+        return memo[1]
 
     def _take_done(self) -> list[Committed]:
         """The global rounds made durable since the last call (the tape entry and the

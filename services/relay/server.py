@@ -30,7 +30,6 @@ import grpc
 import torch
 
 from hypertrain.common.config import RunConfig
-from hypertrain.common.digest import tensor_digest
 from hypertrain.common.rounds.machines import (
     Committed,
     Decision,
@@ -316,11 +315,9 @@ class RelayService:
                 role=f"relay/{self.member}",
                 round=m.open_round,
                 last_step=m.schedule.prev_sync_step("regional", m.level.open_step),
-                # the regional base; while a global round is pending (the base is spent
-                # on the forward) the last global parameters
-                state_digest=tensor_digest(
-                    m.core.theta if m.global_pending is not None else m.core.base_view()
-                ),
+                # the regional base, or the last global parameters while a global round
+                # is pending: the machine's record, not a pass over the model per call
+                state_digest=m.state_digest(),
                 done=m.done,
                 config_digest=self.cfg.digest,
             )

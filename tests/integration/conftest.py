@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +24,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def in_process_nodes(cfg: RunConfig, state: Path) -> Iterator[tuple[grpc.Channel, Any, Any]]:
+    """A ``RelayService`` for region "eu" and an ``AggregatorService`` of ``cfg``, in this
+    process, registered on one server on loopback as the daemons register them: (a plain
+    channel to it, the relay's service, the aggregator's); stopped on the way out."""
+    from hypertrain.aggregator.server import AggregatorService
+    from hypertrain.relay.server import RelayService
+    from hypertrain.wire.peers import aggregator_peer
+    from hypertrain.wire.server import Shutdown, add_servicer, bind, make_server
+
+    shutdown = Shutdown()
+    server = make_server()
+    agg = AggregatorService(cfg, state / "aggregator", shutdown)
+    address = bind(server, "127.0.0.1:0")
+    relay = RelayService(
+        cfg, "eu", state / "relay", aggregator_peer(address, wait_ready=False), shutdown
+    )
+    add_servicer(relay, server, "Relay")
+    add_servicer(agg, server, "Aggregator")
+    server.start()
+    channel = grpc.insecure_channel(address)
+    try:
+        yield channel, relay, agg
+    finally:
+        channel.close()
+        shutdown.request("test done")
+        relay.close()
+        agg.close()
+        server.stop(None).wait()
 
 
 def raw_call(channel: grpc.Channel, path: str, messages: list[bytes]) -> grpc.RpcError | None:

@@ -17,15 +17,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hypertrain.aggregator.server import AggregatorService
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
-from hypertrain.relay.server import RelayService
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.wire import rounds
-from hypertrain.wire.peers import aggregator_peer
-from hypertrain.wire.server import Shutdown, add_servicer, bind, make_server
-from tests.integration.conftest import raw_call
+from tests.integration.conftest import in_process_nodes, raw_call
 from tests.unit.test_wire_fuzz import mangled
 
 CFG = RunConfig.from_dict(
@@ -68,26 +64,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[grpc.Cha
     """(a raw channel to a relay and an aggregator on one port, the relay's service)."""
     hold = rounds.HOLD_S
     rounds.HOLD_S = 0.05  # a fetch not committed yet is answered at once, not in 2 s
-    state = tmp_path_factory.mktemp("fuzz")
-    shutdown = Shutdown()
-    server = make_server()
-    agg = AggregatorService(CFG, state / "aggregator", shutdown)
-    address = bind(server, "127.0.0.1:0")
-    relay = RelayService(
-        CFG, "eu", state / "relay", aggregator_peer(address, wait_ready=False), shutdown
-    )
-    add_servicer(relay, server, "Relay")
-    add_servicer(agg, server, "Aggregator")
-    server.start()
-    channel = grpc.insecure_channel(address)
     try:
-        yield channel, relay
+        with in_process_nodes(CFG, tmp_path_factory.mktemp("fuzz")) as (channel, relay, _):
+            yield channel, relay
     finally:
-        channel.close()
-        shutdown.request("test done")
-        relay.close()
-        agg.close()
-        server.stop(None).wait()
         rounds.HOLD_S = hold
 
 

@@ -363,3 +363,76 @@ def test_a_step_whose_aggregate_fails_refuses_the_last_delta_and_changes_nothing
     decision, effects = relay.on_delta(_delta(theta0, "eu-0", 5, seed=0))
     assert decision.accepted and any(isinstance(e, Committed) for e in effects)
     assert relay.level.open_step == 10
+
+
+class _CountingDigest:
+    """``flat_digest`` as the machines module calls it, counting the passes it makes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, flat: torch.Tensor) -> str:
+        self.calls += 1
+        return flat_digest(flat)
+
+
+def test_the_relay_s_state_digest_follows_its_state_and_hashes_it_once_per_change(
+    theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``state_digest`` (what a relay's Status reports) is the digest of the base, or of
+    the last global parameters while a global round is pending, at every point of a
+    round and after a restore, and asking again (a caller looping Status) hashes nothing."""
+    import hypertrain.common.rounds.machines as machines
+
+    counting = _CountingDigest()
+    monkeypatch.setattr(machines, "flat_digest", counting)
+    relay = RelayMachine(CFG, "eu", theta0)
+
+    def held() -> torch.Tensor:
+        return relay.core.theta if relay.global_pending is not None else relay.core.base_view()
+
+    def check(hashed_at_most: int) -> None:
+        before = counting.calls
+        assert relay.state_digest() == flat_digest(held())
+        for _ in range(5):
+            assert relay.state_digest() == flat_digest(held())
+        assert counting.calls - before <= hashed_at_most
+
+    check(1)  # the initial parameters: hashed once, then kept
+    for k, sender in enumerate(("eu-0", "eu-1")):
+        relay.on_delta(_delta(theta0, sender, 5, seed=5 + k))
+    check(0)  # the commit recorded the new base's digest as it wrote it
+    for k, sender in enumerate(("eu-0", "eu-1")):
+        relay.on_delta(_delta(theta0, sender, 10, seed=10 + k))
+    assert relay.global_pending == 10
+    check(1)  # pending: the global parameters it still holds
+    theta = theta0 + 1e-3
+    relay.on_global(GlobalArrived(10, theta, Commitment({}, (), (), ""), flat_digest(theta)))
+    check(0)  # the update's verified digest
+    snap = relay.snapshot()
+    fresh = RelayMachine(CFG, "eu", theta0)
+    fresh.restore(snap, [])
+    relay = fresh
+    check(1)
+    assert relay.state_digest() == flat_digest(theta)
+
+
+def test_the_aggregator_s_state_digest_is_its_theta_s_hashed_once_per_step(
+    theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hypertrain.common.rounds.machines as machines
+
+    counting = _CountingDigest()
+    monkeypatch.setattr(machines, "flat_digest", counting)
+    agg = AggregatorMachine(CFG, theta0)
+    assert [agg.state_digest() for _ in range(4)] == [flat_digest(theta0)] * 4
+    assert counting.calls == 1
+    g = make_codec(CFG.global_codec)
+    for region in ("eu", "us"):
+        data = g.encode(torch.full((theta0.numel(),), 1e-3))
+        agg.on_regional(Delta(CFG.run_id, 0, 10, region, blob_digest(data), str(g.spec), data))
+    assert agg.round == 1
+    before = counting.calls
+    assert [agg.state_digest() for _ in range(4)] == [flat_digest(agg.core.theta)] * 4
+    assert agg.state_digest() != flat_digest(theta0)
+    assert counting.calls - before <= 1  # the step's own record (no pass at all, here)

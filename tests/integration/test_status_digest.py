@@ -1,0 +1,86 @@
+"""Status is cheap: its state digest is the node's record, not a pass over the model per call.
+
+A relay's and the aggregator's Status report a digest of the whole state they hold
+(the regional base, theta), under the lock every round decision takes.  Hashed at every
+call, a caller looping Status (its four calls in flight, ``calls.py``) would hold that
+lock most of the time at a real model size, delaying every push and fetch.  Here the real
+servicers, in process on loopback, answer Status many times and the digest code is
+counted: the value is right, and only the first call after a change hashes anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+import hypertrain.common.digest as digest_module
+from hypertrain.aggregator.server import AggregatorService
+from hypertrain.common.config import RunConfig
+from hypertrain.common.digest import state_digest
+from hypertrain.common.trust.ledger import flat_digest
+from hypertrain.relay.server import RelayService
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.client import aggregator_stub, relay_stub
+from tests.integration.conftest import in_process_nodes
+
+CFG = RunConfig.from_dict(
+    {
+        "steps": 20,
+        "holdout_windows": 16,
+        "topology": {"regions": ["eu"], "islands_per_region": 2, "h_r": 5, "h_g": 10},
+    }
+)
+
+
+@pytest.fixture()
+def nodes(tmp_path: Path) -> Iterator[tuple[grpc.Channel, RelayService, AggregatorService]]:
+    with in_process_nodes(CFG, tmp_path) as running:
+        yield running
+
+
+class _Counted:
+    """``common/digest._roots`` (under every tensor and state digest), counting bytes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.bytes = 0
+
+    def __call__(self, tensors: list[torch.Tensor], parallel: bool) -> Any:
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return self.inner(tensors, parallel)
+
+
+def test_status_reports_the_state_s_digest_and_hashes_it_once_per_change(
+    nodes: tuple[grpc.Channel, RelayService, AggregatorService], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    channel, relay, agg = nodes
+    counted = _Counted(digest_module._roots)
+    monkeypatch.setattr(digest_module, "_roots", counted)
+    theta = agg.node.machine.core.theta
+    model_bytes = 4 * theta.numel()
+    expected = {
+        "relay": flat_digest(relay.node.machine.core.base_view()),
+        "aggregator": state_digest(agg.layout.unflatten(theta)),
+    }
+    stubs = {"relay": relay_stub(channel), "aggregator": aggregator_stub(channel)}
+    for role, stub in stubs.items():
+        first = counted.bytes
+        replies = [stub.Status(pb.StatusRequest(), timeout=20) for _ in range(8)]
+        assert {r.state_digest for r in replies} == {expected[role]}, role
+        # the first call may hash the state once (nothing recorded it yet); none after it
+        assert counted.bytes - first <= model_bytes + 4096, role
+
+    # The aggregator takes a new theta (as an outer step or a restore does: never in
+    # place): the next Status reports its digest, hashed once.
+    with agg.board.cond:
+        agg.node.machine.core.theta = theta + 1e-3
+    moved = state_digest(agg.layout.unflatten(theta + 1e-3))
+    first = counted.bytes
+    replies = [stubs["aggregator"].Status(pb.StatusRequest(), timeout=20) for _ in range(8)]
+    assert {r.state_digest for r in replies} == {moved} != {expected["aggregator"]}
+    assert counted.bytes - first <= model_bytes + 4096
