@@ -96,3 +96,29 @@ def pieces(buf: Any, offset: int, nbytes: int, size: int = PIECE_BYTES) -> Itera
     for start in range(offset, offset + nbytes, size):
         yield start
         drop_read(view[start : min(start + size, offset + nbytes)])
+
+
+#: madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14): fault every page of a range in for
+#: writing, as a write to each would, without changing a byte.
+_MADV_POPULATE_WRITE = 23
+
+
+def populate(buf: mmap.mmap) -> bool:
+    """Fault in every page of ``buf`` (an anonymous private map) for writing, changing no
+    byte, so that a later write finds them resident; True if done, False where the kernel
+    has no MADV_POPULATE_WRITE (nothing changes then: the writes fault as before).
+
+    Why: a first write to a page the process has not touched costs a page fault and the
+    kernel's zeroing of the page, and on a VM that hands freed memory back to its host
+    (virtio-balloon free page reporting, as on this project's test machines) the host's
+    backing of it too: measured here, 1.1 s of kernel time for 400 MiB, against 0.03 s to
+    write the same pages once resident.  Done while a node waits (a relay between global
+    rounds), that cost leaves the next round's critical path.  Safe beside writers of the
+    same pages on other threads: populating writes nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):  # an older kernel (EINVAL), or a closed map
+        return False
+    return True

@@ -481,9 +481,9 @@ class RegionCore:
 
     def _buffer(self) -> torch.Tensor:
         """The base's own memory, allocated on first use: between a global sync (which
-        spends the base) and the next regional merge the relay holds no base at all.
+        spends the base) and the next regional merge (or ``warm``) the relay holds no base.
         With an fp32 global codec it is a mapping with room for the forward's header in
-        front (pages are given on first write, like ``torch.empty``'s)."""
+        front (pages are given on first write, like ``torch.empty``'s, or by ``warm``)."""
         if self._base is None:
             n = self.theta.numel()
             if self._in_frame:
@@ -499,6 +499,19 @@ class RegionCore:
             else:
                 self._base = torch.empty_like(self.theta)
         return self._base
+
+    def warm(self) -> mmap.mmap | None:
+        """The memory the next regional merge will write the base into, allocated now if
+        it is a mapping (an fp32 global codec, ``_buffer``) not held yet, for the caller to
+        fault in (``pages.populate``) while it waits between global rounds, outside any
+        lock (populating writes no byte, so a merge that starts meanwhile is not
+        disturbed); None when there is nothing to do.  Changes no value: the base still
+        reads as theta until a merge writes it.  The relay then holds the base's memory
+        between rounds too (theta and the base: the 2m it holds during a round)."""
+        if not self._in_frame or self._base is not None:
+            return None
+        self._buffer()
+        return self._frame
 
     @property
     def base(self) -> torch.Tensor:

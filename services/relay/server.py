@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from hypertrain.common.config import RunConfig
+from hypertrain.common.pages import populate
 from hypertrain.common.rounds.machines import (
     Committed,
     Decision,
@@ -324,6 +325,7 @@ class RelayService:
 
     # -- forwarding to the aggregator -----------------------------------------------
     def _forward_loop(self) -> None:
+        self._warm_base()  # before the first round's deltas (not while a forward is out)
         while not self._closing:
             self.wake.wait(FOLLOW_POLL_S)  # woken by a forward, or to check for idleness
             self.wake.clear()
@@ -428,6 +430,21 @@ class RelayService:
         )
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
             self._report_final()
+        else:
+            self._warm_base()
+
+    def _warm_base(self) -> None:
+        """Fault in the memory the next round's base will be written into, now, while the
+        islands train (``RegionCore.warm``, ``pages.populate``): the first delta's sum would
+        otherwise pay for it inside the sync.  Outside the lock: it writes no byte.  Only
+        while no forward is out (its memory is the spent base's: a second one would be a
+        third model-sized buffer, over the relay's bound)."""
+        with self.board.cond:
+            m = self.node.machine
+            idle = self._closing or m.global_pending is not None or m.done
+            frame = None if idle else m.core.warm()
+        if frame is not None:
+            populate(frame)
 
     def _follow(self) -> None:
         """Nobody is a member of this region (everyone left): take the global rounds as

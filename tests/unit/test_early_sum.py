@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hypertrain.common import aggregate as agg
-from hypertrain.common import roles
+from hypertrain.common import pages, roles
 from hypertrain.common.codec import make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
@@ -62,6 +62,11 @@ def _round(
     relay = RelayMachine(cfg, "eu", theta0.clone())
     out: list[str] = []
     for step, order in zip((5, 10), orders, strict=True):
+        if at_five.get("warm"):  # as the relay daemon does between rounds
+            frame = relay.core.warm()
+            if frame is not None:
+                assert relay.core.base_view() is relay.core.theta  # still reads as theta
+                pages.populate(frame)
         for sender in order:
             decision, effects = relay.on_delta(_delta(cfg, theta0, sender, step))
             assert decision.accepted, decision.reason
@@ -175,3 +180,24 @@ def test_nothing_is_allocated_before_the_first_member_of_the_order_delivers(
         assert relay.core._early is None and relay.core._base is None  # no model-sized buffer
     relay.on_delta(_delta(cfg, theta0, "eu-0", 5))  # the last: the commit sums them all
     assert relay.merge_for(5) is not None
+
+
+@pytest.mark.parametrize("global_codec", ["fp32", "int8"])
+def test_a_base_warmed_between_rounds_keeps_every_bit(
+    global_codec: str, theta0: torch.Tensor
+) -> None:
+    """``RegionCore.warm`` (the relay daemon faults in the next base's memory while it
+    waits) changes no merge and no forward, in any arrival order; only an fp32 global
+    codec's base is a mapping to warm, and only while no base is held."""
+    cfg = _cfg(global_codec)
+    want = _round(cfg, theta0, (ISLANDS, ISLANDS))
+    for order in (ISLANDS, ISLANDS[::-1]):
+        assert _round(cfg, theta0, (order, order), warm=True) == want, order
+    core = RegionCore(cfg, "eu", theta0.clone())
+    frame = core.warm()
+    if global_codec != "fp32":
+        assert frame is None
+        return
+    assert frame is not None and len(frame) >= 4 * theta0.numel()
+    assert core.warm() is None  # held now: nothing more to allocate
+    assert core.base_view() is core.theta

@@ -114,3 +114,29 @@ def test_in_place_framing_refuses_what_encode_refuses() -> None:
     lossy = ErrorFeedback(make_codec("int8"), 3)
     with pytest.raises(CodecError, match="in-place framing"):
         lossy.encode_framed(memoryview(bytearray(64)), (3,))
+
+
+def _anon_kib() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon")))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_populate_makes_an_anonymous_map_resident_and_keeps_its_bytes() -> None:
+    """``populate`` faults every page in (the resident set grows by the map) and writes no
+    byte: what was written before is there after, the rest still reads as zeros."""
+    size = 64 << 20
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf[:5] = b"hello"
+    buf[size // 2 : size // 2 + 3] = b"abc"
+    before = _anon_kib()
+    if not pages.populate(buf):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    grown = _anon_kib() - before
+    assert grown >= (size >> 10) * 9 // 10, grown  # KiB
+    assert buf[:5] == b"hello" and buf[size // 2 : size // 2 + 3] == b"abc"
+    view = np.frombuffer(buf, dtype=np.uint8)
+    assert int(view[5 : size // 2].max()) == 0 and int(view[size // 2 + 3 :].max()) == 0
+    del view
+    buf.close()
+    assert not pages.populate(buf)  # a closed map: nothing done, no exception
