@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 _MADV_DONTNEED = 4  # Linux
 _FILE_MAPS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
@@ -103,22 +104,27 @@ def pieces(buf: Any, offset: int, nbytes: int, size: int = PIECE_BYTES) -> Itera
 _MADV_POPULATE_WRITE = 23
 
 
-def populate(buf: mmap.mmap) -> bool:
-    """Fault in every page of ``buf`` (an anonymous private map) for writing, changing no
-    byte, so that a later write finds them resident; True if done, False where the kernel
-    has no MADV_POPULATE_WRITE (nothing changes then: the writes fault as before).
+def populate(t: torch.Tensor) -> bool:
+    """Fault in every whole page of ``t``'s memory (a contiguous CPU tensor) for writing,
+    changing no byte, so that later writes find them resident; True if done, False where
+    the kernel has no MADV_POPULATE_WRITE (nothing changes then: the writes fault as
+    before).
 
     Why: a first write to a page the process has not touched costs a page fault and the
     kernel's zeroing of the page, and on a VM that hands freed memory back to its host
     (virtio-balloon free page reporting, as on this project's test machines) the host's
     backing of it too: measured here, 1.1 s of kernel time for 400 MiB, against 0.03 s to
-    write the same pages once resident.  Done while a node waits (a relay between global
-    rounds), that cost leaves the next round's critical path.  Safe beside writers of the
-    same pages on other threads: populating writes nothing."""
-    if not sys.platform.startswith("linux"):
+    write the same pages once resident (``bench/bench_fresh_memory.py``).  Done while a
+    node waits between rounds, that cost leaves the next round's critical path.  Safe
+    beside readers and writers of the same memory on other threads: it writes nothing."""
+    fn = _libc_madvise()
+    nbytes = t.numel() * t.element_size()
+    if not fn or not t.is_contiguous() or t.device.type != "cpu" or nbytes == 0:
         return False
-    try:
-        buf.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):  # an older kernel (EINVAL), or a closed map
+    start = t.data_ptr()
+    first = start - start % mmap.PAGESIZE  # the page holds t's first bytes: t's mapping
+    end = start + nbytes
+    end -= end % mmap.PAGESIZE  # not past t's mapping (its last partial page is left)
+    if end <= first:
         return False
-    return True
+    return bool(fn(first, end - first, _MADV_POPULATE_WRITE) == 0)

@@ -500,7 +500,7 @@ class RegionCore:
                 self._base = torch.empty_like(self.theta)
         return self._base
 
-    def warm(self) -> mmap.mmap | None:
+    def warm(self) -> torch.Tensor | None:
         """The memory the next regional merge will write the base into, allocated now if
         it is a mapping (an fp32 global codec, ``_buffer``) not held yet, for the caller to
         fault in (``pages.populate``) while it waits between global rounds, outside any
@@ -510,8 +510,7 @@ class RegionCore:
         between rounds too (theta and the base: the 2m it holds during a round)."""
         if not self._in_frame or self._base is not None:
             return None
-        self._buffer()
-        return self._frame
+        return self._buffer()
 
     @property
     def base(self) -> torch.Tensor:
@@ -676,17 +675,34 @@ class GlobalCore:
         self.before_step: Callable[[], None] = lambda: None
         """Called before an outer step allocates the new parameters: the aggregator daemon
         lets its evaluator drop any state but ``theta`` there (its memory bound)."""
+        self._spare: torch.Tensor | None = None
+        """The memory the next outer step writes its new theta into (``warm``), if any."""
 
     def __getstate__(self) -> dict[str, Any]:
         """For pickling (the simulator's job checkpoints): without the ``before_step`` hook,
         which a restored core starts without."""
         state = self.__dict__.copy()
         del state["before_step"]
+        state["_spare"] = None  # memory, not state
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.before_step = lambda: None
+
+    def warm(self) -> torch.Tensor | None:
+        """The memory the next outer step will write its new theta into, allocated now
+        (None if it already is), for the caller to fault in (``pages.populate``) while it
+        waits between rounds, outside any lock (populating writes no byte): the step would
+        otherwise pay for it inside the round.  Changes no value.  The caller must hold
+        nothing that the step's ``before_step`` would let go (the daemon's evaluator of an
+        older state), or the aggregator would hold a fourth model-sized tensor; with it,
+        it holds between rounds what it holds during a step (old and new theta, the
+        outer state)."""
+        if self._spare is not None:
+            return None
+        self._spare = torch.empty_like(self.theta)
+        return self._spare
 
     def step(
         self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
@@ -707,7 +723,8 @@ class GlobalCore:
                 f"regions (relays: {sorted(self.members)})"
             )
         self.before_step()
-        old, new = self.theta.view(-1), torch.empty_like(self.theta)
+        spare, self._spare = self._spare, None
+        old, new = self.theta.view(-1), torch.empty_like(self.theta) if spare is None else spare
         flat = new.view(-1)
         theta_hasher = TensorHasher(new.dtype, tuple(new.shape))
         states: dict[str, tuple[torch.Tensor, TensorHasher]] = {}
@@ -726,15 +743,19 @@ class GlobalCore:
             for value, hasher in states.values():
                 hasher.put(start * value.element_size(), value[start:end])
 
-        commitment = segmented_mean(
-            self.segments(inputs),
-            self.codec,
-            tuple(self.theta.shape),
-            outer_step,
-            digests=digests,
-            prepare=begin,
-            parallel=True,
-        )
+        try:
+            commitment = segmented_mean(
+                self.segments(inputs),
+                self.codec,
+                tuple(self.theta.shape),
+                outer_step,
+                digests=digests,
+                prepare=begin,
+                parallel=True,
+            )
+        except BaseException:
+            self._spare = spare  # memory, not state: kept for the next step
+            raise
         self.outer.end()
         self.theta = new
         self.stepped = StepDigests(

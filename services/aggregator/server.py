@@ -18,6 +18,7 @@ delays the round) and logged as ``event=eval``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -37,6 +38,7 @@ from hypertrain.common.digest import state_digest
 from hypertrain.common.flat import ParamLayout
 from hypertrain.common.fragments import run_fragments
 from hypertrain.common.model import build_model, evaluate
+from hypertrain.common.pages import populate
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.rounds.machines import Committed
 from hypertrain.common.rounds.node import AggregatorNode
@@ -225,6 +227,13 @@ class Evaluator:
         if dropped is not None:
             _skipped(dropped[0], dropped[1], _LET_GO)
 
+    def holds_only(self, keep: torch.Tensor) -> bool:
+        """Does this evaluator hold no state but ``keep`` (being evaluated, or waiting)?"""
+        with self._lock:
+            held = [w[2] for w in (self._waiting,) if w is not None]
+            held += [t for t in (self._current, self._average) if t is not None]
+        return all(t.data_ptr() == keep.data_ptr() for t in held)
+
     def close(self, finish: bool = True) -> None:
         """Stop after the queued evaluations (``finish``: the run's final held-out loss
         is part of its result), or only wait a little for the one in progress (a stop
@@ -305,6 +314,7 @@ class AggregatorService:
         # Logs each round (its state digest takes 0.2 s at P = 1e8) after the relay's push
         # is answered, not before: one thread, so rounds are logged in order.
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-log")
+        self.warmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm")
         if joint is None:
             self.evaluator = Evaluator(cfg, self.metrics, self.layout)
             core = self.node.machine.core
@@ -390,8 +400,31 @@ class AggregatorService:
             merge,
             request.requester,
             merge.commitment.members,
-            None if store is None else store.release,
+            lambda: self._served_all(store),
         )
+
+    def _served_all(self, store: Any) -> None:
+        """Every relay of a round has its merge (under the board's lock): the round's
+        checkpoint, held back while they downloaded it, is written, and the next outer
+        step's memory is faulted in while the islands train (``_warm_theta``)."""
+        if store is not None:
+            store.release()
+        with contextlib.suppress(RuntimeError):  # closing: nothing to warm for
+            self.warmer.submit(self._warm_theta)
+
+    def _warm_theta(self) -> None:
+        """Fault in the memory the next outer step writes its theta into (``GlobalCore.warm``,
+        ``pages.populate``), which the step would otherwise pay for inside the round.  Only
+        while the evaluator holds no state but theta (an older one, still evaluated, is let
+        go at the step, ``before_step``: warming beside it would make a fourth model-sized
+        tensor); not for a fragment of a split run (its joint evaluates the model)."""
+        with self.board.cond:
+            m = self.node.machine
+            core = m.core
+            ready = self.joint is None and not m.done and self.evaluator.holds_only(core.theta)
+            spare = core.warm() if ready else None
+        if spare is not None:
+            populate(spare)
 
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
@@ -482,6 +515,7 @@ class AggregatorService:
         if self._grace is not None:
             self._grace.cancel()
         self.reporter.shutdown(wait=True)  # every round logged and queued for evaluation
+        self.warmer.shutdown(wait=True, cancel_futures=True)
         self.intake.close()
         if self.joint is None:
             self.evaluator.close(finish=self.node.done)

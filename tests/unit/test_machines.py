@@ -436,3 +436,48 @@ def test_the_aggregator_s_state_digest_is_its_theta_s_hashed_once_per_step(
     assert [agg.state_digest() for _ in range(4)] == [flat_digest(agg.core.theta)] * 4
     assert agg.state_digest() != flat_digest(theta0)
     assert counting.calls == before  # the step's own record: no pass at all
+
+
+def test_an_outer_step_into_warmed_memory_keeps_every_bit(theta0: torch.Tensor) -> None:
+    """``GlobalCore.warm`` (the aggregator daemon faults in the next step's memory while
+    it waits) changes no value: the same thetas and outer state, step after step, as
+    without it; the step writes its theta there; a step whose aggregate fails keeps it
+    for the next; a pickled core (the simulator's checkpoints) carries no spare."""
+    import pickle
+
+    from hypertrain.common import pages
+
+    g = make_codec(CFG.global_codec)
+
+    def run(warm: bool) -> list[str]:
+        agg = AggregatorMachine(CFG, theta0.clone())
+        out = []
+        for step in (10, 20):
+            spare = None
+            if warm:
+                spare = agg.core.warm()
+                assert spare is not None and agg.core.warm() is None
+                pages.populate(spare)
+                assert pickle.loads(pickle.dumps(agg.core))._spare is None
+            blobs = {r: g.encode(torch.full((theta0.numel(),), 1e-3 * step)) for r in ("eu", "us")}
+            first = bytearray(blobs["eu"])  # accepted, then its bytes change (as on disk)
+            whole = bytes(first)
+            d = Delta(
+                CFG.run_id, step // 10 - 1, step, "eu", blob_digest(whole), str(g.spec), first
+            )
+            assert agg.on_regional(d)[0].accepted
+            first[len(whole) // 2] ^= 0xFF
+            last = Delta(
+                CFG.run_id, step // 10 - 1, step, "us", blob_digest(blobs["us"]), str(g.spec),
+                blobs["us"],
+            )  # fmt: skip
+            assert agg.on_regional(last)[0].code == INVALID  # the step failed: nothing moved
+            assert agg.core._spare is spare
+            first[:] = whole
+            assert agg.on_regional(last)[0].accepted
+            if warm:
+                assert agg.core.theta is spare and agg.core._spare is None
+            out += [flat_digest(agg.core.theta), agg.state_digest()]
+        return out
+
+    assert run(warm=True) == run(warm=False)

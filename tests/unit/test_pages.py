@@ -122,21 +122,19 @@ def _anon_kib() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-def test_populate_makes_an_anonymous_map_resident_and_keeps_its_bytes() -> None:
-    """``populate`` faults every page in (the resident set grows by the map) and writes no
-    byte: what was written before is there after, the rest still reads as zeros."""
-    size = 64 << 20
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf[:5] = b"hello"
-    buf[size // 2 : size // 2 + 3] = b"abc"
+def test_populate_makes_a_tensor_s_memory_resident_and_keeps_its_bytes() -> None:
+    """``populate`` faults every page of a fresh tensor in (the resident set grows by its
+    size) and writes no byte: what was written before is there after, and the memory
+    torch did not write still reads as it did."""
+    n = 16 << 20  # 64 MiB of fp32: its own mapping, untouched
+    t = torch.empty(n, dtype=torch.float32)  # no fill: nothing faulted yet
+    t[:3] = torch.tensor([1.5, -2.0, 3.25])
+    t[n // 8 : n // 8 + 2] = 7.0
     before = _anon_kib()
-    if not pages.populate(buf):
+    if not pages.populate(t):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     grown = _anon_kib() - before
-    assert grown >= (size >> 10) * 9 // 10, grown  # KiB
-    assert buf[:5] == b"hello" and buf[size // 2 : size // 2 + 3] == b"abc"
-    view = np.frombuffer(buf, dtype=np.uint8)
-    assert int(view[5 : size // 2].max()) == 0 and int(view[size // 2 + 3 :].max()) == 0
-    del view
-    buf.close()
-    assert not pages.populate(buf)  # a closed map: nothing done, no exception
+    assert grown >= (t.numel() * 4 >> 10) * 9 // 10, grown  # KiB
+    assert t[:3].tolist() == [1.5, -2.0, 3.25] and t[n // 8 : n // 8 + 2].tolist() == [7.0, 7.0]
+    assert not pages.populate(t[::2])  # not contiguous: left alone
+    assert not pages.populate(torch.empty(0))
