@@ -406,25 +406,30 @@ class AggregatorService:
     def _served_all(self, store: Any) -> None:
         """Every relay of a round has its merge (under the board's lock): the round's
         checkpoint, held back while they downloaded it, is written, and the next outer
-        step's memory is faulted in while the islands train (``_warm_theta``)."""
+        step's memory is faulted in while the islands train (``_warm``)."""
         if store is not None:
             store.release()
         with contextlib.suppress(RuntimeError):  # closing: nothing to warm for
-            self.warmer.submit(self._warm_theta)
+            self.warmer.submit(self._warm)
 
-    def _warm_theta(self) -> None:
+    def _warm(self) -> None:
         """Fault in the memory the next outer step writes its theta into (``GlobalCore.warm``,
-        ``pages.populate``), which the step would otherwise pay for inside the round.  Only
-        while the evaluator holds no state but theta (an older one, still evaluated, is let
-        go at the step, ``before_step``: warming beside it would make a fourth model-sized
-        tensor); not for a fragment of a split run (its joint evaluates the model)."""
+        ``pages.populate``), which the step would otherwise pay for inside the round, and
+        make the spool files of the next round's forwards ready (``Intake.warm``).  The
+        memory only while the evaluator holds no state but theta (an older one, still
+        evaluated, is let go at the step, ``before_step``: warming beside it would make a
+        fourth model-sized tensor), and not for a fragment of a split run (its joint
+        evaluates the model)."""
         with self.board.cond:
             m = self.node.machine
             core = m.core
-            ready = self.joint is None and not m.done and self.evaluator.holds_only(core.theta)
+            if m.done:
+                return
+            ready = self.joint is None and self.evaluator.holds_only(core.theta)
             spare = core.warm() if ready else None
         if spare is not None:
             populate(spare)
+        self.intake.warm()
 
     @maps_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

@@ -325,7 +325,7 @@ class RelayService:
 
     # -- forwarding to the aggregator -----------------------------------------------
     def _forward_loop(self) -> None:
-        self._warm_base()  # before the first round's deltas (not while a forward is out)
+        self._warm()  # before the first round's deltas (not while a forward is out)
         while not self._closing:
             self.wake.wait(FOLLOW_POLL_S)  # woken by a forward, or to check for idleness
             self.wake.clear()
@@ -431,20 +431,24 @@ class RelayService:
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
             self._report_final()
         else:
-            self._warm_base()
+            self._warm()
 
-    def _warm_base(self) -> None:
+    def _warm(self) -> None:
         """Fault in the memory the next round's base will be written into, now, while the
         islands train (``RegionCore.warm``, ``pages.populate``): the first delta's sum would
-        otherwise pay for it inside the sync.  Outside the lock: it writes no byte.  Only
-        while no forward is out (its memory is the spent base's: a second one would be a
-        third model-sized buffer, over the relay's bound)."""
+        otherwise pay for it inside the sync; and make the spool files of the islands' next
+        deltas ready (``Intake.warm``), which their transfers would otherwise pay for.
+        Outside the lock: it writes no byte of the state.  Only while no forward is out
+        (its memory is the spent base's: a second one would be a third model-sized buffer,
+        over the relay's bound)."""
         with self.board.cond:
             m = self.node.machine
             idle = self._closing or m.global_pending is not None or m.done
             frame = None if idle else m.core.warm()
         if frame is not None:
             populate(frame)
+        if not idle:
+            self.intake.warm()
 
     def _follow(self) -> None:
         """Nobody is a member of this region (everyone left): take the global rounds as

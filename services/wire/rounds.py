@@ -264,6 +264,7 @@ class Intake:
 
             spool.remove_stale(store.spool)  # transfers cut off by a crash were never accepted
         self.max_size = node.max_delta_bytes
+        self._sizes: dict[str, tuple[int, int]] = {}  # sender -> (step, bytes) last taken
         self.board = board
         self.metrics = metrics
         self.labels = (metrics.role, region)
@@ -349,6 +350,22 @@ class Intake:
         trim_heap()
         return pb.PushAck(digest=rx.digest)
 
+    def warm(self) -> int:
+        """Make the spool ready for the next step's transfers (``spool.prepare``): one
+        warm file per delta taken at the latest step, of its size; how many it made.  For
+        a driver between rounds, outside the lock (it writes files)."""
+        if self.spool is None:
+            return 0
+        from hypertrain.wire import spool
+
+        with self.board.cond:
+            if self._closed or not self._sizes:
+                return 0
+            last = max(step for step, _ in self._sizes.values())
+            sizes = [n for step, n in self._sizes.values() if step == last]
+            self._sizes = {s: v for s, v in self._sizes.items() if v[0] == last}
+        return spool.prepare(self.spool, sizes)
+
     def report(self, requester: str, step: int) -> None:
         """A member's report that it applied and keeps the merge of ``step`` (an island
         to its relay, a relay to the aggregator): recorded under the lock
@@ -396,6 +413,7 @@ class Intake:
             self._taped(effect)
             if isinstance(effect, Publish):
                 size = len(effect.delta.data)
+                self._sizes[effect.delta.sender] = (effect.delta.sync_step, size)
                 m.received_bytes.labels(role, self.level, region).inc(size)
                 m.delta_size.labels(role, self.level, region).observe(size)
                 continue
@@ -490,3 +508,7 @@ class Intake:
                 timer.cancel()
             self.timers.clear()
             self.node.close()
+        if self.spool is not None:
+            from hypertrain.wire import spool
+
+            spool.discard_warm(self.spool)
