@@ -19,6 +19,7 @@ across regions.  A restart resumes from the node's checkpoint and tape (``recove
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -186,6 +187,9 @@ class RelayService:
             thread_name_prefix="checkpoint",
             initializer=lambda: lower_priority(CHECKPOINT_NICE),
         )
+        # Warms the next round's memory and spool files (``_warm``) beside the forwarder,
+        # which must not wait behind it for the next forward.
+        self.warmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm")
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
         self.forwarder.start()
 
@@ -325,7 +329,7 @@ class RelayService:
 
     # -- forwarding to the aggregator -----------------------------------------------
     def _forward_loop(self) -> None:
-        self._warm()  # before the first round's deltas (not while a forward is out)
+        self._warm_soon()  # before the first round's deltas (not while a forward is out)
         while not self._closing:
             self.wake.wait(FOLLOW_POLL_S)  # woken by a forward, or to check for idleness
             self.wake.clear()
@@ -431,7 +435,11 @@ class RelayService:
         if self.node.done:  # durable here: the aggregator may stop once every relay says so
             self._report_final()
         else:
-            self._warm()
+            self._warm_soon()
+
+    def _warm_soon(self) -> None:
+        with contextlib.suppress(RuntimeError):  # closing: nothing to warm for
+            self.warmer.submit(self._warm)
 
     def _warm(self) -> None:
         """Fault in the memory the next round's base will be written into, now, while the
@@ -554,6 +562,7 @@ class RelayService:
         self.wake.set()
         self.forwarder.join(timeout=FINAL_REPORT_WAIT_S)
         self.checkpointer.shutdown(wait=not self.forwarder.is_alive())
+        self.warmer.shutdown(wait=True, cancel_futures=True)
         self.intake.close()
         with self.board.cond:
             self.board.cond.notify_all()

@@ -265,6 +265,7 @@ class Intake:
             spool.remove_stale(store.spool)  # transfers cut off by a crash were never accepted
         self.max_size = node.max_delta_bytes
         self._sizes: dict[str, tuple[int, int]] = {}  # sender -> (step, bytes) last taken
+        self._warming = threading.Lock()  # one warm-up at a time; a close waits for it
         self.board = board
         self.metrics = metrics
         self.labels = (metrics.role, region)
@@ -358,13 +359,14 @@ class Intake:
             return 0
         from hypertrain.wire import spool
 
-        with self.board.cond:
-            if self._closed or not self._sizes:
-                return 0
-            last = max(step for step, _ in self._sizes.values())
-            sizes = [n for step, n in self._sizes.values() if step == last]
-            self._sizes = {s: v for s, v in self._sizes.items() if v[0] == last}
-        return spool.prepare(self.spool, sizes)
+        with self._warming:
+            with self.board.cond:
+                if self._closed or not self._sizes:
+                    return 0
+                last = max(step for step, _ in self._sizes.values())
+                sizes = [n for step, n in self._sizes.values() if step == last]
+                self._sizes = {s: v for s, v in self._sizes.items() if v[0] == last}
+            return spool.prepare(self.spool, sizes)
 
     def report(self, requester: str, step: int) -> None:
         """A member's report that it applied and keeps the merge of ``step`` (an island
@@ -511,4 +513,5 @@ class Intake:
         if self.spool is not None:
             from hypertrain.wire import spool
 
-            spool.discard_warm(self.spool)
+            with self._warming:  # after a warm-up in flight: none is left behind
+                spool.discard_warm(self.spool)

@@ -322,7 +322,8 @@ def prepare(spool_dir: Path, sizes: list[int]) -> int:
     """Make warm files in ``spool_dir`` for transfers of ``sizes`` bytes (the module
     docstring), up to ``WARM_MAX`` in all, beside those already there; how many it made.
     Nothing where the kernel cannot populate a file's page cache (MADV_POPULATE_READ):
-    a sparse file alone would save nothing.  Disk errors end it quietly (a transfer then
+    a sparse file alone would save nothing; nor where populating allocates the file
+    (tmpfs: its pages would be memory held, not a cache).  Disk errors end it quietly (a transfer then
     writes a fresh file, as without warm files)."""
     folder = Path(spool_dir)
     with _warm_lock:
@@ -350,6 +351,10 @@ def prepare(spool_dir: Path, sizes: list[int]) -> int:
                 with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
                                offset=at) as view:  # fmt: skip
                     view.madvise(_MADV_POPULATE_READ)
+                if at == 0 and os.fstat(fd).st_blocks:
+                    # Populating allocated the file (tmpfs: its pages are memory, not a
+                    # cache the kernel may drop): warm files would hold memory. None here.
+                    raise ValueError("not a sparse page cache")
         except (OSError, ValueError):
             os.close(fd)
             Path(name).unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 with absences and leaves, its merges and forwards keep the bits of the sum taken at the
 commit (today's path, ``offer`` switched off)."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from hypertrain.common import aggregate as agg
 from hypertrain.common import pages, roles
+from hypertrain.common.aggregate import Commitment
 from hypertrain.common.codec import make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
@@ -18,6 +20,7 @@ from hypertrain.common.rounds.machines import (
     Committed,
     Delta,
     Forward,
+    GlobalArrived,
     MemberRequest,
     RelayMachine,
 )
@@ -201,3 +204,36 @@ def test_a_base_warmed_between_rounds_keeps_every_bit(
     assert frame is not None and frame.numel() == theta0.numel()
     assert core.warm() is None  # held now: nothing more to allocate
     assert core.base_view() is core.theta
+
+
+def test_a_base_warmed_after_a_global_round_keeps_every_bit(theta0: torch.Tensor) -> None:
+    """After a global round spent the base on the forward, ``warm`` gives the next one's
+    memory again (what the relay daemon faults in while its islands train); the merges
+    after it are the same bits as without."""
+    cfg = _cfg("fp32")
+
+    def rounds(warm: bool) -> list[str]:
+        relay = RelayMachine(cfg, "eu", theta0.clone())
+        for step in (5, 10):
+            for sender in ISLANDS:
+                relay.on_delta(_delta(cfg, theta0, sender, step))
+        assert relay.global_pending == 10 and relay.core._base is None  # spent
+        theta = theta0 + 1e-3
+        relay.on_global(GlobalArrived(10, theta, Commitment({}, (), (), ""), flat_digest(theta)))
+        if warm:
+            frame = relay.core.warm()
+            assert frame is not None and frame.numel() == theta0.numel()
+            if not pages.populate(frame):
+                pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+            assert relay.core.base_view() is relay.core.theta
+        out = []
+        for sender in ISLANDS[::-1]:
+            decision, effects = relay.on_delta(
+                dataclasses.replace(_delta(cfg, theta0, sender, 15), round=1)
+            )
+            assert decision.accepted, decision.reason
+        committed = [e for e in effects if isinstance(e, Committed)]
+        out.append(committed[0].record.post_base)  # type: ignore[union-attr]
+        return out
+
+    assert rounds(warm=True) == rounds(warm=False)

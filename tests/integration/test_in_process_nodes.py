@@ -1,4 +1,5 @@
-"""Status is cheap: its state digest is the node's record, not a pass over the model per call.
+"""In-process nodes: Status is cheap (its state digest is the node's record), and a relay
+warms its spool for the next step's deltas.
 
 A relay's and the aggregator's Status report a digest of the whole state they hold
 (the regional base, theta), under the lock every round decision takes.  Hashed at every
@@ -20,12 +21,14 @@ import torch
 
 import hypertrain.common.digest as digest_module
 from hypertrain.aggregator.server import AggregatorService
+from hypertrain.common.codec import make_codec
 from hypertrain.common.config import RunConfig
-from hypertrain.common.digest import state_digest
+from hypertrain.common.digest import blob_digest, state_digest
+from hypertrain.common.rounds.machines import Delta
 from hypertrain.common.trust.ledger import flat_digest
 from hypertrain.relay.server import RelayService
 from hypertrain.v1 import hypertrain_pb2 as pb
-from hypertrain.wire.client import aggregator_stub, relay_stub
+from hypertrain.wire.client import aggregator_stub, push_delta, relay_stub, transfer_header
 from tests.integration.conftest import in_process_nodes
 
 CFG = RunConfig.from_dict(
@@ -84,3 +87,37 @@ def test_status_reports_the_state_s_digest_and_hashes_it_once_per_change(
     replies = [stubs["aggregator"].Status(pb.StatusRequest(), timeout=20) for _ in range(8)]
     assert {r.state_digest for r in replies} == {moved} != {expected["aggregator"]}
     assert counted.bytes - first <= model_bytes + 4096
+
+
+def test_a_relay_warms_its_spool_for_the_next_step_s_deltas(
+    nodes: tuple[grpc.Channel, RelayService, AggregatorService],
+) -> None:
+    """``Intake.warm`` (what a relay runs between rounds): one warm spool file per delta
+    taken at the latest step, of its size; the next delta pushed lands in one, and is
+    published with its own bytes."""
+    _, relay, _ = nodes
+    channel = nodes[0]
+    codec = make_codec(CFG.regional_codec)
+    numel = relay.node.machine.core.theta.numel()
+    stub = relay_stub(channel)
+
+    def push(sender: str, seed: int) -> bytes:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+        data = bytes(codec.encode(x))
+        delta = Delta(CFG.run_id, 0, 5, sender, blob_digest(data), str(codec.spec), data)
+        push_delta(stub.PushDelta, transfer_header(delta), data)
+        return data
+
+    first = push("eu-0", 0)
+    spool_dir = relay.intake.spool
+    assert spool_dir is not None
+    made = relay.intake.warm()
+    if made == 0:
+        pytest.skip("no sparse page cache to populate here (an old kernel, or tmpfs)")
+    (warm,) = spool_dir.glob(".incoming-*.part")
+    assert made == 1 and warm.stat().st_size == len(first)
+    second = push("eu-1", 1)  # completes step 5: the relay commits it
+    assert not list(spool_dir.glob(".incoming-*.part"))  # taken
+    published = relay.node.store.published  # type: ignore[union-attr]
+    assert (published / blob_digest(second)).read_bytes() == second
+    assert (published / blob_digest(first)).read_bytes() == first
