@@ -112,3 +112,19 @@ def test_the_cut_through_bench_runs_on_links_of_their_own(tmp_path: Path) -> Non
     )  # fmt: skip
     got = json.loads(out.read_text())
     assert got["cut_through_over_whole"] < 0.95, got
+
+
+def test_the_fresh_memory_bench_runs_and_writes_every_figure(tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "fresh.json"
+    text = _run(
+        str(BENCH / "bench_fresh_memory.py"), "--size-mib", "8", "--repeat", "1",
+        "--idle-s", "0", "--json", str(out), timeout=120,
+    )  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert "anon/resident" in text and doc["over_resident"]["anon/resident"] == 1.0
+    assert set(doc["cpu_s"]) == {
+        "anon/resident", "anon/fresh", "anon/populate", "anon/after-populate",
+        "file/fresh", "file/prepare", "file/warm",
+    }  # fmt: skip
