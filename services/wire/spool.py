@@ -311,7 +311,7 @@ class Sink:
 #: At most this many warm files per spool folder (``prepare``).
 WARM_MAX = 16
 #: Bytes of a warm file mapped at once while its page cache is populated.
-WARM_WINDOW = 16 << 20
+WARM_WINDOW = 4 << 20
 #: madvise(2)'s MADV_POPULATE_READ (Linux 5.14).
 _MADV_POPULATE_READ = 22
 _warm: dict[Path, list[tuple[int, str, int]]] = {}  # folder -> [(fd, path, capacity)]
