@@ -46,6 +46,7 @@ from hypertrain.common.rounds.machines import (
 )
 from hypertrain.common.rounds.node import AggregatorNode, RelayNode
 from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire import spool
 from hypertrain.wire.chunks import discard, merge_chunks, publish, receive_delta
 from hypertrain.wire.daemon import durable_or_die, fault_point, log_event
 from hypertrain.wire.errors import WireError
@@ -260,8 +261,6 @@ class Intake:
         self.spool = store.spool if store is not None else None
         self.published = store.published if store is not None else None
         if store is not None:
-            from hypertrain.wire import spool
-
             spool.remove_stale(store.spool)  # transfers cut off by a crash were never accepted
         self.max_size = node.max_delta_bytes
         self._sizes: dict[str, tuple[int, int]] = {}  # sender -> (step, bytes) last taken
@@ -357,8 +356,6 @@ class Intake:
         a driver between rounds, outside the lock (it writes files)."""
         if self.spool is None:
             return 0
-        from hypertrain.wire import spool
-
         with self._warming:
             with self.board.cond:
                 if self._closed or not self._sizes:
@@ -511,7 +508,5 @@ class Intake:
             self.timers.clear()
             self.node.close()
         if self.spool is not None:
-            from hypertrain.wire import spool
-
             with self._warming:  # after a warm-up in flight: none is left behind
                 spool.discard_warm(self.spool)

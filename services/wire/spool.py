@@ -82,6 +82,16 @@ OVERLAP = True
 _SYNC_FILE_RANGE_WRITE = 2
 
 
+#: A temp file's name in a spool folder: ``<prefix><random><suffix>`` (``new_temp``); what
+#: ``remove_stale`` removes at start-up.
+TEMP_PREFIX, TEMP_SUFFIX = ".incoming-", ".part"
+
+
+def new_temp(folder: Path) -> tuple[int, str]:
+    """A new, empty temp file in ``folder``: (descriptor, path)."""
+    return tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
+
+
 def _load_sync_file_range() -> Any:
     name = ctypes.util.find_library("c")
     try:
@@ -187,7 +197,7 @@ class Sink:
                 fd, name, self._capacity = warm
             else:
                 try:
-                    fd, name = tempfile.mkstemp(dir=spool_dir, prefix=".incoming-", suffix=".part")
+                    fd, name = new_temp(spool_dir)
                 except OSError as exc:
                     raise WireError(
                         grpc.StatusCode.INTERNAL, f"cannot spool to {spool_dir}: {exc}"
@@ -339,7 +349,7 @@ def prepare(spool_dir: Path, sizes: list[int]) -> int:
     made = 0
     for n in missing:
         try:
-            fd, name = tempfile.mkstemp(dir=folder, prefix=".incoming-", suffix=".part")
+            fd, name = new_temp(folder)
         except OSError:
             break
         try:
@@ -398,7 +408,7 @@ def remove_stale(spool_dir: Path) -> int:
     """Remove temp files a crashed process left in ``spool_dir``, and its warm files;
     how many.  Call at start-up."""
     warm = discard_warm(spool_dir)
-    stale = list(spool_dir.glob(".incoming-*.part")) if spool_dir.is_dir() else []
+    stale = list(spool_dir.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}")) if spool_dir.is_dir() else []
     for path in stale:
         path.unlink(missing_ok=True)
     return warm + len(stale)
@@ -423,7 +433,7 @@ def write_file(data: Data, digest: str, dest_dir: Path) -> Path:
     if dest.exists():
         return dest
     dest_dir.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=dest_dir, prefix=".incoming-", suffix=".part")
+    fd, name = new_temp(dest_dir)
     try:
         view = memoryview(data)
         while view:
