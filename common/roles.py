@@ -237,7 +237,7 @@ class IslandState:
             raise HypertrainError(f"island {self.island_id}: unknown merge kind {kind!r}")
         fr = self.fragments[fragment]
         base = self.base[fr.lo : fr.hi]
-        base.copy_(payload)
+        _take(base, payload)
         snapshot = self.snapshots[fragment].pop(sync_step, None)
         if len(self.fragments) == 1:
             merged = base if snapshot is None else overlap_merge(base, self.params(), snapshot)
@@ -271,11 +271,26 @@ class IslandState:
     def finish(self, theta: torch.Tensor) -> None:
         """End of the run: take the final global parameters (no steps follow, no overlap);
         ``heal`` takes a later global merge the same way."""
-        self.base.copy_(theta)
+        _take(self.base, theta)
         for snaps in self.snapshots:
             snaps.clear()
         self.load_params(self.base)
         self._base_loaded_at = self.step
+
+    def merge_target(self) -> torch.Tensor:
+        """Where a driver may receive a merge of the whole model: the base itself, which
+        ``apply_merge``, ``heal`` and ``finish`` then take without a copy, and no buffer
+        of a model's size is allocated per merge.  Sound because nothing reads the base
+        from a sync's delta (computed from it) until that sync's merge replaces it: the
+        next sync comes after (tau < h_r), an overlap reads the base only once it is the
+        merge, and a rejoin state is written right after a merge.  A download that fails
+        leaves the base undefined; the driver then fetches again or stops (and resumes
+        from the rejoin state on disk), and never computes a delta from it.  Not with
+        streaming fragments: one fragment's merge may wait in memory while a rejoin state
+        (with the base) is written."""
+        if len(self.fragments) > 1:
+            raise HypertrainError(f"island {self.island_id}: no merge target with fragments")
+        return self.base
 
     def _params_are_base(self) -> bool:
         """``params_equal_base``, known without reading them where they were loaded from
@@ -783,3 +798,10 @@ class GlobalCore:
             names = {r: self.shards.member(r, i) for r in regions}
             segments.append(Segment(a, b - a, {r: inputs[m] for r, m in names.items()}, names))
         return segments
+
+
+def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` <- ``src``; nothing to copy when ``src`` was received into ``dst``
+    (``IslandCore.merge_target``)."""
+    if src.data_ptr() != dst.data_ptr() or src.numel() != dst.numel():
+        dst.copy_(src)

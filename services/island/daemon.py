@@ -138,8 +138,9 @@ class Island:
             if peers is None
             else [
                 Patient(
-                    # A fresh buffer per merge, freed once applied: between a merge's
-                    # arrival (with tau > 0, fetched ahead) and its step, and no longer.
+                    # No buffer of its own: merges are received into the base
+                    # (``_download``), or with fragments into a fresh buffer per merge,
+                    # freed once applied.
                     GrpcUpstream(peer, cfg.run_id, end - start, reuse_buffer=False),
                     f"Relay {peer.address}",
                     self.stop.is_set,
@@ -257,16 +258,21 @@ class Island:
     def _download(
         self, step: int, kind: str, fragment: int
     ) -> tuple[list[Committed], Tensor | None]:
-        """Rank 0: the merge of ``step`` (of streaming ``fragment``) from the relay; with
-        relay shards every shard's part, received straight into its range of one vector,
-        which comes with them.  (Joined, and its receipts checked, by ``_fetch``.)"""
+        """Rank 0: the merge of ``step`` (of streaming ``fragment``) from the relay, into
+        the base (without fragments); with relay shards every shard's part, into its
+        range of the base, which comes with them.  (Joined, and its receipts checked, by
+        ``_fetch``.)"""
         if self.fragment_relays:
             return [self.fragment_relays[fragment].fetch(self.island_id, step, kind)], None
         relays = self.relays
         assert relays is not None
+        # Received straight into the base (IslandCore.merge_target), which takes it
+        # without a copy: no model-sized buffer of fresh memory per merge.
+        whole = self.core.merge_target()
+        if self.saving_live:  # a rejoin state written from the live base: done first
+            self.saving.result()
         if self.calls is None:
-            return [relays[0].fetch(self.island_id, step, kind)], None
-        whole = torch.empty(self.numel, dtype=torch.float32)
+            return [relays[0].fetch(self.island_id, step, kind, whole)], None
         bounds = self.core.shards.all_bounds()
         parts = self._on_shards(
             lambda i: relays[i].fetch(self.island_id, step, kind, whole[slice(*bounds[i])])
@@ -278,8 +284,9 @@ class Island:
         will take at a later step (``IslandRounds.ahead``) once ``push``, the push in
         flight, is done, so its transfer overlaps the steps before it is due instead of
         following them.  ``_fetch`` takes it at the pinned step as before; only when its
-        bytes arrive changes.  It holds the merge (the model's values, or its fragment's)
-        from its arrival until then."""
+        bytes arrive changes.  The merge is received into the base (nothing reads it
+        until the merge is applied: ``IslandCore.merge_target``); with fragments, into a
+        buffer held from its arrival until then."""
         if not self.lead:
             return
         for p in self.rounds.ahead():

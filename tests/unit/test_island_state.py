@@ -218,3 +218,42 @@ def test_a_rejoin_state_after_a_merge_knows_the_parameters_are_the_base(
     assert compared[-1] == core.step
     core.load_params(core.base)  # loaded, but not by a merge: compared
     assert core.state_dict(copy=False)["params"] is None and compared[-1] == core.step
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_a_merge_received_into_the_base_is_applied_bit_for_bit(tau: int) -> None:
+    """The island daemon receives each merge into its base (``merge_target``): applied
+    from there, the island's whole state after the merge, a step and the next sync is
+    the one a merge in a buffer of its own gives, bit for bit (regional and global)."""
+    cfg = RunConfig().with_overrides(
+        **{"steps": 8, "topology.h_r": 2, "topology.h_g": 4, "topology.tau": tau}
+    )
+    _, theta0 = initial_parameters(cfg)
+    apart, inplace = _island(cfg, theta0), _island(cfg, theta0)
+    for kind, sync_step in (("regional", 2), ("global", 4)):
+        blobs = []
+        for core in (apart, inplace):
+            while core.step < sync_step:
+                core.train_step()
+            blobs.append(core.sync())
+            for _ in range(tau):
+                core.train_step()
+        assert [bytes(b) for b in blobs[0]] == [bytes(b) for b in blobs[1]]
+        merge = apart.base - 1e-3 * sync_step
+        target = inplace.merge_target()
+        assert target.data_ptr() == inplace.base.data_ptr()
+        target.copy_(merge)  # as the download writes it
+        apart.apply_merge(kind, merge.clone(), sync_step)
+        inplace.apply_merge(kind, target.view(-1), sync_step)
+        assert torch.equal(apart.base, inplace.base)
+        assert torch.equal(apart.params(), inplace.params())
+    left, right = apart.state_dict(), inplace.state_dict()
+    assert left.keys() == right.keys()
+    for key in ("params", "base"):
+        assert torch.equal(left[key], right[key])
+    theta = apart.base + 1e-3
+    apart.finish(theta.clone())
+    target = inplace.merge_target()
+    target.copy_(theta)
+    inplace.finish(target.view(-1))  # the final state, received into the base too
+    assert torch.equal(apart.params(), inplace.params())
