@@ -104,6 +104,21 @@ def pieces(buf: Any, offset: int, nbytes: int, size: int = PIECE_BYTES) -> Itera
 _MADV_POPULATE_WRITE = 23
 
 
+def unshared(t: torch.Tensor, holders: int) -> bool:
+    """Is ``t`` the one tensor over its memory, and held in ``holders`` places (the
+    caller's own references to it, not this call's)?  Then no view of it, numpy array,
+    memoryview or other reference exists: writing it changes nothing anyone else reads.
+    False where the counts cannot be read (a torch without ``_storage_Use_Count``).
+    Exact counts of CPython 3.11 (tests/unit/test_pages.py checks them)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or t.device.type != "cpu":
+        return False
+    storage = t.untyped_storage()  # a new wrapper: one use of the storage, beside t's
+    sole = use_count(storage._cdata) == 2
+    del storage
+    return bool(sole and sys.getrefcount(t) == holders + 2)  # + this call's name and argument
+
+
 def populate(t: torch.Tensor) -> bool:
     """Fault in every whole page of ``t``'s memory (a contiguous CPU tensor) for writing,
     changing no byte, so that later writes find them resident; True if done, False where

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from hypertrain.common import pages
 from hypertrain.common.aggregate import (
     Blob,
     Commitment,
@@ -692,13 +693,19 @@ class GlobalCore:
         lets its evaluator drop any state but ``theta`` there (its memory bound)."""
         self._spare: torch.Tensor | None = None
         """The memory the next outer step writes its new theta into (``warm``), if any."""
+        self.recycle = False
+        """Keep the theta an outer step replaced (``_retired``) and write a later step's
+        theta into it once nothing else holds it (``warm``, ``step``): its pages are
+        resident, where a new tensor's are fresh memory to fault in.  Set by a driver whose
+        memory bound counts the old theta until the next step (the aggregator daemon)."""
+        self._retired: torch.Tensor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """For pickling (the simulator's job checkpoints): without the ``before_step`` hook,
         which a restored core starts without."""
         state = self.__dict__.copy()
         del state["before_step"]
-        state["_spare"] = None  # memory, not state
+        state["_spare"] = state["_retired"] = None  # memory, not state
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -716,8 +723,20 @@ class GlobalCore:
         outer state)."""
         if self._spare is not None:
             return None
+        self._spare = self._reuse()
+        if self._spare is not None:
+            return None  # the old theta's memory, resident: nothing to fault in
         self._spare = torch.empty_like(self.theta)
         return self._spare
+
+    def _reuse(self) -> torch.Tensor | None:
+        """The theta the last step replaced (``recycle``), if nothing else holds it now
+        (``pages.unshared``: no merge being served, checkpoint being written or
+        evaluation reads it); let go either way."""
+        retired, self._retired = self._retired, None
+        if retired is None or not pages.unshared(retired, holders=1):
+            return None
+        return retired
 
     def step(
         self, inputs: Mapping[str, Blob], digests: Mapping[str, str] | None = None
@@ -739,6 +758,10 @@ class GlobalCore:
             )
         self.before_step()
         spare, self._spare = self._spare, None
+        reused = self._reuse()  # let go even when there is a spare: at most 3 models here
+        if spare is None:
+            spare = reused
+        del reused
         old, new = self.theta.view(-1), torch.empty_like(self.theta) if spare is None else spare
         flat = new.view(-1)
         theta_hasher = TensorHasher(new.dtype, tuple(new.shape))
@@ -772,6 +795,8 @@ class GlobalCore:
             self._spare = spare  # memory, not state: kept for the next step
             raise
         self.outer.end()
+        if self.recycle:
+            self._retired = self.theta
         self.theta = new
         self.stepped = StepDigests(
             theta_hasher.hexdigest(), {name: h.hexdigest() for name, (_, h) in states.items()}

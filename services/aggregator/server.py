@@ -319,6 +319,7 @@ class AggregatorService:
             self.evaluator = Evaluator(cfg, self.metrics, self.layout)
             core = self.node.machine.core
             core.before_step = lambda: self.evaluator.release_except(core.theta)
+            core.recycle = True  # its 3m counts the old theta until the next step
         else:
             self.evaluator = joint.evaluator
         self._grace: threading.Timer | None = None  # the end, for relays absent at it
@@ -413,10 +414,11 @@ class AggregatorService:
             self.warmer.submit(self._warm)
 
     def _warm(self) -> None:
-        """Fault in the memory the next outer step writes its theta into (``GlobalCore.warm``,
-        ``pages.populate``), which the step would otherwise pay for inside the round, and
-        make the spool files of the next round's forwards ready (``Intake.warm``).  The
-        memory only while the evaluator holds no state but theta (an older one, still
+        """Make ready the memory the next outer step writes its theta into
+        (``GlobalCore.warm``): the theta the last step replaced when nothing holds it any
+        more (resident already), else new memory faulted in (``pages.populate``), which
+        the step would otherwise pay for inside the round; and make the spool files of
+        the next round's forwards ready (``Intake.warm``).  The memory only while the evaluator holds no state but theta (an older one, still
         evaluated, is let go at the step, ``before_step``: warming beside it would make a
         fourth model-sized tensor), and not for a fragment of a split run (its joint
         evaluates the model)."""

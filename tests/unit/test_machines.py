@@ -481,3 +481,52 @@ def test_an_outer_step_into_warmed_memory_keeps_every_bit(theta0: torch.Tensor) 
         return out
 
     assert run(warm=True) == run(warm=False)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_an_outer_step_reuses_the_theta_it_replaced_only_when_nothing_holds_it(
+    theta0: torch.Tensor, warm: bool
+) -> None:
+    """With ``recycle`` (the aggregator daemon) the theta an outer step replaced becomes
+    the memory of a later step's theta (at ``warm``, or at the step) once nothing else
+    holds it, and every theta and digest is the one a core without it makes.  A theta
+    still held (here, a view of it that a merge being served would hold) is never
+    written: it keeps its values, and fresh memory is taken instead."""
+    g = make_codec(CFG.global_codec)
+    cfg = CFG.with_overrides(steps=50)
+
+    def run(recycle: bool) -> list[str]:
+        agg = AggregatorMachine(cfg, theta0.clone())
+        agg.core.recycle = recycle
+        out, held, kept, two_back = [], None, None, 0
+        for n, step in enumerate((10, 20, 30, 40, 50)):
+            replaced = agg.core.theta
+            before = replaced.data_ptr()
+            if n == 2:  # something reads the theta about to be replaced, through the next step
+                held, kept = replaced.view(-1), replaced.clone()
+            del replaced
+            if warm:
+                spare = agg.core.warm()
+                assert agg.core.warm() is None
+                # the old theta's memory is already resident: nothing to fault in
+                assert (spare is None) == (recycle and n in (1, 2, 4))
+                del spare
+            for r in ("eu", "us"):
+                data = g.encode(
+                    torch.full((theta0.numel(),), 1e-3 * step * (2 if r == "eu" else 1))
+                )
+                d = Delta(cfg.run_id, n, step, r, blob_digest(data), str(g.spec), data)
+                assert agg.on_regional(d)[0].accepted
+            if recycle and n >= 1:
+                assert agg.core._retired is not None and agg.core._retired.data_ptr() == before
+            if recycle and n >= 1:
+                reused = agg.core.theta.data_ptr() == two_back
+                assert reused == (n != 3), n  # the theta step 3 retired was still held
+            two_back = before
+            out += [flat_digest(agg.core.theta), agg.state_digest()]
+            if n == 3:
+                assert held is not None and kept is not None and torch.equal(held, kept)
+                del held  # let go: a later step may write it again
+        return out
+
+    assert run(recycle=True) == run(recycle=False)

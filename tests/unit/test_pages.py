@@ -138,3 +138,35 @@ def test_populate_makes_a_tensor_s_memory_resident_and_keeps_its_bytes() -> None
     assert t[:3].tolist() == [1.5, -2.0, 3.25] and t[n // 8 : n // 8 + 2].tolist() == [7.0, 7.0]
     assert not pages.populate(t[::2])  # not contiguous: left alone
     assert not pages.populate(torch.empty(0))
+
+
+def test_unshared_sees_every_other_holder_of_a_tensor_s_memory() -> None:
+    """``unshared`` says True only for a tensor nothing else holds: not while a view, a
+    numpy array, a memoryview (``fp32_bytes``), a second name or a container holds it or
+    its memory; True again once each is let go."""
+    from hypertrain.wire.chunks import fp32_bytes
+
+    t = torch.arange(1024, dtype=torch.float32)
+    assert pages.unshared(t, holders=1)
+    assert not pages.unshared(t, holders=2)  # the caller counted a holder it has not
+    other = t
+    assert not pages.unshared(t, holders=1)
+    del other
+    held: list[object] = [t]
+    assert not pages.unshared(t, holders=1)
+    held.clear()
+    for make in (
+        lambda: t.view(-1),
+        lambda: t[10:20],
+        lambda: t.numpy(),
+        lambda: fp32_bytes(t),
+        lambda: t.detach(),
+    ):
+        holder = make()
+        assert not pages.unshared(t, holders=1)
+        del holder
+        assert pages.unshared(t, holders=1)
+    base = torch.zeros(8)
+    part = base[2:6]
+    del base
+    assert not pages.unshared(part, holders=1)  # a view: the memory is not its alone
