@@ -82,6 +82,16 @@ class ParamLayout:
         return flat
 
     @torch.no_grad()
+    def subtract_from(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """``flat -= `` the model's parameters, range by range, without a flat copy of them:
+        the bits of ``flat - flatten(model)``."""
+        if flat.numel() != self.numel:
+            raise ConfigError(f"flat layout: vector of {flat.numel()} != {self.numel} parameters")
+        for p, off in zip(self._params(model), self.offsets, strict=True):
+            part = flat[off : off + p.numel()]
+            part.sub_(p.detach().reshape(-1).to(part.device))
+
+    @torch.no_grad()
     def load(self, model: nn.Module, flat: torch.Tensor) -> None:
         """Copy a flat vector into the model's parameters (in place)."""
         if flat.numel() != self.numel:

@@ -124,6 +124,8 @@ class IslandState:
         """Each fragment's schedule (one, the run's, when it is not split)."""
         self.schedule = self.schedules[0]
         self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
+        self._base_frame: memoryview | None = None
+        """The blob the base lies in (``frame_base``), if it does."""
         self.codec = make_codec(cfg.regional_codec)
         self.feedbacks = [
             ErrorFeedback(self.codec, f.numel, beta=cfg.ef_beta) for f in self.fragments
@@ -153,6 +155,11 @@ class IslandState:
         """Write the current parameters into ``out`` (a flat fp32 vector of ``numel``)."""
         out.copy_(self.params())
 
+    def subtract_params(self, out: torch.Tensor) -> None:
+        """``out -= `` the current parameters (a flat fp32 vector of ``numel``), the bits of
+        ``out - params()``."""
+        out.sub_(self.params())
+
     def load_params(self, flat: torch.Tensor) -> None:
         """Set the current parameters from a flat fp32 vector."""
         raise NotImplementedError
@@ -175,6 +182,10 @@ class IslandState:
         only takes the snapshot and returns no bytes."""
         fr, feedback = self.fragments[fragment], self.feedbacks[fragment]
         split = len(self.fragments) > 1
+        in_base = getattr(self, "_base_frame", None)  # (a core pickled before it had one)
+        if encode and in_base is not None and feedback.frames_in_place:
+            self._sync_in_base(in_base, feedback)
+            return [in_base]
         frame: memoryview | None = None
         if encode and not split and not self.shards.sharded and feedback.frames_in_place:
             # fp32: the delta is computed behind the header room of the blob that is sent
@@ -206,6 +217,39 @@ class IslandState:
         # not held beside it until the next sync (a whole model while the island trains).
         feedback.released = None
         return blobs
+
+    def frame_base(self) -> bool:
+        """Keep the base behind the header room of a blob (``alloc_raw``), so that each
+        sync's delta is computed in the base's own memory and framed and sent from there
+        (``_sync_in_base``): no buffer of a model's size per sync.  The base then holds the
+        delta from the sync until that sync's merge replaces it, so only for a driver that
+        receives every merge into the base (``merge_target``) and reads the base in
+        between for nothing else (the island daemon).  Where the delta is framed in place
+        (fp32 regional codec, no relay shards, no fragments); False elsewhere."""
+        if len(self.fragments) > 1 or self.shards.sharded or not self.feedbacks[0].frames_in_place:
+            return False
+        if self._base_frame is None:
+            head = self.codec.header_length((self.numel,))
+            frame = alloc_raw(head + 4 * self.numel)
+            base = tensor_view(frame, torch.float32, head, self.numel)
+            base.copy_(self.base)
+            self.base, self._base_frame = base, frame
+        return True
+
+    def _sync_in_base(self, frame: memoryview, feedback: ErrorFeedback) -> None:
+        """``sync`` of the whole model with the base in ``frame`` (``frame_base``): the
+        delta ``base - theta`` is written over the base and framed where it lies; the
+        same bytes as ``sync`` without it."""
+        if self.schedules[0].tau:
+            theta = self.params()  # the overlap's snapshot, kept as it is
+            self.snapshots[0][self.step] = theta
+            self.base.sub_(theta)
+            del theta
+        else:
+            self.subtract_params(self.base)
+        self._base_loaded_at = None  # the base is the delta now, until the merge
+        self.last_delta_norm = float(torch.linalg.vector_norm(self.base))
+        feedback.encode_framed(frame, (self.numel,))
 
     def apply_merge(
         self,
@@ -428,6 +472,9 @@ class IslandCore(IslandState):
 
     def params_into(self, out: torch.Tensor) -> None:
         self.layout.flatten(self.model, out=out)
+
+    def subtract_params(self, out: torch.Tensor) -> None:
+        self.layout.subtract_from(self.model, out)
 
     def params_equal_base(self) -> bool:
         base = self.layout.unflatten(self.base)

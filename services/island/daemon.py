@@ -123,6 +123,11 @@ class Island:
         if frags is not None and ranks is not None:
             raise ConfigError("an island of several ranks does not sync by fragment yet")
         self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device, frags)
+        if self.lead:
+            # Each sync's delta is computed in the base's memory and sent from there (fp32,
+            # without shards or fragments), the merge then received into the base
+            # (``_download``): nothing else reads the base from a sync to its merge.
+            self.core.frame_base()
         witness = Witness(
             state_dir, island_key(island_id), cfg.run_id, trusted if state_dir else None
         )
@@ -419,6 +424,7 @@ class Island:
             if not take(rounds.before_sync(), t_trained, save=False):
                 continue
             t0 = time.perf_counter()
+            self._saved_live()  # (done by now: a sync may write over the base)
             deltas = rounds.after_step(encode=self.lead)
             if rounds.last_sync is not None and rounds.last_sync[0] == step:
                 if deltas:

@@ -30,8 +30,11 @@ def _cfg(**changes: object) -> RunConfig:
         {},
         {"topology.tau": 1},
         {"regional_codec": "sparseloco+zstd"},
+        # fp32: each island's delta is computed and sent in its base's memory, and the
+        # merge, fetched ahead while it trains on, received there (IslandCore.frame_base)
+        {"regional_codec": "fp32", "topology.tau": 1},
     ],
-    ids=["int8", "int8-tau1", "sparseloco"],
+    ids=["int8", "int8-tau1", "sparseloco", "fp32-tau1"],
 )
 def test_daemons_match_the_reference_bit_for_bit(cluster_factory, changes: dict) -> None:  # type: ignore[no-untyped-def]
     cfg = _cfg(**changes)

@@ -257,3 +257,49 @@ def test_a_merge_received_into_the_base_is_applied_bit_for_bit(tau: int) -> None
     target.copy_(theta)
     inplace.finish(target.view(-1))  # the final state, received into the base too
     assert torch.equal(apart.params(), inplace.params())
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_a_delta_computed_in_the_base_is_the_same_blob_and_state(tau: int) -> None:
+    """``frame_base`` (the island daemon): each sync's delta is written over the base,
+    in the blob that is sent; the blob is byte for byte the one a separate frame gives,
+    and after each merge (received into the base) the island's state is the same."""
+    cfg = RunConfig().with_overrides(
+        regional_codec="fp32",
+        **{"steps": 8, "topology.h_r": 2, "topology.h_g": 4, "topology.tau": tau},
+    )
+    _, theta0 = initial_parameters(cfg)
+    apart, inplace = _island(cfg, theta0), _island(cfg, theta0)
+    assert inplace.frame_base() and torch.equal(inplace.base, apart.base)
+    frame_ptr = inplace.base.data_ptr()
+    for kind, sync_step in (("regional", 2), ("global", 4), ("regional", 6)):
+        blobs = []
+        for core in (apart, inplace):
+            while core.step < sync_step:
+                core.train_step()
+            blobs.append([bytes(b) for b in core.sync()])
+        assert blobs[0] == blobs[1]
+        assert apart.last_delta_norm == inplace.last_delta_norm
+        assert inplace.base.data_ptr() == frame_ptr  # the delta lies where the base did
+        merge = apart.base - 1e-3 * sync_step  # (the in-place island's base is its delta now)
+        for core in (apart, inplace):
+            for _ in range(tau):
+                core.train_step()
+        target = inplace.merge_target()
+        target.copy_(merge)
+        apart.apply_merge(kind, merge.clone(), sync_step)
+        inplace.apply_merge(kind, target, sync_step)
+        assert torch.equal(apart.base, inplace.base)
+        assert torch.equal(apart.params(), inplace.params())
+    left, right = apart.state_dict(), inplace.state_dict()
+    for key in ("params", "base"):
+        assert torch.equal(left[key], right[key])
+
+
+def test_frame_base_is_only_for_a_delta_framed_in_place() -> None:
+    """int8 (a lossy codec with a residual) keeps the base apart: nothing changes."""
+    cfg = RunConfig().with_overrides(regional_codec="int8")
+    _, theta0 = initial_parameters(cfg)
+    core = _island(cfg, theta0)
+    base = core.base
+    assert not core.frame_base() and core.base is base
