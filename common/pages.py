@@ -107,19 +107,52 @@ def pieces(buf: Any, offset: int, nbytes: int, size: int = PIECE_BYTES) -> Itera
 _MADV_POPULATE_WRITE = 23
 
 
-def unshared(t: torch.Tensor, holders: int) -> bool:
-    """Is ``t`` the one tensor over its memory, and held in ``holders`` places (the
-    caller's own references to it, not this call's)?  Then no view of it, numpy array,
-    memoryview or other reference exists: writing it changes nothing anyone else reads.
-    False where the counts cannot be read (a torch without ``_storage_Use_Count``).
-    Exact counts of CPython 3.11 (tests/unit/test_pages.py checks them)."""
+def _counts(t: torch.Tensor, holders: int) -> bool:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None or t.device.type != "cpu":
         return False
-    storage = t.untyped_storage()  # a new wrapper: one use of the storage, beside t's
-    sole = use_count(storage._cdata) == 2
+    storage = t.untyped_storage()  # torch's wrapper of t's storage (cached by torch)
+    return bool(
+        use_count(storage._cdata) == 2  # t's own use, and the wrapper's
+        and sys.getrefcount(storage) == 3  # this name, the call's argument, torch's cache
+        and sys.getrefcount(t) == holders + 2  # the caller's, this name, the argument
+    )
+
+
+def _calibrated() -> bool:
+    """Do the counts ``_counts`` expects hold on this interpreter and torch?  Checked once,
+    on a probe: True for it alone, False while another name, a view or its storage's
+    wrapper holds it.  (A CPython that counts references differently, as 3.14's borrowed
+    references may, or a build without a GIL, fails here, and nothing is ever reused.)"""
+    gil = getattr(sys, "_is_gil_enabled", None)
+    if gil is not None and not gil():
+        return False
+    probe = torch.empty(4)
+    alone = _counts(probe, 1)
+    other = probe
+    named = _counts(probe, 1)
+    del other
+    view = probe[1:]
+    viewed = _counts(probe, 1)
+    del view
+    storage = probe.untyped_storage()
+    wrapped = _counts(probe, 1)
     del storage
-    return bool(sole and sys.getrefcount(t) == holders + 2)  # + this call's name and argument
+    return alone and not (named or viewed or wrapped) and _counts(probe, 1)
+
+
+_COUNTS_HOLD = _calibrated()
+
+
+def unshared(t: torch.Tensor, holders: int) -> bool:
+    """Is ``t`` the one tensor over its memory, held in ``holders`` places (the caller's
+    own references to it, not this call's)?  Then no other reference to it, view of it,
+    numpy array or memoryview over it, or reference to its storage exists: writing it
+    changes nothing that anything else reads.  What no count sees (a raw pointer kept
+    without a reference, a weak reference) is out of its reach: nothing here keeps one
+    to a tensor it reads.  False wherever the counts are not the ones checked at import
+    (``_calibrated``)."""
+    return _COUNTS_HOLD and _counts(t, holders + 1)  # + this call's name for it
 
 
 def populate(t: torch.Tensor) -> bool:

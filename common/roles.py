@@ -126,6 +126,10 @@ class IslandState:
         self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
         self._base_frame: memoryview | None = None
         """The blob the base lies in (``frame_base``), if it does."""
+        self._base_valid = True
+        """False from a sync that wrote its delta over the base (``frame_base``), or a
+        download into it (``merge_target``), until a merge or a loaded state is taken: no
+        delta or rejoin state is made of it meanwhile (``_check_base``)."""
         self.codec = make_codec(cfg.regional_codec)
         self.feedbacks = [
             ErrorFeedback(self.codec, f.numel, beta=cfg.ef_beta) for f in self.fragments
@@ -180,6 +184,7 @@ class IslandState:
 
         ``encode=False`` (ranks other than 0 of a multi-rank island, which send nothing)
         only takes the snapshot and returns no bytes."""
+        self._check_base("a sync")
         fr, feedback = self.fragments[fragment], self.feedbacks[fragment]
         split = len(self.fragments) > 1
         in_base = getattr(self, "_base_frame", None)  # (a core pickled before it had one)
@@ -248,6 +253,7 @@ class IslandState:
         else:
             self.subtract_params(self.base)
         self._base_loaded_at = None  # the base is the delta now, until the merge
+        self._base_valid = False
         self.last_delta_norm = float(torch.linalg.vector_norm(self.base))
         feedback.encode_framed(frame, (self.numel,))
 
@@ -283,6 +289,7 @@ class IslandState:
         fr = self.fragments[fragment]
         base = self.base[fr.lo : fr.hi]
         _take(base, payload)
+        self._base_valid = True
         snapshot = self.snapshots[fragment].pop(sync_step, None)
         if len(self.fragments) == 1:
             merged = base if snapshot is None else overlap_merge(base, self.params(), snapshot)
@@ -317,6 +324,7 @@ class IslandState:
         """End of the run: take the final global parameters (no steps follow, no overlap);
         ``heal`` takes a later global merge the same way."""
         _take(self.base, theta)
+        self._base_valid = True
         for snaps in self.snapshots:
             snaps.clear()
         self.load_params(self.base)
@@ -330,12 +338,21 @@ class IslandState:
         next sync comes after (tau < h_r), an overlap reads the base only once it is the
         merge, and a rejoin state is written right after a merge.  A download that fails
         leaves the base undefined; the driver then fetches again or stops (and resumes
-        from the rejoin state on disk), and never computes a delta from it.  Not with
+        from the rejoin state on disk), and never computes a delta from it (``sync`` and
+        ``state_dict`` refuse the base from here until a merge or a state is taken).  Not with
         streaming fragments: one fragment's merge may wait in memory while a rejoin state
         (with the base) is written."""
         if len(self.fragments) > 1:
             raise HypertrainError(f"island {self.island_id}: no merge target with fragments")
+        self._base_valid = False
         return self.base
+
+    def _check_base(self, what: str) -> None:
+        if not getattr(self, "_base_valid", True):  # (a core pickled before it had one)
+            raise HypertrainError(
+                f"island {self.island_id}: {what} at step {self.step} from a base that holds "
+                "a delta or a merge being received, not a base (a merge was not applied)"
+            )
 
     def _params_are_base(self) -> bool:
         """``params_equal_base``, known without reading them where they were loaded from
@@ -355,6 +372,8 @@ class IslandState:
 
         ``copy=False``: the live tensors, no copies (the caller writes them out before the
         island changes them), and ``params`` None when they equal the base."""
+
+        self._check_base("a rejoin state")
 
         def keep(t: torch.Tensor) -> torch.Tensor:
             return t.clone() if copy else t
@@ -387,6 +406,7 @@ class IslandState:
         self.load_params(state["base"] if params is None else params)
         self._base_loaded_at = self.step if params is None else None
         self.base.copy_(state["base"])
+        self._base_valid = True
         self._load_train_state(state)
         split = len(self.fragments) > 1
         feedback, snapshots = state["feedback"], state["snapshots"]
@@ -722,8 +742,9 @@ class GlobalCore:
     """The aggregator's numerical state: global parameters and the outer optimizer."""
 
     def __init__(self, cfg: RunConfig, theta0: torch.Tensor, adopt: bool = False) -> None:
-        """``adopt``: keep ``theta0`` itself (this core never writes its ``theta`` in place:
-        each outer step makes a new one), so the caller must not write to it either."""
+        """``adopt``: keep ``theta0`` itself (this core never writes a theta anything else
+        holds: each outer step writes a new one, into new memory or, with ``recycle``, into
+        an old theta's once nothing holds it), so the caller must not write to it either."""
         self.cfg = cfg
         self.codec = make_codec(cfg.global_codec)
         self.theta = theta0 if adopt else theta0.clone()
@@ -776,6 +797,11 @@ class GlobalCore:
         self._spare = torch.empty_like(self.theta)
         return self._spare
 
+    def let_go_retired(self) -> None:
+        """No outer step follows (the run's last is done): the theta the last one replaced
+        is not kept for one (``recycle``)."""
+        self._retired = None
+
     def _reuse(self) -> torch.Tensor | None:
         """The theta the last step replaced (``recycle``), if nothing else holds it now
         (``pages.unshared``: no merge being served, checkpoint being written or
@@ -794,9 +820,10 @@ class GlobalCore:
         The mean is streamed (``segmented_mean``: with relay shards, each shard's range
         is the mean of the regions' deltas for it, summed in the same region order as
         without shards) and each range goes through the outer step while it is in cache,
-        into a new tensor that becomes ``theta``: the previous ``theta`` is never written
-        again (the merge relays fetch, the checkpoint being written and the evaluation may
-        all still read it), and no whole mean is held.  Nothing changes unless every input
+        into a new tensor that becomes ``theta``: the previous ``theta`` is not written
+        while anything holds it (the merge relays fetch, the checkpoint being written and
+        the evaluation may all still read it; ``recycle`` reuses its memory only once
+        nothing does), and no whole mean is held.  Nothing changes unless every input
         is valid."""
         if not inputs or set(self.members_of(self.regions_of(inputs))) != set(inputs):
             raise HypertrainError(

@@ -1320,7 +1320,7 @@ class AggregatorMachine:
         ``theta0`` is then that fragment's range, with its own rounds and outer state."""
         self.cfg = cfg
         self.schedule = Schedule.of(cfg, fragment)
-        self.core = GlobalCore(cfg, theta0, adopt=True)  # never written in place
+        self.core = GlobalCore(cfg, theta0, adopt=True)  # never written while held
         self.shards = self.core.shards
         self.level = _Level(
             cfg,
@@ -1441,7 +1441,7 @@ class AggregatorMachine:
             step,
             sched.merge_step(step),
             commitment,
-            core.theta,  # never written in place: each outer step makes a new theta
+            core.theta,  # never written while held (GlobalCore.step, recycle)
             "global",
             record,
             sum(len(b) for b in blobs.values()),
@@ -1449,6 +1449,8 @@ class AggregatorMachine:
         )
         _keep_newest(self.merges, merge)
         self.done = sched.is_final(step)
+        if self.done:  # before the LAWA average is made: no step reuses the old theta now
+            core.let_go_retired()
         return merge
 
     def state_digest(self) -> str:

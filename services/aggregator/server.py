@@ -23,7 +23,6 @@ import math
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -167,8 +166,9 @@ class Evaluator:
             round_, step, theta = job
             with self._lock:
                 self._current = theta
-            # A view, not a copy: a global state is never written after its round (each
-            # outer step makes a new theta), so the model reads it while the next runs.
+            # A view, not a copy: a global state is never written while held (each outer
+            # step writes a new theta, GlobalCore.recycle), so the model reads it while
+            # the next runs.
             self.layout.bind(self.model, theta)
             del job, theta  # held by the model's views and _current, until _let_go
             try:
@@ -274,7 +274,7 @@ class AggregatorService:
             {m: relay_key(m) for m in relay_members(topo.regions, topo.relay_shards)},
         )
         self.joint = joint
-        self._status_memo: tuple[weakref.ref[torch.Tensor], str] | None = None
+        self._status_memo: tuple[str, str] | None = None
         self.fragment: int | None = None
         if fragment is None or joint is None:
             self.layout, theta0 = starting_parameters(cfg)
@@ -446,23 +446,24 @@ class AggregatorService:
                 role="aggregator",
                 round=m.round,
                 last_step=m.level.open_step - m.schedule.h_g,
-                state_digest=self._status_digest(m.core.theta)
+                state_digest=self._status_digest(m.state_digest(), m.core.theta)
                 if self.joint is None
                 else m.state_digest(),
                 done=m.done,
                 config_digest=self.cfg.digest,
             )
 
-    def _status_digest(self, theta: torch.Tensor) -> str:
+    def _status_digest(self, flat: str, theta: torch.Tensor) -> str:
         """The state digest of the parameters ``theta`` (named, as an island reports its
-        own), computed once per theta: the core never writes its theta in place (each
-        outer step makes a new one, a restore a copy), so the digest of the tensor it
-        holds stays right until it holds another.  A caller asking for Status in a loop
-        costs no pass over the model, and holds the board's lock for no longer than any
-        other call."""
+        own), computed once per state: kept under ``flat``, the digest of record of the
+        same bits (``AggregatorMachine.state_digest``, which the round logic keeps as it
+        writes theta).  Not under the tensor: an outer step may write a new theta into
+        the memory of an old one (``GlobalCore.recycle``).  A caller asking for Status in a
+        loop costs no pass over the model, and holds the board's lock for no longer than
+        any other call."""
         memo = self._status_memo
-        if memo is None or memo[0]() is not theta:
-            memo = (weakref.ref(theta), state_digest(self.layout.unflatten(theta)))
+        if memo is None or memo[0] != flat:
+            memo = (flat, state_digest(self.layout.unflatten(theta)))
             self._status_memo = memo
         return memo[1]
 

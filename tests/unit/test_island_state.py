@@ -8,6 +8,7 @@ import torch
 from hypertrain.common.codec import ErrorFeedback
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
+from hypertrain.common.errors import HypertrainError
 from hypertrain.common.reference import open_dataset
 from hypertrain.common.roles import IslandCore, initial_parameters
 from hypertrain.common.toy import ToyIsland, toy_parameters
@@ -303,3 +304,35 @@ def test_frame_base_is_only_for_a_delta_framed_in_place() -> None:
     core = _island(cfg, theta0)
     base = core.base
     assert not core.frame_base() and core.base is base
+
+
+def test_no_delta_or_rejoin_state_is_made_of_a_base_a_merge_is_received_into() -> None:
+    """From ``merge_target`` (a download into the base) until the merge is applied, the
+    base is not a base: a sync or a rejoin state of it is refused, not made of garbage
+    (a download that failed and was not fetched again).  The same after a delta was
+    written over it (``frame_base``).  Applying the merge, or loading a state, ends it."""
+    cfg = RunConfig().with_overrides(
+        regional_codec="fp32", **{"steps": 4, "topology.h_r": 2, "topology.h_g": 2}
+    )
+    _, theta0 = initial_parameters(cfg)
+    core = _island(cfg, theta0)
+    saved = core.state_dict()
+    core.train_step()
+    core.train_step()
+    core.merge_target()
+    with pytest.raises(HypertrainError, match="not a base"):
+        core.sync()
+    with pytest.raises(HypertrainError, match="not a base"):
+        core.state_dict()
+    core.load_state_dict(saved)  # a restart from the rejoin state
+    core.state_dict()
+    core.train_step()
+    core.train_step()
+    assert core.frame_base()
+    core.sync()  # the delta is written over the base
+    with pytest.raises(HypertrainError, match="not a base"):
+        core.state_dict()
+    target = core.merge_target()
+    target.copy_(theta0)
+    core.apply_merge("global", target, 2)
+    core.state_dict()
