@@ -192,13 +192,11 @@ class IslandState:
             self._sync_in_base(in_base, feedback)
             return [in_base]
         frame: memoryview | None = None
-        if encode and not split and not self.shards.sharded and feedback.frames_in_place:
+        if encode and self._frames_whole():
             # fp32: the delta is computed behind the header room of the blob that is sent
             # (ErrorFeedback.encode_framed), so a sync holds one copy of the model, not two
             # (the parameters' copy, then the encoded blob).
-            head = self.codec.header_length((self.numel,))
-            frame = alloc_raw(head + 4 * self.numel)
-            theta = tensor_view(frame, torch.float32, head, self.numel)
+            frame, theta = self._framed()
             self.params_into(theta)
         elif split:
             theta = self.params()[fr.lo : fr.hi].clone()  # the fragment's values alone
@@ -231,15 +229,29 @@ class IslandState:
         receives every merge into the base (``merge_target``) and reads the base in
         between for nothing else (the island daemon).  Where the delta is framed in place
         (fp32 regional codec, no relay shards, no fragments); False elsewhere."""
-        if len(self.fragments) > 1 or self.shards.sharded or not self.feedbacks[0].frames_in_place:
+        if not self._frames_whole():
             return False
         if self._base_frame is None:
-            head = self.codec.header_length((self.numel,))
-            frame = alloc_raw(head + 4 * self.numel)
-            base = tensor_view(frame, torch.float32, head, self.numel)
+            frame, base = self._framed()
             base.copy_(self.base)
             self.base, self._base_frame = base, frame
         return True
+
+    def _frames_whole(self) -> bool:
+        """Is a sync's delta one blob of the whole model, framed where its values lie
+        (``ErrorFeedback.encode_framed``: fp32, no fragments, no relay shards)?"""
+        return (
+            len(self.fragments) == 1
+            and not self.shards.sharded
+            and self.feedbacks[0].frames_in_place
+        )
+
+    def _framed(self) -> tuple[memoryview, torch.Tensor]:
+        """A blob's memory with the regional codec's header room in front, and the fp32
+        vector of the whole model behind it."""
+        head = self.codec.header_length((self.numel,))
+        frame = alloc_raw(head + 4 * self.numel)
+        return frame, tensor_view(frame, torch.float32, head, self.numel)
 
     def _sync_in_base(self, frame: memoryview, feedback: ErrorFeedback) -> None:
         """``sync`` of the whole model with the base in ``frame`` (``frame_base``): the
@@ -288,7 +300,7 @@ class IslandState:
             raise HypertrainError(f"island {self.island_id}: unknown merge kind {kind!r}")
         fr = self.fragments[fragment]
         base = self.base[fr.lo : fr.hi]
-        _take(base, payload)
+        take_into(base, payload)
         self._base_valid = True
         snapshot = self.snapshots[fragment].pop(sync_step, None)
         if len(self.fragments) == 1:
@@ -323,7 +335,7 @@ class IslandState:
     def finish(self, theta: torch.Tensor) -> None:
         """End of the run: take the final global parameters (no steps follow, no overlap);
         ``heal`` takes a later global merge the same way."""
-        _take(self.base, theta)
+        take_into(self.base, theta)
         self._base_valid = True
         for snaps in self.snapshots:
             snaps.clear()
@@ -899,8 +911,8 @@ class GlobalCore:
         return segments
 
 
-def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
+def take_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst`` <- ``src``; nothing to copy when ``src`` was received into ``dst``
-    (``IslandCore.merge_target``)."""
+    (``IslandCore.merge_target``, a relay shard's part received into its range)."""
     if src.data_ptr() != dst.data_ptr() or src.numel() != dst.numel():
         dst.copy_(src)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from hypertrain.common.errors import HypertrainError
-from hypertrain.common.roles import IslandState
+from hypertrain.common.roles import IslandState, take_into
 from hypertrain.common.rounds.machines import Committed, Delta
 from hypertrain.common.schedule import PendingMerge, PendingMerges, Schedule, SyncKind
 from hypertrain.common.trust.ledger import relay_key
@@ -170,8 +170,7 @@ class IslandRounds:
             return torch.cat([p.payload.view(-1) for p in parts])
         for i, p in enumerate(parts):
             a, b = shards.bounds(i)
-            if p.payload.data_ptr() != out[a:b].data_ptr():  # not received in place
-                out[a:b].copy_(p.payload.view(-1))
+            take_into(out[a:b], p.payload.view(-1))  # (nothing to copy where received in place)
         return out
 
     def due(self) -> list[PendingMerge[int]]:

@@ -418,10 +418,10 @@ class AggregatorService:
         (``GlobalCore.warm``): the theta the last step replaced when nothing holds it any
         more (resident already), else new memory faulted in (``pages.populate``), which
         the step would otherwise pay for inside the round; and make the spool files of
-        the next round's forwards ready (``Intake.warm``).  The memory only while the evaluator holds no state but theta (an older one, still
-        evaluated, is let go at the step, ``before_step``: warming beside it would make a
-        fourth model-sized tensor), and not for a fragment of a split run (its joint
-        evaluates the model)."""
+        the next round's forwards ready (``Intake.warm``).  The memory only while the
+        evaluator holds no state but theta (an older one, still evaluated, is let go at the
+        step, ``before_step``: warming beside it would make a fourth model-sized tensor),
+        and not for a fragment of a split run (its joint evaluates the model)."""
         with self.board.cond:
             m = self.node.machine
             core = m.core
