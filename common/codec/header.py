@@ -81,9 +81,19 @@ def _threads() -> ThreadPoolExecutor:
 
 
 def checksum(
-    header: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview
+    header: bytes | bytearray | memoryview,
+    payload: bytes | bytearray | memoryview,
+    crcs: tuple[int, ...] | None = None,
 ) -> int:
-    """CRC-32 of ``header`` (checksum field zeroed by the caller) and the payload's segment CRCs."""
+    """CRC-32 of ``header`` (checksum field zeroed by the caller) and the payload's segment
+    CRCs; ``crcs``: those of the payload, already known (``survey.Facts``), not read."""
+    if crcs is None:
+        crcs = _segment_crcs(payload)
+    return crc32(struct.pack(f"<{len(crcs)}I", *crcs), crc32(header))
+
+
+def _segment_crcs(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
+    """The CRC-32 of each ``CHECKSUM_SEGMENT`` of ``payload`` (one, 0, if it is empty)."""
     view = memoryview(payload).cast("B")
     starts = range(0, len(view), CHECKSUM_SEGMENT)
 
@@ -93,8 +103,7 @@ def checksum(
         drop_read(part)  # a mapped input's pages are not kept resident by this pass
         return crc
 
-    crcs = list(_threads().map(segment, starts)) if len(starts) > 1 else [segment(0)]
-    return crc32(struct.pack(f"<{len(crcs)}I", *crcs), crc32(header))
+    return tuple(_threads().map(segment, starts)) if len(starts) > 1 else (segment(0),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,12 +266,15 @@ def _parse_params(name: str, raw: bytes, flags: int) -> CodecSpec:
     return CodecSpec(name=spec.name, params=spec.params, zstd=bool(flags & FLAG_ZSTD))
 
 
-def verify_checksum(data: bytes | bytearray | memoryview, header: Header) -> None:
-    """Raise ``CodecError`` unless the stored checksum matches header and payload."""
+def verify_checksum(
+    data: bytes | bytearray | memoryview, header: Header, crcs: tuple[int, ...] | None = None
+) -> None:
+    """Raise ``CodecError`` unless the stored checksum matches header and payload
+    (``crcs``: the payload's segment CRCs, known already: see ``checksum``)."""
     view = memoryview(data).cast("B")
     head = bytearray(view[: header.header_len])
     head[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 4] = b"\0\0\0\0"
-    actual = checksum(head, view[header.header_len :])
+    actual = checksum(head, view[header.header_len :], crcs)
     if actual != header.checksum:
         raise CodecError(
             f"checksum mismatch (stored {header.checksum:#010x}, computed {actual:#010x}): blob is corrupt"

@@ -62,6 +62,7 @@ import grpc
 import numpy as np
 import torch
 
+from hypertrain.common.codec import survey
 from hypertrain.common.digest import content_hasher
 from hypertrain.common.pages import register_file_map
 from hypertrain.common.trust.keys import fsync_dir
@@ -190,6 +191,10 @@ class Sink:
         self._syncer: threading.Thread | None = None
         self._sync_error: OSError | None = None
         self._capacity = 0  # bytes of a warm file taken (its tail is cut at commit)
+        # A spooled delta's checksum segments and fp32 values, computed beside its hash
+        # while each chunk is in cache (codec/survey.py): the node's checks of the mapped
+        # file take them instead of reading it again.
+        self._survey = survey.Survey(size) if spool_dir is not None else None
         stages = [("wire-hash", self._hash_chunk)]
         if spool_dir is not None:
             warm = take_warm(spool_dir, size) if size else None
@@ -245,6 +250,8 @@ class Sink:
                 )
                 array = mapped.numpy()
                 register_file_map(array)  # its pages may be dropped once read
+                if self._survey is not None:
+                    survey.register(array, self._survey.facts())
                 self.buffer = array.data
         except (OSError, RuntimeError) as exc:
             self.abort()
@@ -304,6 +311,8 @@ class Sink:
 
     def _hash_chunk(self, offset: int, data: Data) -> None:
         self._hash.update(data)
+        if self._survey is not None:  # the same chunk, still in this core's cache
+            self._survey.feed(data)
 
     def _copy_chunk(self, offset: int, data: Data) -> None:
         copy_into(self.buffer, offset, data)

@@ -1,0 +1,183 @@
+"""What a receiver learns of an encoded blob while its bytes arrive, kept for its checks.
+
+A relay or the aggregator validates each received delta in full (``Codec.open``: the
+header, the checksum over the whole payload, and for fp32 the values: every one finite,
+and the largest magnitude), once when the delta is accepted and again when it is summed.
+Each of those passes reads the whole input from memory; the spooled input is a map of
+its file's page cache, long out of the CPU's caches by then.  The receiver already holds
+every chunk in cache once, as it arrives (it hashes each, ``spool.Sink``): a ``Survey``
+fed there computes, in the same pass, the two things ``open`` reads the payload for:
+
+- the CRC-32 of each ``CHECKSUM_SEGMENT`` of the payload, which ``checksum`` combines
+  with the header's (the segments are fixed, so chunking changes nothing);
+- for an unframed fp32 payload, whether every value is finite and, if so, the largest
+  magnitude (``Fp32Codec._prepare``'s ``top``: a maximum, the same value in any order).
+
+``register`` ties the result (``Facts``) to the buffer the receiver hands on, a private
+map of the spooled file that nothing writes; ``facts_of`` finds it again for that whole
+buffer only.  ``Codec.open`` then checks the header as always and takes the payload's
+checksum and values from the facts instead of reading them: the same decisions, the same
+numbers, without the passes.  Where the survey could not follow (the header or a value
+split oddly across chunks, any other buffer, a restarted node reading its spool), there
+are no facts, or none for the values, and ``open`` reads the payload as before.
+
+The facts are about the bytes this process received and hashed; the content digest that
+names them was computed in the same pass and is trusted the same way afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from zlib_ng.zlib_ng import crc32
+
+from hypertrain.common.codec.header import (
+    CHECKSUM_SEGMENT,
+    CODEC_IDS,
+    DTYPE_IDS,
+    FIXED_HEADER_LEN,
+    MAGIC,
+    MAX_NDIM,
+    MAX_PARAMS_LEN,
+)
+
+_FIXED = struct.Struct("<4sBBBBBBH")  # magic .. params_len: what the header's length needs
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """A surveyed blob: ``size`` bytes, a header of ``header_len`` bytes, the CRC-32s of
+    its payload's segments (``checksum``'s), and ``top``: for an unframed fp32 payload
+    whose values are all finite, the largest of their magnitudes (else None)."""
+
+    size: int
+    header_len: int
+    crcs: tuple[int, ...]
+    top: float | None
+
+
+class Survey:
+    """Fed a blob's bytes in order (``feed``), from any chunking; ``facts`` at the end."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._pos = 0
+        self._head = bytearray()  # the first bytes, until the header's length is known
+        self._header_len = -1
+        self._values = False  # an unframed fp32 payload: its values are checked
+        self._crcs: list[int] = []
+        self._crc = 0
+        self._in_segment = 0
+        self._top = 0.0
+        self._lost = False  # not a blob this survey can follow: no facts
+
+    def feed(self, data: Any) -> None:
+        """The next ``len(data)`` bytes of the blob."""
+        if self._lost:
+            return
+        view = memoryview(data).cast("B")
+        pos, n = self._pos, len(view)
+        self._pos += n
+        if self._header_len < 0:
+            self._head += view[: FIXED_HEADER_LEN - len(self._head)]
+            if len(self._head) < FIXED_HEADER_LEN:
+                return
+            self._read_fixed()
+            if self._lost:
+                return
+        skip = max(0, self._header_len - pos)
+        if skip < n:
+            self._payload(view[skip:], pos + skip - self._header_len)
+
+    def _read_fixed(self) -> None:
+        magic, _, codec_id, flags, dtype_id, ndim, _, params_len = _FIXED.unpack_from(self._head)
+        if magic != MAGIC or ndim > MAX_NDIM or params_len > MAX_PARAMS_LEN:
+            self._lost = True  # open refuses it anyway: nothing to save
+            return
+        head = FIXED_HEADER_LEN + 8 * ndim + params_len
+        self._header_len = head + (-head % 8)
+        self._values = (
+            codec_id == CODEC_IDS["fp32"] and flags == 0 and dtype_id == DTYPE_IDS["float32"]
+        )
+        self._head = bytearray()
+
+    def _payload(self, part: memoryview, at: int) -> None:
+        """``part``: payload bytes from payload offset ``at`` on."""
+        while part:
+            take = min(len(part), CHECKSUM_SEGMENT - self._in_segment)
+            piece = part[:take]
+            self._crc = crc32(piece, self._crc)
+            if self._values:
+                self._check(piece, at)
+            self._in_segment += take
+            at += take
+            if self._in_segment == CHECKSUM_SEGMENT:
+                self._crcs.append(self._crc)
+                self._crc = self._in_segment = 0
+            part = part[take:]
+
+    def _check(self, piece: memoryview, at: int) -> None:
+        if at % 4 or len(piece) % 4:  # a value split across chunks: the values go unsurveyed
+            self._values = False
+            return
+        lo, hi = (float(v) for v in torch.aminmax(torch.frombuffer(piece, dtype=torch.float32)))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            self._values = False  # open reads it and refuses it, naming the problem
+            return
+        self._top = max(self._top, -lo, hi)
+
+    def facts(self) -> Facts | None:
+        """What the survey found, once every byte was fed; None if it could not follow."""
+        if self._lost or self._header_len < 0 or self._pos != self.size:
+            return None
+        if self._header_len > self.size:
+            return None
+        crcs = list(self._crcs)
+        if self._in_segment or not crcs:  # the last, short segment (or the empty payload's)
+            crcs.append(self._crc)
+        return Facts(self.size, self._header_len, tuple(crcs), self._top if self._values else None)
+
+
+_SURVEYED: dict[int, tuple[weakref.ref[np.ndarray], Facts]] = {}
+_lock = threading.Lock()
+
+
+def register(array: np.ndarray, facts: Facts | None) -> None:
+    """Tie ``facts`` to ``array`` (the private, never written map of a received blob's
+    spool file, whole); forgotten when the array is."""
+    if facts is None or facts.size != array.nbytes:
+        return
+    key = id(array)
+
+    def forget(ref: weakref.ref[np.ndarray]) -> None:
+        with _lock:
+            if (entry := _SURVEYED.get(key)) is not None and entry[0] is ref:
+                del _SURVEYED[key]
+
+    with _lock:
+        _SURVEYED[key] = (weakref.ref(array, forget), facts)
+
+
+def facts_of(data: Any) -> Facts | None:
+    """The facts registered for ``data`` if it is a view of a whole registered array."""
+    if not _SURVEYED or not isinstance(data, memoryview):
+        return None
+    owner = data.obj
+    with _lock:
+        entry = _SURVEYED.get(id(owner))
+    if entry is None or entry[0]() is not owner or not isinstance(owner, np.ndarray):
+        return None
+    facts = entry[1]
+    if data.nbytes != owner.nbytes or not data.c_contiguous:
+        return None
+    start = np.frombuffer(data.cast("B") if data.format != "B" else data, dtype=np.uint8)
+    if start.ctypes.data != owner.ctypes.data:
+        return None
+    return facts

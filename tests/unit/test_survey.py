@@ -1,0 +1,204 @@
+"""A blob surveyed as it arrives (codec/survey.py) is checked to the same outcome as one
+read whole: ``Codec.open`` of a registered buffer returns the same header and magnitude,
+or raises the same ``CodecError``, as ``open`` of the same bytes unregistered, for any
+chunking and any bytes; the surveyed path does not read the payload again."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hypertrain.common.codec import header as header_mod
+from hypertrain.common.codec import make_codec, read_header, survey
+from hypertrain.common.codec.fp32 import Fp32Codec
+from hypertrain.common.codec.header import CHECKSUM_SEGMENT, seal
+from hypertrain.common.digest import blob_digest
+from hypertrain.common.errors import CodecError
+from hypertrain.v1 import hypertrain_pb2 as pb
+from hypertrain.wire.chunks import delta_chunks, receive_delta
+
+SPECS = ["fp32", "fp32+zstd", "int8:block=16", "sparseloco:density=0.1,value_bits=2,chunk=64"]
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def encoded(spec: str, n: int, seed: int = 0) -> bytes:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return bytes(make_codec(spec).encode(x))
+
+
+def surveyed(blob: bytes, cuts: list[int]) -> memoryview:
+    """``blob`` in an array of its own, surveyed in the chunks ``cuts`` split it into, and
+    registered as a receiver registers its spooled map."""
+    array = np.frombuffer(bytearray(blob), dtype=np.uint8)
+    s = survey.Survey(len(blob))
+    edges = [0, *sorted({c % (len(blob) + 1) for c in cuts}), len(blob)]
+    for a, b in itertools.pairwise(edges):
+        s.feed(blob[a:b])
+    survey.register(array, s.facts())
+    return array.data
+
+
+def outcome(spec: str, data: Any) -> tuple[Any, ...]:
+    codec = make_codec(spec)
+    try:
+        header, prepared = codec.open(data)
+    except CodecError as e:
+        return ("refused", str(e))
+    return ("ok", header, codec.magnitude(header, prepared))
+
+
+def reseal(blob: bytearray) -> bytes:
+    """The checksum written again after a forged change to the payload."""
+    n = read_header(blob).header_len
+    head = bytearray(blob[:n])
+    head[12:16] = bytes(4)
+    seal(head, blob[n:])
+    return bytes(head) + bytes(blob[n:])
+
+
+@FAST
+@given(
+    spec=st.sampled_from(SPECS),
+    n=st.integers(0, 300),
+    cuts=st.lists(st.integers(0, 1 << 16), max_size=6),
+    aligned=st.booleans(),
+    flips=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 255)), max_size=2),
+    forged=st.sampled_from([None, 0.0, float("nan"), float("inf"), -3e38]),
+)
+def test_open_of_a_surveyed_blob_has_the_outcome_of_open_of_its_bytes(
+    spec: str,
+    n: int,
+    cuts: list[int],
+    aligned: bool,
+    flips: list[tuple[int, int]],
+    forged: float | None,
+) -> None:
+    """Any chunking (``aligned``: between values, where the values are surveyed too), a
+    value forged under a good checksum, bytes flipped anywhere."""
+    blob = bytearray(encoded(spec, n, seed=len(cuts)))
+    head = read_header(blob).header_len
+    if aligned:
+        cuts = [head + 4 * (c % (n + 1)) for c in cuts]
+    if forged is not None and spec == "fp32" and n:  # a value the checksum vouches for
+        struct.pack_into("<f", blob, head + 4 * (cuts[0] % n if cuts else 0), forged)
+        blob = bytearray(reseal(blob))
+    for at, x in flips:  # bytes the checksum does not vouch for (header or payload)
+        blob[at % len(blob)] ^= x
+    data = bytes(blob)
+    assert outcome(spec, surveyed(data, cuts)) == outcome(spec, data)
+
+
+@pytest.mark.parametrize("spec", ["fp32", "int8:block=16"])
+def test_segments_and_values_are_surveyed_across_chunks_of_every_size(spec: str) -> None:
+    """Several checksum segments, chunks that straddle them and the header; the facts are
+    those ``open`` computes (the same checksum, fp32's largest magnitude), and a value
+    split between two chunks leaves the values to ``open``."""
+    blob = encoded(spec, (2 * CHECKSUM_SEGMENT + 12345 * 8) // (4 if spec == "fp32" else 1), seed=3)
+    h = read_header(blob)
+    for cuts in ([], [1 << 20, 2 << 20, 7 << 20], [5, 17, h.header_len + 8, 7 << 20], [6, 4099]):
+        facts = survey.facts_of(surveyed(blob, cuts))
+        assert facts is not None and facts.header_len == h.header_len
+        zeroed = bytearray(blob[: h.header_len])
+        zeroed[12:16] = bytes(4)
+        whole = header_mod.checksum(zeroed, memoryview(blob)[h.header_len :])
+        assert header_mod.checksum(zeroed, b"", facts.crcs) == whole == h.checksum
+        assert len(facts.crcs) == -(-h.payload_len // CHECKSUM_SEGMENT)
+        odd = any((c - h.header_len) % 4 for c in cuts if c > h.header_len)
+        if spec == "fp32" and not odd:
+            payload = torch.frombuffer(bytearray(blob[h.header_len :]), dtype=torch.float32)
+            assert facts.top == float(payload.abs().max())
+        else:
+            assert facts.top is None
+
+
+def test_only_a_whole_registered_buffer_has_facts() -> None:
+    blob = encoded("fp32", 1000)
+    view = surveyed(blob, [4096])
+    assert survey.facts_of(view) is not None
+    assert survey.facts_of(view[1:]) is None and survey.facts_of(view[:-1]) is None
+    assert survey.facts_of(memoryview(bytes(view))) is None
+    assert survey.facts_of(bytes(view)) is None
+    array = np.frombuffer(bytearray(blob), dtype=np.uint8)
+    s = survey.Survey(len(blob) + 1)  # fed less than the size it was made for
+    s.feed(blob)
+    assert s.facts() is None
+    survey.register(array, s.facts())
+    assert survey.facts_of(array.data) is None
+
+
+def test_facts_go_with_their_buffer() -> None:
+    view = surveyed(encoded("fp32", 100), [])
+    key = id(view.obj)
+    assert key in survey._SURVEYED
+    del view
+    assert key not in survey._SURVEYED
+
+
+def test_a_spooled_delta_is_checked_without_reading_its_payload_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Received through the spool (``receive_delta``), an fp32 delta opens from its facts:
+    neither the checksum's segments nor the values are read (both spied on), with the
+    header, magnitude and decoded sum of the same bytes opened whole."""
+    blob = encoded("fp32", 3 * (1 << 20) // 4 + 77, seed=5)
+    header = pb.TransferHeader(digest=blob_digest(blob), size=len(blob))
+    got = receive_delta(delta_chunks(header, blob), max_size=len(blob), spool_dir=tmp_path)
+    assert survey.facts_of(got.data) is not None
+    codec = make_codec("fp32")
+    expected = outcome("fp32", blob)
+    read: list[str] = []
+    real_checksum, real_prepare = header_mod.checksum, Fp32Codec._prepare
+
+    def checksum(head: Any, payload: Any, crcs: Any = None) -> int:
+        if crcs is None:
+            read.append("checksum")
+        return real_checksum(head, payload, crcs)
+
+    def prepare(self: Any, raw: Any, numel: int) -> Any:
+        read.append("values")
+        return real_prepare(self, raw, numel)
+
+    monkeypatch.setattr(header_mod, "checksum", checksum)
+    monkeypatch.setattr(Fp32Codec, "_prepare", prepare)
+    assert outcome("fp32", got.data) == expected and read == []
+    out, ref = torch.zeros(read_header(blob).numel), torch.zeros(read_header(blob).numel)
+    codec.decode_accumulate(got.data, out)
+    assert read == []
+    codec.decode_accumulate(blob, ref)
+    assert read == ["checksum", "values"]
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+def test_random_bytes_received_open_as_they_would_unsurveyed(tmp_path: Path) -> None:
+    for size in (0, 5, 31, 32, 33, 4096):
+        data = os.urandom(size)
+        for good_magic in (False, True):
+            if good_magic and size >= 4:
+                data = b"HTCD" + data[4:]
+            header = pb.TransferHeader(digest=blob_digest(data), size=len(data))
+            got = receive_delta(
+                delta_chunks(header, data), max_size=max(1, size), spool_dir=tmp_path
+            )
+            for spec in ("fp32", "int8:block=16"):
+                assert outcome(spec, got.data) == outcome(spec, data)
+
+
+@pytest.mark.parametrize("values", [[1.0, -5.0, 2.0], [-0.0, 0.0], [3e38, -3.4e38], []])
+def test_the_largest_magnitude_is_the_one_open_finds(values: list[float]) -> None:
+    blob = bytes(make_codec("fp32").encode(torch.tensor(values, dtype=torch.float32)))
+    head = read_header(blob).header_len
+    for cuts in ([], [head + 4], [head + 4, head + 8]):
+        view = surveyed(blob, cuts)
+        facts = survey.facts_of(view)
+        assert facts is not None and facts.top is not None
+        assert outcome("fp32", view) == outcome("fp32", blob)
+        assert facts.top == max([0.0, *torch.tensor(values, dtype=torch.float32).abs().tolist()])
