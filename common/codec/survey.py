@@ -14,22 +14,25 @@ fed there computes, in the same pass, the two things ``open`` reads the payload 
   magnitude (``Fp32Codec._prepare``'s ``top``: a maximum, the same value in any order).
 
 ``register`` ties the result (``Facts``) to the buffer the receiver hands on, a private
-map of the spooled file that nothing writes; ``facts_of`` finds it again for that whole
-buffer only.  ``Codec.open`` then checks the header as always and takes the payload's
+map of the spooled file made read-only; ``facts_of`` finds it again for that whole buffer
+only.  ``Codec.open`` then checks the header as always and takes the payload's
 checksum and values from the facts instead of reading them: the same decisions, the same
 numbers, without the passes.  Where the survey could not follow (the header or a value
 split oddly across chunks, any other buffer, a restarted node reading its spool), there
 are no facts, or none for the values, and ``open`` reads the payload as before.
 
 The facts are about the bytes this process received and hashed; the content digest that
-names them was computed in the same pass and is trusted the same way afterwards.
+names them was computed in the same pass and is trusted the same way afterwards.  So a
+spool file changed on disk after its receipt (by another process, or read back wrong
+after the kernel dropped its cache) is no longer caught at the sum by a second checksum
+pass; the audit, which replays every tape entry from the stored files by their digests,
+still refuses it.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -145,37 +148,41 @@ class Survey:
         return Facts(self.size, self._header_len, tuple(crcs), self._top if self._values else None)
 
 
+#: id(array) -> (a weak reference to it, its facts).  No lock: one dict operation each,
+#: atomic under the GIL; a lock here deadlocked a thread whose garbage collection, started
+#: inside ``register``, freed another registered array (its ``forget`` ran on that thread).
 _SURVEYED: dict[int, tuple[weakref.ref[np.ndarray], Facts]] = {}
-_lock = threading.Lock()
 
 
 def register(array: np.ndarray, facts: Facts | None) -> None:
-    """Tie ``facts`` to ``array`` (the private, never written map of a received blob's
-    spool file, whole); forgotten when the array is."""
-    if facts is None or facts.size != array.nbytes:
+    """Tie ``facts`` to ``array``: the map of a received blob's spool file, whole, made
+    read-only first (``facts_of`` answers for no writable buffer: a write after the survey
+    would leave the facts about other bytes); forgotten when the array is."""
+    if facts is None or facts.size != array.nbytes or array.flags.writeable:
         return
     key = id(array)
 
     def forget(ref: weakref.ref[np.ndarray]) -> None:
-        with _lock:
-            if (entry := _SURVEYED.get(key)) is not None and entry[0] is ref:
-                del _SURVEYED[key]
+        # An id is not reused before its object's callbacks ran: the entry is this one's
+        # unless a later register of the same array replaced it.
+        if (entry := _SURVEYED.get(key)) is not None and entry[0] is ref:
+            _SURVEYED.pop(key, None)
 
-    with _lock:
-        _SURVEYED[key] = (weakref.ref(array, forget), facts)
+    entry = (weakref.ref(array, forget), facts)
+    _SURVEYED[key] = entry
 
 
 def facts_of(data: Any) -> Facts | None:
-    """The facts registered for ``data`` if it is a view of a whole registered array."""
-    if not _SURVEYED or not isinstance(data, memoryview):
+    """The facts registered for ``data`` if it is a read-only view of a whole registered
+    array."""
+    if not _SURVEYED or not isinstance(data, memoryview) or not data.readonly:
         return None
     owner = data.obj
-    with _lock:
-        entry = _SURVEYED.get(id(owner))
+    entry = _SURVEYED.get(id(owner))
     if entry is None or entry[0]() is not owner or not isinstance(owner, np.ndarray):
         return None
     facts = entry[1]
-    if data.nbytes != owner.nbytes or not data.c_contiguous:
+    if data.nbytes != owner.nbytes or not data.c_contiguous or owner.flags.writeable:
         return None
     start = np.frombuffer(data.cast("B") if data.format != "B" else data, dtype=np.uint8)
     if start.ctypes.data != owner.ctypes.data:

@@ -250,6 +250,7 @@ class Sink:
                 )
                 array = mapped.numpy()
                 register_file_map(array)  # its pages may be dropped once read
+                array.flags.writeable = False  # a received delta is read, never written
                 if self._survey is not None:
                     survey.register(array, self._survey.facts())
                 self.buffer = array.data

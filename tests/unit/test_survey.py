@@ -39,6 +39,7 @@ def surveyed(blob: bytes, cuts: list[int]) -> memoryview:
     """``blob`` in an array of its own, surveyed in the chunks ``cuts`` split it into, and
     registered as a receiver registers its spooled map."""
     array = np.frombuffer(bytearray(blob), dtype=np.uint8)
+    array.flags.writeable = False  # as the receiver hands it on
     s = survey.Survey(len(blob))
     edges = [0, *sorted({c % (len(blob) + 1) for c in cuts}), len(blob)]
     for a, b in itertools.pairwise(edges):
@@ -131,6 +132,11 @@ def test_only_a_whole_registered_buffer_has_facts() -> None:
     s = survey.Survey(len(blob) + 1)  # fed less than the size it was made for
     s.feed(blob)
     assert s.facts() is None
+    whole = survey.Survey(len(blob))
+    whole.feed(blob)
+    survey.register(array, whole.facts())  # writable: a later write would make them stale
+    assert survey.facts_of(array.data) is None
+    array.flags.writeable = False
     survey.register(array, s.facts())
     assert survey.facts_of(array.data) is None
 
@@ -202,3 +208,52 @@ def test_the_largest_magnitude_is_the_one_open_finds(values: list[float]) -> Non
         assert facts is not None and facts.top is not None
         assert outcome("fp32", view) == outcome("fp32", blob)
         assert facts.top == max([0.0, *torch.tensor(values, dtype=torch.float32).abs().tolist()])
+
+
+def test_registering_from_a_dying_buffers_callback_does_not_hang() -> None:
+    """A registered array freed where ``register`` or ``facts_of`` runs (a garbage
+    collection started there frees it, and its entry goes) on the same thread: the
+    registry takes no lock, so neither waits for itself."""
+    first = surveyed(encoded("fp32", 64), [])
+    other = encoded("fp32", 32)
+    seen: list[Any] = []
+
+    def dying(_: Any) -> None:
+        seen.append(survey.facts_of(surveyed(other, [])))
+
+    owner = first.obj
+    hook = __import__("weakref").ref(owner, dying)
+    del first, owner
+    assert hook() is None and len(seen) == 1 and seen[0] is not None
+
+
+def test_a_received_delta_is_read_only(tmp_path: Path) -> None:
+    blob = encoded("fp32", 1000)
+    header = pb.TransferHeader(digest=blob_digest(blob), size=len(blob))
+    got = receive_delta(delta_chunks(header, blob), max_size=len(blob), spool_dir=tmp_path)
+    assert got.data.readonly and survey.facts_of(got.data) is not None
+    with pytest.raises(TypeError):
+        got.data[0] = 0
+
+
+@pytest.mark.parametrize("extra", [0, 4, -4])
+@pytest.mark.parametrize("where", ["first", "boundary", "last"])
+def test_a_forged_value_at_a_segment_edge_is_refused_through_the_spool(
+    tmp_path: Path, extra: int, where: str
+) -> None:
+    """A payload of one checksum segment and a value more or less, an inf under a good
+    checksum at its first value, at the segment's edge or at its last, received in chunks
+    of several sizes: refused as the same bytes are, unsurveyed."""
+    n = (CHECKSUM_SEGMENT + extra) // 4
+    blob = bytearray(encoded("fp32", n, seed=9))
+    head = read_header(blob).header_len
+    at = {"first": 0, "last": 4 * (n - 1), "boundary": min(CHECKSUM_SEGMENT, 4 * (n - 1))}[where]
+    struct.pack_into("<f", blob, head + at, float("inf"))
+    data = reseal(blob)
+    for chunk in (1 << 20, head + CHECKSUM_SEGMENT, 4096 + 4):
+        header = pb.TransferHeader(digest=blob_digest(data), size=len(data))
+        parts = delta_chunks(header, data, chunk_bytes=chunk)
+        got = receive_delta(parts, max_size=len(data), spool_dir=tmp_path)
+        assert survey.facts_of(got.data) is not None
+        assert outcome("fp32", got.data) == outcome("fp32", data)
+        assert outcome("fp32", got.data)[0] == "refused"
