@@ -12,6 +12,7 @@ Invariants: parameters are ordered by name (byte-wise); each occupies
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,14 +83,24 @@ class ParamLayout:
         return flat
 
     @torch.no_grad()
-    def subtract_from(self, model: nn.Module, flat: torch.Tensor) -> None:
+    def subtract_from(self, model: nn.Module, flat: torch.Tensor, start: int = 0) -> None:
         """``flat -= `` the model's parameters, range by range, without a flat copy of them:
-        the bits of ``flat - flatten(model)``."""
-        if flat.numel() != self.numel:
-            raise ConfigError(f"flat layout: vector of {flat.numel()} != {self.numel} parameters")
-        for p, off in zip(self._params(model), self.offsets, strict=True):
-            part = flat[off : off + p.numel()]
-            part.sub_(p.detach().reshape(-1).to(part.device))
+        the bits of ``flat - flatten(model)``; ``start``: ``flat`` is the values ``[start,
+        start + flat.numel())`` of the vector (the parameters over that range only)."""
+        end = start + flat.numel()
+        if start < 0 or end > self.numel:
+            raise ConfigError(
+                f"flat layout: values [{start}, {end}) are not within {self.numel} parameters"
+            )
+        params = self._params(model)
+        first = max(0, bisect.bisect_right(self.offsets, start) - 1)
+        for p, off in zip(params[first:], self.offsets[first:], strict=True):
+            if off >= end:
+                break
+            lo, hi = max(off, start), min(off + p.numel(), end)
+            if lo < hi:
+                part = flat[lo - start : hi - start]
+                part.sub_(p.detach().reshape(-1)[lo - off : hi - off].to(part.device))
 
     @torch.no_grad()
     def load(self, model: nn.Module, flat: torch.Tensor) -> None:

@@ -159,10 +159,10 @@ class IslandState:
         """Write the current parameters into ``out`` (a flat fp32 vector of ``numel``)."""
         out.copy_(self.params())
 
-    def subtract_params(self, out: torch.Tensor) -> None:
-        """``out -= `` the current parameters (a flat fp32 vector of ``numel``), the bits of
-        ``out - params()``."""
-        out.sub_(self.params())
+    def subtract_params(self, out: torch.Tensor, start: int = 0) -> None:
+        """``out -= `` the current parameters ``[start, start + out.numel())`` (of the flat
+        fp32 vector of ``numel``), the bits of that slice of ``out - params()``."""
+        out.sub_(self.params()[start : start + out.numel()])
 
     def load_params(self, flat: torch.Tensor) -> None:
         """Set the current parameters from a flat fp32 vector."""
@@ -257,17 +257,22 @@ class IslandState:
         """``sync`` of the whole model with the base in ``frame`` (``frame_base``): the
         delta ``base - theta`` is written over the base and framed where it lies; the
         same bytes as ``sync`` without it."""
+        base = self.base
+        fill: Callable[[int, int], None] | None = None
         if self.schedules[0].tau:
             theta = self.params()  # the overlap's snapshot, kept as it is
             self.snapshots[0][self.step] = theta
-            self.base.sub_(theta)
+            base.sub_(theta)
             del theta
         else:
-            self.subtract_params(self.base)
+
+            def fill(start: int, end: int) -> None:  # each segment framed while in cache
+                self.subtract_params(base[start:end], start)
+
         self._base_loaded_at = None  # the base is the delta now, until the merge
         self._base_valid = False
-        self.last_delta_norm = float(torch.linalg.vector_norm(self.base))
-        feedback.encode_framed(frame, (self.numel,))
+        feedback.encode_framed(frame, (self.numel,), fill)
+        self.last_delta_norm = float(torch.linalg.vector_norm(base))
 
     def apply_merge(
         self,
@@ -505,8 +510,8 @@ class IslandCore(IslandState):
     def params_into(self, out: torch.Tensor) -> None:
         self.layout.flatten(self.model, out=out)
 
-    def subtract_params(self, out: torch.Tensor) -> None:
-        self.layout.subtract_from(self.model, out)
+    def subtract_params(self, out: torch.Tensor, start: int = 0) -> None:
+        self.layout.subtract_from(self.model, out, start)
 
     def params_equal_base(self) -> bool:
         base = self.layout.unflatten(self.base)
@@ -710,14 +715,20 @@ class RegionCore:
         and allocated again by the next regional merge: while the relay waits for the
         aggregator it holds theta, the encoded delta and (lossy codecs) the residual."""
         base = self.base
-        torch.sub(self.theta, base, out=base)
         if self._frame is not None and self.feedback.frames_in_place:  # fp32: framed here
+            theta, flat = self.theta.view(-1), base.view(-1)
             del base
+
+            def fill(start: int, end: int) -> None:  # each segment framed while in cache
+                torch.sub(theta[start:end], flat[start:end], out=flat[start:end])
+
             blob: bytes | bytearray | memoryview = self.feedback.encode_framed(
-                memoryview(self._frame), (self.theta.numel(),)
+                memoryview(self._frame), (self.theta.numel(),), fill
             )
+            del flat
             self._base = self._frame = None  # that memory is the forward's now
             return blob
+        torch.sub(self.theta, base, out=base)
         blob = self.feedback.encode(base, consume=True)
         del base
         # Lossy: the base's memory now holds the residual, and the old residual's is free.

@@ -20,11 +20,13 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from hypertrain.common.codec import survey
 from hypertrain.common.codec.base import SLICE, Buffer, Codec, flat_input, tensor_view
+from hypertrain.common.codec.header import CHECKSUM_SEGMENT
 from hypertrain.common.codec.registry import make_codec
 from hypertrain.common.codec.spec import CodecSpec
 from hypertrain.common.errors import CodecError, ConfigError
@@ -143,18 +145,39 @@ class ErrorFeedback:
         """Can a delta be encoded where it lies, behind header room (``encode_framed``)?"""
         return self.codec.lossless and self.codec.values_in_place and self._residual is None
 
-    def encode_framed(self, frame: Buffer, shape: tuple[int, ...]) -> memoryview:
+    def encode_framed(
+        self,
+        frame: Buffer,
+        shape: tuple[int, ...],
+        fill: Callable[[int, int], None] | None = None,
+    ) -> memoryview:
         """``encode`` of a delta held as fp32 values in ``frame`` behind the codec's header
         room (``Codec.header_length``), framed there without a copy (``Codec.frame_in_place``);
         for a lossless codec whose payload is the values (fp32), whose residual is always
-        zero.  The same bytes as ``encode`` of those values; ``frame`` is consumed."""
+        zero.  The same bytes as ``encode`` of those values; ``frame`` is consumed.
+        ``fill(start, end)``: writes the delta's values ``[start, end)`` there first.
+
+        One checksum segment at a time (``CHECKSUM_SEGMENT``): the segment is written
+        (``fill``), normalized, checked and checksummed (``survey.Survey.of_payload``)
+        while it is in cache, where the whole delta would be read from memory once for
+        each of those."""
         if not self.frames_in_place:
             raise CodecError(f"{self.codec.spec}: in-place framing needs lossless fp32 values")
         numel = math.prod(shape)
         self._check_numel(numel)
-        values = tensor_view(frame, torch.float32, self.codec.header_length(shape), numel)
-        values.add_(0.0)  # beta * (+0.0) + delta, as encode computes it (-0.0 becomes +0.0)
-        blob = self.codec.frame_in_place(frame, shape)
+        head = self.codec.header_length(shape)
+        view = memoryview(frame).cast("B")
+        values = tensor_view(view, torch.float32, head, numel)
+        seen = survey.Survey.of_payload(len(view), head)
+        step = CHECKSUM_SEGMENT // 4
+        for start in range(0, numel, step):
+            end = min(numel, start + step)
+            if fill is not None:
+                fill(start, end)
+            # beta * (+0.0) + delta, as encode computes it (-0.0 becomes +0.0)
+            values[start:end].add_(0.0)
+            seen.feed(view[head + 4 * start : head + 4 * end])
+        blob = self.codec.frame_in_place(view, shape, seen.facts())
         self.released = None
         return blob
 

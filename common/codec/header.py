@@ -170,9 +170,14 @@ def pack_header(
     return bytearray(head + bytes(-len(head) % 8))
 
 
-def seal(header: bytearray, payload: bytes | bytearray | memoryview) -> None:
-    """Write the checksum of ``header`` (checksum field zero) and ``payload`` into ``header``."""
-    struct.pack_into("<I", header, _CHECKSUM_OFFSET, checksum(header, payload))
+def seal(
+    header: bytearray,
+    payload: bytes | bytearray | memoryview,
+    crcs: tuple[int, ...] | None = None,
+) -> None:
+    """Write the checksum of ``header`` (checksum field zero) and ``payload`` into ``header``
+    (``crcs``: the payload's segment CRCs, known already: see ``checksum``)."""
+    struct.pack_into("<I", header, _CHECKSUM_OFFSET, checksum(header, payload, crcs))
 
 
 def read_header(data: bytes | bytearray | memoryview) -> Header:

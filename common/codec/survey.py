@@ -81,6 +81,15 @@ class Survey:
         self._top = 0.0
         self._lost = False  # not a blob this survey can follow: no facts
 
+    @classmethod
+    def of_payload(cls, size: int, header_len: int) -> Survey:
+        """A survey of an unframed fp32 blob of ``size`` bytes fed its payload only (from
+        byte ``header_len`` on, in order), its header not written yet: a sender framing
+        values in place (``ErrorFeedback.encode_framed``)."""
+        s = cls(size)
+        s._header_len, s._values, s._pos = header_len, True, header_len
+        return s
+
     def feed(self, data: Any) -> None:
         """The next ``len(data)`` bytes of the blob."""
         if self._lost:

@@ -3,6 +3,7 @@ forward where its values are (Codec.frame_in_place): same bytes, less memory."""
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from blake3 import blake3
 from hypertrain.common import pages
 from hypertrain.common.aggregate import aggregate
 from hypertrain.common.codec import ErrorFeedback, make_codec
+from hypertrain.common.codec.header import CHECKSUM_SEGMENT
 from hypertrain.common.digest import blob_digest
-from hypertrain.common.errors import CodecError
+from hypertrain.common.errors import CodecError, ConfigError
+from hypertrain.common.flat import ParamLayout
 from hypertrain.common.pages import drop_pages, register_file_map
 from hypertrain.wire.daemon import memory_fields
 
@@ -96,6 +99,57 @@ def test_an_fp32_forward_framed_in_place_is_the_bytes_of_encode(values: list[flo
     blob = ErrorFeedback(codec, n).encode_framed(memoryview(frame), (n,))
     assert bytes(blob) == bytes(ErrorFeedback(codec, n).encode(delta.clone()))
     assert torch.equal(codec.decode(blob), delta + 0.0)  # -0.0 sent as +0.0, as encode does
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, 12345])
+def test_a_delta_framed_segment_by_segment_is_the_bytes_of_encode(extra: int) -> None:
+    """``encode_framed`` with ``fill``: the delta written, normalized, checked and
+    checksummed one checksum segment at a time (over several segments, the last short
+    or whole), the bytes of ``encode``; a NaN or inf in any segment is refused as
+    ``encode`` refuses it, with no header written."""
+    codec = make_codec("fp32")
+    n = 2 * (CHECKSUM_SEGMENT // 4) + extra
+    g = torch.Generator().manual_seed(extra + 7)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    a[::97], b[::97] = -0.0, 0.0  # -0.0 before normalizing, +0.0 on the wire
+    head = codec.header_length((n,))
+    expected = bytes(ErrorFeedback(codec, n).encode(a - b))
+
+    def framed(bad: int | None) -> tuple[mmap.mmap, list[tuple[int, int]], memoryview]:
+        frame = mmap.mmap(-1, head + 4 * n)
+        out = torch.frombuffer(frame, dtype=torch.float32, offset=head, count=n)
+        filled: list[tuple[int, int]] = []
+
+        def fill(start: int, end: int) -> None:
+            filled.append((start, end))
+            torch.sub(a[start:end], b[start:end], out=out[start:end])
+            if bad is not None and start <= bad < end:
+                out[bad] = float("inf")
+
+        return frame, filled, ErrorFeedback(codec, n).encode_framed(memoryview(frame), (n,), fill)
+
+    _, filled, blob = framed(None)
+    assert bytes(blob) == expected
+    assert filled[0][0] == 0 and filled[-1][1] == n and len(filled) == -(-4 * n // CHECKSUM_SEGMENT)
+    for bad in (0, CHECKSUM_SEGMENT // 4, n - 1):
+        with pytest.raises(CodecError, match="NaN or inf"):
+            framed(bad)
+
+
+def test_a_layout_subtracts_any_range_with_the_bits_of_the_whole() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    layout = ParamLayout.of(model)
+    base = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1))
+    whole = base.clone()
+    layout.subtract_from(model, whole)
+    for cuts in ([], [1], [7, 35, 40], list(range(0, layout.numel, 4))):
+        edges = [0, *cuts, layout.numel]
+        got = base.clone()
+        for lo, hi in itertools.pairwise(edges):
+            layout.subtract_from(model, got[lo:hi], lo)
+        assert torch.equal(got.view(torch.int32), whole.view(torch.int32))
+    with pytest.raises(ConfigError, match="not within"):
+        layout.subtract_from(model, base[:5], layout.numel - 4)
 
 
 def test_in_place_framing_refuses_what_encode_refuses() -> None:
