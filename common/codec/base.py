@@ -70,14 +70,9 @@ def tensor_view(buf: Buffer, dtype: torch.dtype, offset: int, count: int) -> tor
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Does ``t`` (fp32) hold no NaN and no inf?  One read-only pass: the least and the
-    largest value, which are NaN if any value is (``aminmax`` propagates NaN) and inf if
-    any value is.  Measured at 1e8 values on 2 cores: 33 GB/s, where
-    ``isfinite(t).all()`` (a bool tensor written, then reduced) ran at 1.3-3 GB/s."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+    """Does ``t`` (fp32) hold no NaN and no inf?  (``survey.finite_top``: one read-only
+    pass.)"""
+    return survey.finite_top(t) is not None
 
 
 def alloc_raw(size: int) -> memoryview:
@@ -201,8 +196,8 @@ class Codec(ABC):
         if len(view) != head + size:
             raise CodecError(f"in-place frame of {len(view)} bytes, {head + size} expected")
         payload = view[head:]
-        fits = known is not None and known.size == len(view) and known.header_len == head
-        crcs = known.crcs if known is not None and fits and known.top is not None else None
+        fits = known is not None and known.fits(len(view), head) and known.top is not None
+        crcs = known.crcs if known is not None and fits else None
         if crcs is None:
             self._prepare(payload, numel)  # the checks encode makes of the values
         header = pack_header(self.spec, shape, size, size)
@@ -261,7 +256,7 @@ class Codec(ABC):
         # What the receiver computed of these very bytes as they arrived, if it did
         # (survey.py): the payload's checksum segments and fp32 values are not read again.
         facts = survey.facts_of(data)
-        if facts is not None and facts.header_len != header.header_len:
+        if facts is not None and not facts.fits(len(memoryview(data).cast("B")), header.header_len):
             facts = None
         verify_checksum(data, header, None if facts is None else facts.crcs)
         payload = memoryview(data).cast("B")[header.header_len :]

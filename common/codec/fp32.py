@@ -9,11 +9,11 @@ is always finite.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
+from hypertrain.common.codec import survey
 from hypertrain.common.codec.base import SLICE, Buffer, Codec, Mode, all_finite, tensor_view
 from hypertrain.common.errors import CodecError
 from hypertrain.common.pages import PIECE_BYTES, pieces
@@ -50,10 +50,10 @@ class Fp32Codec(Codec):
         top = 0.0
         for at in pieces(raw, 0, 4 * numel):  # a mapped input is not kept resident
             n = min(PIECE_BYTES, 4 * numel - at) // 4
-            lo, hi = (float(v) for v in torch.aminmax(tensor_view(raw, torch.float32, at, n)))
-            if not (math.isfinite(lo) and math.isfinite(hi)):
+            piece = survey.finite_top(tensor_view(raw, torch.float32, at, n))
+            if piece is None:
                 raise CodecError("fp32 payload holds NaN or inf")
-            top = max(top, -lo, hi)
+            top = max(top, piece)
         return _Values(raw, top)
 
     def _prepare_known(self, raw: Buffer, numel: int, top: float) -> _Values:

@@ -54,6 +54,21 @@ from hypertrain.common.codec.header import (
 _FIXED = struct.Struct("<4sBBBBBBH")  # magic .. params_len: what the header's length needs
 
 
+def finite_top(t: torch.Tensor) -> float | None:
+    """The largest magnitude of the fp32 values ``t`` (0.0 for none), or None if any is
+    NaN or inf: one read-only pass, the least and the largest value (``aminmax``
+    propagates NaN).  The one check of fp32 values: ``encode``'s (``all_finite``),
+    ``open``'s (``Fp32Codec._prepare``) and the survey's.  Measured at 1e8 values on 2
+    cores: 33 GB/s, where ``isfinite(t).all()`` (a bool tensor written, then reduced) ran
+    at 1.3-3 GB/s."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    return max(-lo, hi)
+
+
 @dataclass(frozen=True, slots=True)
 class Facts:
     """A surveyed blob: ``size`` bytes, a header of ``header_len`` bytes, the CRC-32s of
@@ -64,6 +79,10 @@ class Facts:
     header_len: int
     crcs: tuple[int, ...]
     top: float | None
+
+    def fits(self, size: int, header_len: int) -> bool:
+        """Are these the facts of a blob of ``size`` bytes with a ``header_len``-byte header?"""
+        return self.size == size and self.header_len == header_len
 
 
 class Survey:
@@ -139,17 +158,15 @@ class Survey:
         if at % 4 or len(piece) % 4:  # a value split across chunks: the values go unsurveyed
             self._values = False
             return
-        lo, hi = (float(v) for v in torch.aminmax(torch.frombuffer(piece, dtype=torch.float32)))
-        if not (math.isfinite(lo) and math.isfinite(hi)):
+        top = finite_top(torch.frombuffer(piece, dtype=torch.float32))
+        if top is None:
             self._values = False  # open reads it and refuses it, naming the problem
             return
-        self._top = max(self._top, -lo, hi)
+        self._top = max(self._top, top)
 
     def facts(self) -> Facts | None:
         """What the survey found, once every byte was fed; None if it could not follow."""
-        if self._lost or self._header_len < 0 or self._pos != self.size:
-            return None
-        if self._header_len > self.size:
+        if self._lost or not 0 <= self._header_len <= self.size or self._pos != self.size:
             return None
         crcs = list(self._crcs)
         if self._in_segment or not crcs:  # the last, short segment (or the empty payload's)
