@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -38,6 +39,7 @@ from hypertrain.common.aggregate import (
 )
 from hypertrain.common.codec import ErrorFeedback, make_codec
 from hypertrain.common.codec.base import alloc_raw, tensor_view
+from hypertrain.common.codec.header import CHECKSUM_SEGMENT
 from hypertrain.common.config import TOY_MODEL, RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.digest import TensorHasher
@@ -78,6 +80,39 @@ class RankGroup(Protocol):
     def average_gradients(self, model: torch.nn.Module, loss: float) -> float:
         """Replace each ``p.grad`` by the mean over ranks; returns the mean of ``loss``."""
         ...
+
+
+class SegmentNorm:
+    """The L2 norm of a vector, taken one checksum segment (``CHECKSUM_SEGMENT``) at a
+    time: the square root of the sum of the segments' squared norms.  An island's
+    pseudo-gradient norm (a metric): where the delta is framed segment by segment
+    (``IslandState._sync_in_base``), each segment's norm is taken while it is in cache
+    instead of a pass over the whole delta afterwards; ``of`` gives the same bits for a
+    whole vector, so every sync path reports the same value."""
+
+    STEP = CHECKSUM_SEGMENT // 4
+
+    def __init__(self) -> None:
+        self._squares: list[float] = []
+
+    def add(self, segment: torch.Tensor) -> None:
+        """The next segment's values (``STEP`` of them, the last one fewer)."""
+        n = float(torch.linalg.vector_norm(segment))
+        self._squares.append(n * n)
+
+    def add_all(self, values: torch.Tensor) -> None:
+        flat = values.view(-1)
+        for start in range(0, flat.numel(), self.STEP):
+            self.add(flat[start : start + self.STEP])
+
+    def value(self) -> float:
+        return math.sqrt(math.fsum(self._squares))
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> float:
+        norm = cls()
+        norm.add_all(values)
+        return norm.value()
 
 
 class IslandState:
@@ -207,7 +242,7 @@ class IslandState:
         if not encode:
             return []
         delta = torch.sub(self.base[fr.lo : fr.hi], theta, out=theta)
-        self.last_delta_norm = float(torch.linalg.vector_norm(delta))
+        self.last_delta_norm = SegmentNorm.of(delta)
         if frame is not None:
             del theta, delta
             feedback.encode_framed(frame, (self.numel,))
@@ -259,20 +294,23 @@ class IslandState:
         same bytes as ``sync`` without it."""
         base = self.base
         fill: Callable[[int, int], None] | None = None
+        norm = SegmentNorm()
         if self.schedules[0].tau:
             theta = self.params()  # the overlap's snapshot, kept as it is
             self.snapshots[0][self.step] = theta
             base.sub_(theta)
             del theta
+            norm.add_all(base)
         else:
 
             def fill(start: int, end: int) -> None:  # each segment framed while in cache
                 self.subtract_params(base[start:end], start)
+                norm.add(base[start:end])
 
         self._base_loaded_at = None  # the base is the delta now, until the merge
         self._base_valid = False
         feedback.encode_framed(frame, (self.numel,), fill)
-        self.last_delta_norm = float(torch.linalg.vector_norm(base))
+        self.last_delta_norm = norm.value()
 
     def apply_merge(
         self,
@@ -736,6 +774,23 @@ class RegionCore:
         self._frame = None
         self.feedback.released = None
         return blob
+
+    def forward_room(self, blob: object) -> torch.Tensor | None:
+        """The memory of a forward this core framed in place (``encode_global_delta``,
+        fp32: the spent base's mapping) as an fp32 vector of the model's size behind its
+        header room, for the driver to download the global merge into once the forward
+        needs no more sending (the aggregator acknowledged it): pages that are resident,
+        where a new tensor's are fresh memory to fault in during the sync.  None for any
+        other blob (a lossy codec's, a read-only one).  The caller must hold the forward's
+        bytes nowhere else it still reads them; ``adopt_global`` may then keep the
+        download as theta."""
+        n = self.theta.numel()
+        if not self._in_frame or not isinstance(blob, memoryview) or blob.readonly:
+            return None
+        head = self.global_codec.header_length((n,))
+        if not blob.c_contiguous or blob.nbytes != head + 4 * n:
+            return None
+        return tensor_view(blob.cast("B"), torch.float32, head, n)
 
     def set_global(self, theta: torch.Tensor) -> None:
         """The new global parameters, copied (``theta`` may change afterwards)."""

@@ -151,8 +151,9 @@ class RelayService:
         self.peer = aggregator
         self.shutdown = shutdown
         self.aggregator = Patient(
-            # A fresh tensor per download: the relay keeps each global state (it is the
-            # merge it serves its islands), so no buffer is reused.
+            # No buffer kept across downloads: the relay keeps each global state (it is
+            # the merge it serves its islands).  An fp32 one downloads into the spent
+            # forward's memory (``_forward``), any other into a fresh tensor.
             GrpcUpstream(aggregator, cfg.run_id, self.numel, reuse_buffer=False, fragment=index),
             f"Aggregator {aggregator.address}",
             lambda: self.shutdown.requested,
@@ -350,7 +351,8 @@ class RelayService:
         """Push the region's delta, fetch theta_{g+1}, hand it to the node (which
         checkpoints and tapes it), report the final state.  The delta's bytes are held
         only until the aggregator acknowledged them (``RelayNode.forward_sent``), not
-        while theta_{g+1} downloads."""
+        while theta_{g+1} downloads; an fp32 forward's memory is where it downloads
+        (``RegionCore.forward_room``)."""
         with self.board.cond:
             fwd = self.node.outbox
             idle = fwd is None and self.node.machine.idle
@@ -362,6 +364,9 @@ class RelayService:
         t0 = time.perf_counter()
         step, size = fwd.sync_step, len(fwd.data)
         delta = self.node.forward_delta(fwd, self.key)
+        # fp32: the global merge downloads into the forward's own memory once it is
+        # acknowledged (resident pages; fresh ones would be faulted in inside the sync)
+        room = self.node.machine.core.forward_room(fwd.data)
         del fwd
         try:
             self.aggregator.push(delta)
@@ -381,7 +386,7 @@ class RelayService:
         trim_heap()  # before a model-sized download: the push's chunks, freed on gRPC's threads
         self.metrics.sent_bytes.labels("relay", "global", self.region).inc(size)
         try:
-            got = self.aggregator.fetch(self.member, step, "global", tap=cut)
+            got = self.aggregator.fetch(self.member, step, "global", out=room, tap=cut)
             with self.board.cond:  # islands fetch it now, while the relay writes it down
                 if self.intake.closed:  # this thread outlived close's join: a restart fetches it
                     return
@@ -397,7 +402,7 @@ class RelayService:
             with self.board.cond:
                 if self.through is cut:
                     self.through = None
-        del got
+        del got, room
         # The checkpoint once the islands that take the merge have it (or
         # CHECKPOINT_HOLD_S): written beside their downloads it took the cores from them.
         # Not longer than the round stays unsettled (a push settles it first, the one

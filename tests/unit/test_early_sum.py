@@ -237,3 +237,53 @@ def test_a_base_warmed_after_a_global_round_keeps_every_bit(theta0: torch.Tensor
         return out
 
     assert rounds(warm=True) == rounds(warm=False)
+
+
+@pytest.mark.parametrize("global_codec", ["fp32", "int8"])
+def test_a_global_merge_downloaded_into_the_forwards_memory_keeps_every_bit(
+    global_codec: str, theta0: torch.Tensor
+) -> None:
+    """``RegionCore.forward_room`` (the relay daemon downloads the global merge into its
+    acknowledged fp32 forward's memory, where a fresh tensor would be faulted in): the
+    view is the forward's payload, in the forward's own memory; the merges and forwards of
+    two global rounds after it are the same bits as with a fresh tensor.  Nothing for a
+    lossy codec's forward or a read-only blob."""
+    cfg = _cfg(global_codec)
+
+    def rounds(into_room: bool) -> list[str]:
+        relay = RelayMachine(cfg, "eu", theta0.clone())
+        out = []
+        for g, (regional, global_step) in enumerate(((5, 10), (15, 20))):
+            forwards = []
+            for step in (regional, global_step):
+                for sender in ISLANDS[:: 1 if g else -1]:
+                    decision, effects = relay.on_delta(
+                        dataclasses.replace(_delta(cfg, theta0, sender, step), round=g)
+                    )
+                    assert decision.accepted, decision.reason
+                    forwards += [e for e in effects if isinstance(e, Forward)]
+            (fwd,) = forwards
+            out.append(blob_digest(fwd.data))
+            room = relay.core.forward_room(fwd.data)
+            if global_codec != "fp32":
+                assert room is None
+            else:
+                assert room is not None and room.numel() == theta0.numel()
+                data = memoryview(fwd.data).cast("B")
+                head = data.nbytes - 4 * theta0.numel()
+                assert torch.equal(room, make_codec("fp32").decode(fwd.data))  # its payload
+                base_ptr = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+                assert room.data_ptr() == base_ptr + head  # no copy: the forward's memory
+                assert relay.core.forward_room(bytes(data)) is None  # read-only
+            del fwd, forwards
+            theta = theta0 + 1e-3 * (g + 1)
+            if into_room and room is not None:
+                theta = room.copy_(theta)  # the download, over the forward's bytes
+            del room
+            relay.on_global(
+                GlobalArrived(global_step, theta, Commitment({}, (), (), ""), flat_digest(theta))
+            )
+            assert flat_digest(relay.core.theta) == flat_digest(theta0 + 1e-3 * (g + 1))
+        return out
+
+    assert rounds(into_room=True) == rounds(into_room=False)

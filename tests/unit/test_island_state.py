@@ -10,7 +10,7 @@ from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
 from hypertrain.common.reference import open_dataset
-from hypertrain.common.roles import IslandCore, initial_parameters
+from hypertrain.common.roles import IslandCore, SegmentNorm, initial_parameters
 from hypertrain.common.toy import ToyIsland, toy_parameters
 
 
@@ -336,3 +336,20 @@ def test_no_delta_or_rejoin_state_is_made_of_a_base_a_merge_is_received_into() -
     target.copy_(theta0)
     core.apply_merge("global", target, 2)
     core.state_dict()
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, 777])
+def test_a_norm_taken_segment_by_segment_is_the_same_bits_however_it_is_fed(extra: int) -> None:
+    """``SegmentNorm``: fed one checksum segment at a time (as an island framing its delta
+    in place does), or a whole vector at once (``of``, the other sync paths), the same
+    bits; the L2 norm up to fp32 accumulation inside each segment (torch's: ~1e-5 of it
+    here, where a whole-vector fp32 norm errs by ~3e-5)."""
+    n = 2 * SegmentNorm.STEP + extra
+    x = torch.randn(n, generator=torch.Generator().manual_seed(extra + 3)) * 1e-3
+    fed = SegmentNorm()
+    for start in range(0, n, SegmentNorm.STEP):
+        fed.add(x[start : start + SegmentNorm.STEP].clone())
+    assert fed.value() == SegmentNorm.of(x)
+    exact = float(torch.linalg.vector_norm(x.double()))
+    assert abs(SegmentNorm.of(x) - exact) <= 1e-4 * exact
+    assert SegmentNorm.of(torch.zeros(0)) == 0.0
