@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import threading
@@ -202,11 +203,7 @@ class Witness:
         with self._lock:
             if self.path is not None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    os.write(fd, lines)
-                finally:
-                    os.close(fd)
+                _append_whole(self.path, lines)
             if self._held is not None:
                 for signer, raw in zip(want, receipts, strict=True):
                     self._hold(self._held, step, signer, raw)
@@ -240,6 +237,26 @@ class Witness:
                 steps = [s for s, who in held if who == signer]
                 got = held[(max(steps), signer)] if steps else None
             return got
+
+
+def _append_whole(path: Path, lines: bytes) -> None:
+    """Append ``lines`` to ``path`` whole, or leave the file as it was and raise the
+    OSError: a write may take fewer bytes than asked (a disk nearly full), and a torn
+    line that a later append continued would make the file unreadable (``read_receipts``
+    skips only a torn *last* line)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            view = memoryview(lines)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)  # best effort: a torn last line is skipped anyway
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_receipts(path: Path) -> list[KeptReceipt]:

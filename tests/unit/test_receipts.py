@@ -132,3 +132,52 @@ def test_a_witness_holds_only_the_newest_steps_to_pass_on(tmp_path: Path) -> Non
     again = Witness(tmp_path / "relay", "relay-eu", RUN, TRUSTED)
     assert sorted(again.held) == [(16, "aggregator"), (20, "aggregator")]
     assert again.passed_on(4, "aggregator") == agg
+
+
+def test_a_short_write_is_finished_and_a_failed_append_leaves_the_file_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that takes fewer bytes than asked (nearly full): the append goes on until
+    the lines are whole; one that then fails (ENOSPC) is cut back to where it began and
+    raised, so no torn line sits in the middle of the file once a later append comes."""
+    import errno
+    import os
+
+    from hypertrain.common.trust import receipts
+
+    agg, _ = _heads(tmp_path, "aggregator")
+    relay, _ = _heads(tmp_path, "relay-eu")
+    w = Witness(tmp_path / "i", "island-eu-0", RUN, TRUSTED)
+    w.take(4, "regional", (relay,), "relay-eu")
+    path = tmp_path / "i" / "receipts"
+    before = path.read_bytes()
+    real_write = os.write
+    calls: list[int] = []
+
+    def short(fd: int, data: bytes) -> int:  # 7 bytes a call
+        calls.append(len(data))
+        return real_write(fd, bytes(data)[:7])
+
+    monkeypatch.setattr(receipts.os, "write", short)
+    w.take(8, "global", (agg, relay), "relay-eu")
+    assert len(calls) > 2  # it went on after the first short write
+    assert [(k.step, k.signer) for k in read_receipts(path)] == [
+        (4, "relay-eu"), (8, "aggregator"), (8, "relay-eu")
+    ]  # fmt: skip
+    whole = path.read_bytes()
+
+    def full(fd: int, data: bytes) -> int:  # 9 bytes, then the disk is full
+        if calls:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        calls.append(len(data))
+        return real_write(fd, bytes(data)[:9])
+
+    calls.clear()
+    monkeypatch.setattr(receipts.os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        w.take(12, "global", (agg, relay), "relay-eu")
+    assert path.read_bytes() == whole and whole.startswith(before)
+    assert (12, "aggregator") not in w.held  # nothing kept of the failed take
+    monkeypatch.setattr(receipts.os, "write", real_write)
+    w.take(12, "global", (agg, relay), "relay-eu")  # the disk has room again
+    assert [k.step for k in read_receipts(path)] == [4, 8, 8, 12, 12]
