@@ -293,14 +293,16 @@ class IslandState:
         delta ``base - theta`` is written over the base and framed where it lies; the
         same bytes as ``sync`` without it."""
         base = self.base
-        fill: Callable[[int, int], None] | None = None
         norm = SegmentNorm()
         if self.schedules[0].tau:
             theta = self.params()  # the overlap's snapshot, kept as it is
             self.snapshots[0][self.step] = theta
             base.sub_(theta)
             del theta
-            norm.add_all(base)
+
+            def fill(start: int, end: int) -> None:  # each segment's norm while in cache
+                norm.add(base[start:end])
+
         else:
 
             def fill(start: int, end: int) -> None:  # each segment framed while in cache

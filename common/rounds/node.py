@@ -502,8 +502,10 @@ class RelayNode(_Node):
     def forward_sent(self, sync_step: int) -> None:
         """The aggregator acknowledged the forward of ``sync_step``: it tapes an input
         before it answers, so the bytes are never sent again (a restarted relay derives
-        its forward from its own tape) and are let go while the relay waits for the global
-        update (a model-sized fp32 delta, at the moment that update is downloaded)."""
+        its forward from its own tape) and the outbox lets them go while the relay waits
+        for the global update (a model-sized fp32 delta, at the moment that update is
+        downloaded: the driver downloads it into that delta's memory,
+        ``RegionCore.forward_room``)."""
         if self.outbox is not None and self.outbox.sync_step == sync_step:
             self.outbox = dataclasses.replace(self.outbox, data=b"")
 

@@ -10,8 +10,10 @@ served from the relay's buffer as it fills:
   the header and the buffer when the header arrives (``begin``), how far the buffer is
   filled as each chunk is copied in (``advance``), and that an attempt failed
   (``fail``).  Each ``begin`` starts a new attempt: a download the relay retries (a
-  dropped connection, a corrupt transfer) fills a new buffer, and every stream served
-  from the old one is cut short.
+  dropped connection, a corrupt transfer) fills its buffer again (the same one where
+  the relay downloads into its fp32 forward's memory, ``RegionCore.forward_room``; a
+  new one otherwise), and every stream served from the old attempt is cut short: one
+  that read bytes the next attempt wrote over never gets its last chunk (below).
 - The relay serves a stream with the header its node will serve the merge with
   (``RelayNode.preview_global``), then the chunks filled so far, then each one as it is
   filled, except the last: that one is held back until the relay's node applied the
@@ -100,7 +102,7 @@ class CutThrough:
     def fail(self) -> None:
         with self.cond:
             self.failed = True
-            self.tensor = None  # the streams of this attempt stop; the next fills another
+            self.tensor = None  # the streams of this attempt stop; the next fills the buffer anew
             self.cond.notify_all()
 
     # -- the relay's side -----------------------------------------------------------
@@ -151,7 +153,7 @@ class CutThrough:
                 for start in range(sent, ready, chunk_bytes):
                     # (read without the lock: a stale value only delays this by a chunk)
                     # stop at once, so that this stream lets go of a failed attempt's
-                    # buffer before the next attempt fills another
+                    # buffer before the next attempt fills it (or another) again
                     self._check_attempt(attempt)
                     yield view[start : start + chunk_bytes]
                 sent = ready

@@ -274,7 +274,8 @@ def test_a_global_merge_downloaded_into_the_forwards_memory_keeps_every_bit(
                 assert torch.equal(room, make_codec("fp32").decode(fwd.data))  # its payload
                 base_ptr = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
                 assert room.data_ptr() == base_ptr + head  # no copy: the forward's memory
-                assert relay.core.forward_room(bytes(data)) is None  # read-only
+                assert relay.core.forward_room(memoryview(bytes(data))) is None  # read-only
+                assert relay.core.forward_room(data[:-4]) is None  # not a whole forward
             del fwd, forwards
             theta = theta0 + 1e-3 * (g + 1)
             if into_room and room is not None:

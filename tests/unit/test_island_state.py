@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hypertrain.common.codec import ErrorFeedback
+from hypertrain.common.codec import feedback as feedback_module
 from hypertrain.common.config import RunConfig
 from hypertrain.common.data import SampleStream
 from hypertrain.common.errors import HypertrainError
@@ -260,11 +261,20 @@ def test_a_merge_received_into_the_base_is_applied_bit_for_bit(tau: int) -> None
     assert torch.equal(apart.params(), inplace.params())
 
 
+@pytest.mark.parametrize("segment", [None, 4096])
 @pytest.mark.parametrize("tau", [0, 1])
-def test_a_delta_computed_in_the_base_is_the_same_blob_and_state(tau: int) -> None:
+def test_a_delta_computed_in_the_base_is_the_same_blob_and_state(
+    tau: int, segment: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``frame_base`` (the island daemon): each sync's delta is written over the base,
     in the blob that is sent; the blob is byte for byte the one a separate frame gives,
-    and after each merge (received into the base) the island's state is the same."""
+    and after each merge (received into the base) the island's state is the same.
+    ``segment``: checksum segments of that many values, so that the toy model spans many
+    and the delta's norm, taken segment by segment while framing, is checked against
+    the other path's over several (the same bits, and the L2 norm)."""
+    if segment is not None:
+        monkeypatch.setattr(feedback_module, "CHECKSUM_SEGMENT", 4 * segment)
+        monkeypatch.setattr(SegmentNorm, "STEP", segment)
     cfg = RunConfig().with_overrides(
         regional_codec="fp32",
         **{"steps": 8, "topology.h_r": 2, "topology.h_g": 4, "topology.tau": tau},
@@ -281,6 +291,9 @@ def test_a_delta_computed_in_the_base_is_the_same_blob_and_state(tau: int) -> No
             blobs.append([bytes(b) for b in core.sync()])
         assert blobs[0] == blobs[1]
         assert apart.last_delta_norm == inplace.last_delta_norm
+        sent = torch.frombuffer(bytearray(blobs[0][0][-4 * apart.numel :]), dtype=torch.float32)
+        exact = float(torch.linalg.vector_norm(sent.double()))  # of the values sent
+        assert exact > 0 and abs(inplace.last_delta_norm - exact) <= 1e-5 * exact
         assert inplace.base.data_ptr() == frame_ptr  # the delta lies where the base did
         merge = apart.base - 1e-3 * sync_step  # (the in-place island's base is its delta now)
         for core in (apart, inplace):
