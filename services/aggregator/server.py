@@ -314,7 +314,14 @@ class AggregatorService:
         # Logs each round (its state digest takes 0.2 s at P = 1e8) after the relay's push
         # is answered, not before: one thread, so rounds are logged in order.
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-log")
-        self.warmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm")
+        # Warms the next outer step's memory and spool files (``_warm``), from when the
+        # relays have the merge, while their islands may still be taking it: below the
+        # islands' CPU priority, as the checkpoints are.
+        self.warmer = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="warm",
+            initializer=lambda: lower_priority(CHECKPOINT_NICE),
+        )
         if joint is None:
             self.evaluator = Evaluator(cfg, self.metrics, self.layout)
             core = self.node.machine.core

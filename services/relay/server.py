@@ -189,8 +189,13 @@ class RelayService:
             initializer=lambda: lower_priority(CHECKPOINT_NICE),
         )
         # Warms the next round's memory and spool files (``_warm``) beside the forwarder,
-        # which must not wait behind it for the next forward.
-        self.warmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm")
+        # which must not wait behind it for the next forward; below the islands' CPU
+        # priority, as the checkpoints are (it starts while they may still take the merge).
+        self.warmer = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="warm",
+            initializer=lambda: lower_priority(CHECKPOINT_NICE),
+        )
         self.forwarder = threading.Thread(target=self._forward_loop, name="forwarder", daemon=True)
         self.forwarder.start()
 

@@ -119,6 +119,10 @@ _trim: Any = None
 #: not on the round's path (the tape entry made the round durable); on a host shared
 #: with islands it takes the cores they leave, and a push that must wait for it
 #: (``NodeStore.settle``) comes while the islands wait, which leaves it the cores.
+#: The threads that warm the next round's memory and spool files (the relay's and the
+#: aggregator's ``_warm``) run at it too: they start once a merge is served, while the
+#: islands still take it, and what they do only saves the next round work (a page not
+#: faulted in by then is faulted in by whoever writes it first).
 CHECKPOINT_NICE = 10
 
 
