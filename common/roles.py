@@ -226,6 +226,8 @@ class IslandState:
         if encode and in_base is not None and feedback.frames_in_place:
             self._sync_in_base(in_base, feedback)
             return [in_base]
+        if encode and getattr(self, "_delta_in_base", False) and not split:
+            return self._sync_over_base(feedback)
         frame: memoryview | None = None
         if encode and self._frames_whole():
             # fp32: the delta is computed behind the header room of the blob that is sent
@@ -271,6 +273,59 @@ class IslandState:
             base.copy_(self.base)
             self.base, self._base_frame = base, frame
         return True
+
+    def delta_in_base(self) -> bool:
+        """``frame_base`` for a delta that is not framed in place (a lossy regional codec,
+        or fp32 to relay shards): each sync's delta and its error-feedback sum are
+        computed over the base (``_sync_over_base``), and where a residual stays, it stays
+        in that memory and the previous residual's memory is the base from then on, which
+        the sync's merge is received into (``merge_target``).  So a sync takes no
+        model-sized buffer of new memory (the parameters' copy the delta was computed in),
+        only the encoded blob (and with tau > 0 the overlap's snapshot of the parameters,
+        which it is taken from instead of a second copy); the bits are those of ``sync``
+        without it.  For the same
+        driver as ``frame_base`` (the island daemon), without streaming fragments; False
+        (nothing set) where ``frame_base`` applies or fragments are streamed."""
+        if self._frames_whole() or len(self.fragments) > 1:
+            return False
+        self._delta_in_base = True
+        return True
+
+    def _sync_over_base(self, feedback: ErrorFeedback) -> list[Blob]:
+        """``sync`` of the whole model over the base (``delta_in_base``): the delta
+        ``base - theta`` is written over the base one checksum segment at a time (its
+        norm taken while in cache), folded into the error feedback there
+        (``ErrorFeedback.encode`` with ``consume``) and encoded.  The base then holds
+        the new residual, or nothing the island needs (a lossless codec keeps none), and
+        the base moves to the old residual's memory (new memory the first time a residual
+        is kept): both are read by nothing until the merge is received into the base.
+        An encode that fails (a value not finite) leaves the residual as it was and the
+        base spent, as ``_sync_in_base`` does."""
+        base = self.base.view(-1)
+        norm = SegmentNorm()
+        self._base_loaded_at = None  # the base is the delta from here, until the merge
+        self._base_valid = False
+        if self.schedules[0].tau:
+            theta = self.params()  # the overlap's snapshot, kept as it is
+            self.snapshots[0][self.step] = theta
+            base.sub_(theta)
+            del theta
+            norm.add_all(base)
+        else:
+            for start in range(0, self.numel, SegmentNorm.STEP):
+                part = base[start : start + SegmentNorm.STEP]
+                self.subtract_params(part, start)
+                norm.add(part)
+        self.last_delta_norm = norm.value()
+        if not self.shards.sharded:
+            blobs = [feedback.encode(base, consume=True)]
+        else:
+            blobs = feedback.encode_parts(base, self.shards.all_bounds(), consume=True)
+        spare, feedback.released = feedback.released, None
+        if not feedback.is_zero:  # the new residual is the base's memory now
+            shape = self.base.shape
+            self.base = torch.empty_like(self.base) if spare is None else spare.view(shape)
+        return blobs
 
     def _frames_whole(self) -> bool:
         """Is a sync's delta one blob of the whole model, framed where its values lie

@@ -123,11 +123,12 @@ class Island:
         if frags is not None and ranks is not None:
             raise ConfigError("an island of several ranks does not sync by fragment yet")
         self.core = IslandCore(cfg, island_id, stream, theta0, ranks, device, frags)
-        if self.lead:
-            # Each sync's delta is computed in the base's memory and sent from there (fp32,
-            # without shards or fragments), the merge then received into the base
-            # (``_download``): nothing else reads the base from a sync to its merge.
-            self.core.frame_base()
+        # Each sync's delta is computed in the base's memory and sent from there (fp32,
+        # without shards or fragments), or computed and encoded there (any other codec,
+        # the residual then kept there: ``delta_in_base``), the merge then received into
+        # the base (``_download``): nothing else reads the base from a sync to its merge.
+        if self.lead and not self.core.frame_base():
+            self.core.delta_in_base()
         witness = Witness(
             state_dir, island_key(island_id), cfg.run_id, trusted if state_dir else None
         )

@@ -261,6 +261,22 @@ def test_a_merge_received_into_the_base_is_applied_bit_for_bit(tau: int) -> None
     assert torch.equal(apart.params(), inplace.params())
 
 
+def _merge_both(apart: IslandCore, other: IslandCore, kind: str, sync_step: int, tau: int) -> None:
+    """The same merge of ``sync_step`` to both islands after their tau steps of overlap:
+    ``apart`` takes a copy, ``other`` receives it into its ``merge_target`` (as the
+    island daemon does); their base and parameters are then the same."""
+    merge = apart.base - 1e-3 * sync_step  # (``other``'s base holds its delta now)
+    for core in (apart, other):
+        for _ in range(tau):
+            core.train_step()
+    target = other.merge_target()
+    target.copy_(merge)
+    apart.apply_merge(kind, merge.clone(), sync_step)
+    other.apply_merge(kind, target, sync_step)
+    assert torch.equal(apart.base, other.base)
+    assert torch.equal(apart.params(), other.params())
+
+
 @pytest.mark.parametrize("segment", [None, 4096])
 @pytest.mark.parametrize("tau", [0, 1])
 def test_a_delta_computed_in_the_base_is_the_same_blob_and_state(
@@ -295,16 +311,7 @@ def test_a_delta_computed_in_the_base_is_the_same_blob_and_state(
         exact = float(torch.linalg.vector_norm(sent.double()))  # of the values sent
         assert exact > 0 and abs(inplace.last_delta_norm - exact) <= 1e-5 * exact
         assert inplace.base.data_ptr() == frame_ptr  # the delta lies where the base did
-        merge = apart.base - 1e-3 * sync_step  # (the in-place island's base is its delta now)
-        for core in (apart, inplace):
-            for _ in range(tau):
-                core.train_step()
-        target = inplace.merge_target()
-        target.copy_(merge)
-        apart.apply_merge(kind, merge.clone(), sync_step)
-        inplace.apply_merge(kind, target, sync_step)
-        assert torch.equal(apart.base, inplace.base)
-        assert torch.equal(apart.params(), inplace.params())
+        _merge_both(apart, inplace, kind, sync_step, tau)
     left, right = apart.state_dict(), inplace.state_dict()
     for key in ("params", "base"):
         assert torch.equal(left[key], right[key])
@@ -366,3 +373,111 @@ def test_a_norm_taken_segment_by_segment_is_the_same_bits_however_it_is_fed(extr
     exact = float(torch.linalg.vector_norm(x.double()))
     assert abs(SegmentNorm.of(x) - exact) <= 1e-4 * exact
     assert SegmentNorm.of(torch.zeros(0)) == 0.0
+
+
+@pytest.mark.parametrize(
+    "codec,beta,shards,tau",
+    [
+        ("int8", 1.0, 1, 0),
+        ("int8", 0.9, 1, 1),
+        ("sparseloco+zstd", 1.0, 1, 0),
+        ("fp32", 1.0, 2, 0),  # lossless to relay shards: no residual kept
+        ("int8", 1.0, 2, 0),
+        ("int8", 0.9, 2, 1),
+        ("sparseloco+zstd", 0.9, 2, 0),
+    ],
+)
+def test_a_delta_over_the_base_is_the_same_blobs_and_state(
+    codec: str, beta: float, shards: int, tau: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delta_in_base`` (the island daemon, any codec ``frame_base`` does not frame in
+    place): each sync's delta and error-feedback sum are computed over the base, the
+    residual kept there and the base moved to the old residual's memory, where the merge
+    is received.  The blobs, the residual, the norm and the state after each merge are
+    those of ``sync`` without it, over several checksum segments; from the second sync
+    on no model-sized buffer is new (the base and the residual trade their memory)."""
+    monkeypatch.setattr(feedback_module, "CHECKSUM_SEGMENT", 4 * 4096)
+    monkeypatch.setattr(SegmentNorm, "STEP", 4096)
+    cfg = RunConfig().with_overrides(
+        regional_codec=codec,
+        ef_beta=beta,
+        **{"steps": 12, "topology.h_r": 2, "topology.h_g": 4, "topology.tau": tau},
+        **({"topology.relay_shards": shards} if shards > 1 else {}),
+    )
+    _, theta0 = initial_parameters(cfg)
+    apart, over = _island(cfg, theta0), _island(cfg, theta0)
+    assert not over.frame_base() and over.delta_in_base()
+    for n, (kind, sync_step) in enumerate(
+        (("regional", 2), ("global", 4), ("regional", 6), ("global", 8))
+    ):
+        blobs = []
+        for core in (apart, over):
+            while core.step < sync_step:
+                core.train_step()
+            if core is over:
+                base_before = over.base.data_ptr()
+                residual_before = None if over.feedback.is_zero else over.feedback.residual
+            blobs.append([bytes(b) for b in core.sync()])
+        assert blobs[0] == blobs[1]
+        assert apart.last_delta_norm == over.last_delta_norm > 0
+        assert torch.equal(apart.feedback.residual, over.feedback.residual)
+        if over.feedback.is_zero:  # lossless: the base keeps its memory, spent
+            assert over.base.data_ptr() == base_before
+        else:  # the residual in the base's memory, the base in the old residual's
+            assert over.feedback.residual.data_ptr() == base_before
+            assert over.base.data_ptr() != base_before
+            if residual_before is not None:
+                assert over.base.data_ptr() == residual_before.data_ptr()
+            else:
+                assert n == 0  # new memory once, at the first sync
+            del residual_before
+        _merge_both(apart, over, kind, sync_step, tau)
+    left, right = apart.state_dict(), over.state_dict()
+    for key in ("params", "base"):
+        assert torch.equal(left[key], right[key])
+    assert torch.equal(apart.feedback.residual, over.feedback.residual)
+    # A rejoin from that state: the first sync after it trades memory again, same bits.
+    back = _island(cfg, theta0)
+    assert back.delta_in_base()
+    back.load_state_dict(right)
+    for core in (apart, back):
+        while core.step < 10:
+            core.train_step()
+    assert [bytes(b) for b in apart.sync()] == [bytes(b) for b in back.sync()]
+    assert torch.equal(apart.feedback.residual, back.feedback.residual)
+
+
+def test_a_delta_over_the_base_that_fails_to_encode_keeps_the_residual() -> None:
+    """An encode that refuses the delta (a value not finite) leaves the residual as it
+    was and the base spent (no delta or state is made of it until a merge), as the fp32
+    path in the base does."""
+    cfg = RunConfig().with_overrides(
+        regional_codec="int8", **{"steps": 8, "topology.h_r": 2, "topology.h_g": 4}
+    )
+    _, theta0 = initial_parameters(cfg)
+    core = _island(cfg, theta0)
+    assert core.delta_in_base()
+    while core.step < 2:
+        core.train_step()
+    core.sync()
+    target = core.merge_target()
+    target.copy_(core.params())
+    core.apply_merge("regional", target, 2)
+    residual = core.feedback.residual.clone()
+    while core.step < 4:
+        core.train_step()
+    with torch.no_grad():
+        next(core.model.parameters()).view(-1)[3] = float("nan")
+    with pytest.raises(HypertrainError, match=r"NaN or inf"):
+        core.sync()
+    assert torch.equal(core.feedback.residual, residual)
+    with pytest.raises(HypertrainError, match="holds a delta"):
+        core.state_dict()
+    with pytest.raises(HypertrainError, match="holds a delta"):
+        core.sync()
+
+
+def test_delta_in_base_is_not_for_a_delta_framed_in_place() -> None:
+    cfg = RunConfig().with_overrides(regional_codec="fp32")
+    _, theta0 = initial_parameters(cfg)
+    assert not _island(cfg, theta0).delta_in_base()  # frame_base's case
