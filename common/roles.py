@@ -100,18 +100,14 @@ class SegmentNorm:
         n = float(torch.linalg.vector_norm(segment))
         self._squares.append(n * n)
 
-    def add_all(self, values: torch.Tensor) -> None:
-        flat = values.view(-1)
-        for start in range(0, flat.numel(), self.STEP):
-            self.add(flat[start : start + self.STEP])
-
     def value(self) -> float:
         return math.sqrt(math.fsum(self._squares))
 
     @classmethod
     def of(cls, values: torch.Tensor) -> float:
-        norm = cls()
-        norm.add_all(values)
+        norm, flat = cls(), values.view(-1)
+        for start in range(0, flat.numel(), cls.STEP):
+            norm.add(flat[start : start + cls.STEP])
         return norm.value()
 
 
@@ -161,6 +157,9 @@ class IslandState:
         self.base = theta0.clone()  # flat vectors (base, merges, snapshots) stay on the CPU
         self._base_frame: memoryview | None = None
         """The blob the base lies in (``frame_base``), if it does."""
+        self._delta_in_base = False
+        """Each sync's delta and error-feedback sum are computed over the base
+        (``delta_in_base``)."""
         self._base_valid = True
         """False from a sync that wrote its delta over the base (``frame_base``), or a
         download into it (``merge_target``), until a merge or a loaded state is taken: no
@@ -283,9 +282,9 @@ class IslandState:
         model-sized buffer of new memory (the parameters' copy the delta was computed in),
         only the encoded blob (and with tau > 0 the overlap's snapshot of the parameters,
         which it is taken from instead of a second copy); the bits are those of ``sync``
-        without it.  For the same
-        driver as ``frame_base`` (the island daemon), without streaming fragments; False
-        (nothing set) where ``frame_base`` applies or fragments are streamed."""
+        without it.  For the same driver as ``frame_base`` (the island daemon), without
+        streaming fragments; False (nothing set) where ``frame_base`` applies or
+        fragments are streamed."""
         if self._frames_whole() or len(self.fragments) > 1:
             return False
         self._delta_in_base = True
@@ -303,19 +302,9 @@ class IslandState:
         base spent, as ``_sync_in_base`` does."""
         base = self.base.view(-1)
         norm = SegmentNorm()
-        self._base_loaded_at = None  # the base is the delta from here, until the merge
-        self._base_valid = False
-        if self.schedules[0].tau:
-            theta = self.params()  # the overlap's snapshot, kept as it is
-            self.snapshots[0][self.step] = theta
-            base.sub_(theta)
-            del theta
-            norm.add_all(base)
-        else:
-            for start in range(0, self.numel, SegmentNorm.STEP):
-                part = base[start : start + SegmentNorm.STEP]
-                self.subtract_params(part, start)
-                norm.add(part)
+        fill = self._spend_base(norm)
+        for start in range(0, self.numel, SegmentNorm.STEP):
+            fill(start, min(self.numel, start + SegmentNorm.STEP))
         self.last_delta_norm = norm.value()
         if not self.shards.sharded:
             blobs = [feedback.encode(base, consume=True)]
@@ -347,27 +336,37 @@ class IslandState:
         """``sync`` of the whole model with the base in ``frame`` (``frame_base``): the
         delta ``base - theta`` is written over the base and framed where it lies; the
         same bytes as ``sync`` without it."""
-        base = self.base
         norm = SegmentNorm()
+        feedback.encode_framed(frame, (self.numel,), self._spend_base(norm))
+        self.last_delta_norm = norm.value()
+
+    def _spend_base(self, norm: SegmentNorm) -> Callable[[int, int], None]:
+        """Mark the base spent (it holds the sync's delta from here until the merge) and
+        return ``fill(start, end)``, which writes the delta ``base - theta`` over the
+        base's values ``[start, end)`` and adds their norm to ``norm``: the in-base sync
+        paths call it one checksum segment at a time, in order, so that each segment is
+        written and then encoded while in cache.  With tau > 0 the overlap's snapshot of
+        theta is taken here and the whole delta written at once (``fill`` only takes the
+        segments' norms)."""
+        base = self.base.view(-1)
+        self._base_loaded_at = None
+        self._base_valid = False
         if self.schedules[0].tau:
             theta = self.params()  # the overlap's snapshot, kept as it is
             self.snapshots[0][self.step] = theta
             base.sub_(theta)
             del theta
 
-            def fill(start: int, end: int) -> None:  # each segment's norm while in cache
+            def fill(start: int, end: int) -> None:
                 norm.add(base[start:end])
 
-        else:
+            return fill
 
-            def fill(start: int, end: int) -> None:  # each segment framed while in cache
-                self.subtract_params(base[start:end], start)
-                norm.add(base[start:end])
+        def subtract(start: int, end: int) -> None:
+            self.subtract_params(base[start:end], start)
+            norm.add(base[start:end])
 
-        self._base_loaded_at = None  # the base is the delta now, until the merge
-        self._base_valid = False
-        feedback.encode_framed(frame, (self.numel,), fill)
-        self.last_delta_norm = norm.value()
+        return subtract
 
     def apply_merge(
         self,

@@ -196,8 +196,12 @@ class Codec(ABC):
         if len(view) != head + size:
             raise CodecError(f"in-place frame of {len(view)} bytes, {head + size} expected")
         payload = view[head:]
-        fits = known is not None and known.fits(len(view), head) and known.top is not None
-        crcs = known.crcs if known is not None and fits else None
+        # the checksum segments of a survey of these values that found them all finite
+        crcs = (
+            known.crcs
+            if known is not None and known.top is not None and known.fits(len(view), head)
+            else None
+        )
         if crcs is None:
             self._prepare(payload, numel)  # the checks encode makes of the values
         header = pack_header(self.spec, shape, size, size)
@@ -256,10 +260,11 @@ class Codec(ABC):
         # What the receiver computed of these very bytes as they arrived, if it did
         # (survey.py): the payload's checksum segments and fp32 values are not read again.
         facts = survey.facts_of(data)
-        if facts is not None and not facts.fits(len(memoryview(data).cast("B")), header.header_len):
+        view = memoryview(data).cast("B")
+        if facts is not None and not facts.fits(len(view), header.header_len):
             facts = None
         verify_checksum(data, header, None if facts is None else facts.crcs)
-        payload = memoryview(data).cast("B")[header.header_len :]
+        payload = view[header.header_len :]
         raw: Buffer = framing.decompress(payload, header.raw_len) if header.zstd else payload
         if facts is not None and facts.top is not None:
             return header, self._prepare_known(raw, header.numel, facts.top)
