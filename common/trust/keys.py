@@ -385,9 +385,7 @@ def write_new(path: Path, data: bytes, *, mode: int, replace: bool) -> None:
     try:
         try:
             os.fchmod(fd, mode)  # exactly this mode, whatever the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -402,6 +400,15 @@ def write_new(path: Path, data: bytes, *, mode: int, replace: bool) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     fsync_dir(path.parent)
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write all of ``data`` at ``fd``'s position: ``os.write`` may take fewer bytes than
+    asked (a disk nearly full, a signal), so it is called until none are left (an
+    OSError is raised as it comes, with what was written so far left in the file)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def fsync_dir(directory: Path) -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hypertrain.common.errors import HypertrainError, TapeError, UnknownKeyError
-from hypertrain.common.trust.keys import TrustedKeys
+from hypertrain.common.trust.keys import TrustedKeys, write_all
 from hypertrain.common.trust.ledger import AGGREGATOR_KEY
 from hypertrain.common.trust.tape_format import (
     CHECKPOINT,
@@ -248,9 +248,7 @@ def _append_whole(path: Path, lines: bytes) -> None:
     try:
         end = os.fstat(fd).st_size
         try:
-            view = memoryview(lines)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, lines)
         except OSError:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, end)  # best effort: a torn last line is skipped anyway

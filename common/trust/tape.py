@@ -49,7 +49,7 @@ from types import TracebackType
 from typing import Any
 
 from hypertrain.common.errors import TapeError
-from hypertrain.common.trust.keys import SigningKey, TrustedKeys, fsync_dir
+from hypertrain.common.trust.keys import SigningKey, TrustedKeys, fsync_dir, write_all
 from hypertrain.common.trust.tape_format import (
     CHECKPOINT,
     FORMAT_VERSION,
@@ -178,7 +178,7 @@ class TapeWriter:
             raise chain.fail(len(records), problem.offset, problem.reason, problem.detail)
         if not buf or len(buf) < len(MAGIC):  # new, or a crash inside the header
             os.ftruncate(fd, 0)
-            os.write(fd, MAGIC)
+            write_all(fd, MAGIC)
             end, recovered = len(MAGIC), len(buf)
         elif problem is not None:
             os.ftruncate(fd, problem.offset)
@@ -278,9 +278,7 @@ class TapeWriter:
         rec = Record(self._end, self.key.key_id, data, self.key.sign(data))
         raw = encode_record(rec.key_id, rec.data, rec.signature)
         try:
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            write_all(self._fd, raw)
             if self.sync:
                 os.fsync(self._fd)
         except OSError as err:

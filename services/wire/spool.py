@@ -65,7 +65,7 @@ import torch
 from hypertrain.common.codec import survey
 from hypertrain.common.digest import content_hasher
 from hypertrain.common.pages import register_file_map
-from hypertrain.common.trust.keys import fsync_dir
+from hypertrain.common.trust.keys import fsync_dir, write_all
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.frames import Data
 
@@ -319,9 +319,7 @@ class Sink:
         copy_into(self.buffer, offset, data)
 
     def _write_chunk(self, offset: int, data: Data) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        write_all(self._fd, data)
         self._written += len(data)
         if self._written - self._synced >= WRITEBACK_BYTES:
             start_writeback(self._fd, self._synced, self._written - self._synced)
@@ -445,9 +443,7 @@ def write_file(data: Data, digest: str, dest_dir: Path) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     fd, name = new_temp(dest_dir)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
