@@ -19,7 +19,11 @@ Invariants:
   they are read (``common/pages.py``): n inputs cost a range each, not their size.
 - The first inputs of the order may be added before the others arrive (``EarlySum``, a
   relay adding each delta as it is accepted): per value the operations are the same, in
-  the same order, so the mean has the same bits whichever way it was computed.
+  the same order, so the mean has the same bits whichever way it was computed.  The
+  first two may be added in either order: ``(0 + a) + b`` and ``(0 + b) + a`` are the same
+  bits for every pair of fp32 values a codec decodes (finite; each side rounds the same
+  exact sum once, and ``0 + -0`` is ``+0`` first either way), so a sum may start from the
+  second member while the first is still on its way.
 - A robust rule (``RobustConfig``: norm clipping, a coordinate-wise trimmed mean, leaving
   out deltas far above the median norm) replaces the mean where the run asks for one;
   it is as deterministic (fixed member order, a stable sort, fp32 adds in order), and
@@ -210,7 +214,9 @@ class EarlySum:
     holds after adding those inputs.  ``segmented_mean(..., early=...)`` goes on from
     there with the rest, so the mean has the same bits as one computed at once.  An
     input is added only when every member before it in the order is in the sum (the
-    order of the sum is the order of arrival only where they agree)."""
+    order of the sum is the order of arrival only where they agree), but for the first
+    two, which commute (module docstring): a sum may hold the second member alone, and
+    the first is added after it."""
 
     acc: torch.Tensor
     shape: tuple[int, ...]
@@ -231,9 +237,13 @@ class EarlySum:
 
     def add(self, member: str, blob: Blob, codec: Codec) -> None:
         """Add ``member``'s input, after the members already in the sum (raises before
-        writing anything if the blob is bad, or out of order)."""
-        if self.members and member <= self.members[-1]:
-            raise HypertrainError(f"early sum: {member} comes before {self.members[-1]}")
+        writing anything if the blob is bad, or out of order): to a sum of one input any
+        other (the first two commute), after that only later ones in the order;
+        ``begins`` checks that what was summed begins the inputs it is used for."""
+        if member in self.members:
+            raise HypertrainError(f"early sum: {member} is in the sum already")
+        if len(self.members) > 1 and member < (last := max(self.members)):
+            raise HypertrainError(f"early sum: {member} comes before {last}")
         header = read_header(blob)  # the same check as segmented_mean's
         numel = self.acc.numel()
         if header.shape not in ((numel,), self.shape):
@@ -247,23 +257,42 @@ class EarlySum:
         self.blobs.append(blob)
 
     def begins(self, inputs: Mapping[str, Blob]) -> bool:
-        """Are this sum's inputs the first of ``inputs`` in the order of the sum?"""
-        first = sorted(inputs)[: len(self.members)]
-        return first == self.members and all(
+        """Are this sum's inputs the first of ``inputs`` in the order of the sum (the
+        first two in either order), or the second of them alone?  ``segmented_mean``
+        then adds the rest in order: with the second alone, the first comes next."""
+        return EarlySum._continues(self.members, sorted(inputs)) and all(
             inputs[m] is b for m, b in zip(self.members, self.blobs, strict=True)
         )
+
+    @staticmethod
+    def _continues(summed: Sequence[str], order: Sequence[str]) -> bool:
+        """Can the rest of ``order`` (every member of the sum, sorted) be added to a sum
+        of ``summed`` (in the order they were added) with the bits of the sum in order:
+        are they ``order``'s first, added in its order but for the first two, or its
+        second alone?"""
+        k = len(summed)
+        if k == 1 and len(order) > 1 and summed[0] == order[1]:
+            return True
+        return sorted(summed[:2]) + list(summed[2:]) == list(order[:k])
 
     @staticmethod
     def next_of(
         summed: Sequence[str], members: Iterable[str], delivered: Mapping[str, Blob]
     ) -> list[str]:
-        """The delivered members to add to a sum of ``summed``, in order: those after its
-        last member with no member of ``members`` (the step's, delivered or not) between
-        them."""
-        last = summed[-1] if summed else None
-        order = sorted(m for m in set(members) | set(delivered) if last is None or m > last)
+        """The delivered members to add to a sum of ``summed`` next, in order: those
+        that continue it with no member of ``members`` (the step's, delivered or not)
+        missing before them; or, to an empty sum while the order's first member is not
+        delivered, its second alone.  Nothing when the sum no longer begins the order (a
+        member before its own joined the step): the commit sums every input then."""
+        order = sorted(set(members) | set(delivered))
+        if not EarlySum._continues(summed, order):
+            return []
+        if not summed and order and order[0] not in delivered:
+            return order[1:2] if order[1:2] and order[1] in delivered else []
         wanted: list[str] = []
         for m in order:
+            if m in summed:
+                continue
             if m not in delivered:
                 break
             wanted.append(m)

@@ -746,7 +746,7 @@ class RegionCore:
                 )
             for member in wanted:
                 early.add(member, delivered[member], self.codec)
-        except HypertrainError:
+        except Exception:  # optional work: no sum, and the commit decides (raises) as before
             self._early = None
 
     def merge(
@@ -901,13 +901,15 @@ class GlobalCore:
         resident, where a new tensor's are fresh memory to fault in.  Set by a driver whose
         memory bound counts the old theta until the next step (the aggregator daemon)."""
         self._retired: torch.Tensor | None = None
+        self._early: EarlySum | None = None
+        """The open round's first forwards, summed as they came (``offer``), in ``_spare``."""
 
     def __getstate__(self) -> dict[str, Any]:
         """For pickling (the simulator's job checkpoints): without the ``before_step`` hook,
         which a restored core starts without."""
         state = self.__dict__.copy()
         del state["before_step"]
-        state["_spare"] = state["_retired"] = None  # memory, not state
+        state["_spare"] = state["_retired"] = state["_early"] = None  # memory, not state
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -930,6 +932,32 @@ class GlobalCore:
             return None  # the old theta's memory, resident: nothing to fault in
         self._spare = torch.empty_like(self.theta)
         return self._spare
+
+    def offer(self, delivered: Mapping[str, Blob], members: tuple[str, ...]) -> None:
+        """Add the open round's delivered forwards to its sum now, ahead of the outer
+        step, as far as the fixed region order allows (``EarlySum.next_of``; ``members``:
+        the round's, delivered or not): the step then adds only the rest, with the same
+        bits (``RegionCore.offer`` is the relay's twin).
+
+        Only in memory already held for the step (``warm``'s spare, which the step writes
+        its new theta into, over the mean range by range): nothing is allocated here, so
+        a core that was never warmed (the simulator's, the audit's) sums at the step as
+        before.  Not with relay shards (a sum per shard range).  A forward that fails to
+        decode here leaves no sum (the step refuses it as it always did)."""
+        spare = self._spare
+        if spare is None or self.shards.sharded:
+            return
+        early = self._early
+        wanted = EarlySum.next_of([] if early is None else early.members, members, delivered)
+        if not wanted:
+            return
+        try:
+            if early is None:
+                early = self._early = EarlySum.zeros(spare.view(-1), tuple(self.theta.shape))
+            for member in wanted:
+                early.add(member, delivered[member], self.codec)
+        except Exception:  # optional work: no sum, and the commit decides (raises) as before
+            self._early = None
 
     def let_go_retired(self) -> None:
         """No outer step follows (the run's last is done): the theta the last one replaced
@@ -966,6 +994,15 @@ class GlobalCore:
             )
         self.before_step()
         spare, self._spare = self._spare, None
+        early, self._early = self._early, None
+        segments = self.segments(inputs)
+        if early is not None and not (
+            spare is not None
+            and early.acc.data_ptr() == spare.data_ptr()
+            and len(segments) == 1
+            and early.begins(segments[0].inputs)
+        ):
+            early = None  # not these inputs (the round closed without some): sum them all
         reused = self._reuse()  # let go even when there is a spare: at most 3 models here
         if spare is None:
             spare = reused
@@ -991,12 +1028,13 @@ class GlobalCore:
 
         try:
             commitment = segmented_mean(
-                self.segments(inputs),
+                segments,
                 self.codec,
                 tuple(self.theta.shape),
                 outer_step,
                 digests=digests,
                 prepare=begin,
+                early=early,  # in new's memory: each range of theta is written over its mean
                 parallel=True,
             )
         except BaseException:

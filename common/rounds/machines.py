@@ -795,7 +795,9 @@ def _completed(
     """``d`` completed the open step: the commit's effects; or, where the aggregate fails
     (an input that no longer decodes: its bytes changed on disk after it was accepted),
     the refusal of ``d`` with the level as it was before it (a decision either completes
-    or changes nothing)."""
+    or changes nothing).  An input already in an early sum (``RegionCore.offer``,
+    ``GlobalCore.offer``) is not read again: the sum holds the bytes that were accepted,
+    which are the ones its digest, in the commitment, names."""
     try:
         return commit(d.sync_step)
     except HypertrainError as e:
@@ -1372,8 +1374,13 @@ class AggregatorMachine:
             if isinstance(done, Decision):
                 return done, []
             effects.extend(done)
-        elif (arm := self.level.first_armed()) is not None:
-            effects.append(arm)
+        else:
+            # Sum the forwards so far, as far as the region order allows, while the others
+            # are on the way (``GlobalCore.offer``): the step adds the rest, same bits.
+            lv = self.level
+            self.core.offer({m: x.data for m, x in lv.inputs.items()}, lv.members)
+            if (arm := lv.first_armed()) is not None:
+                effects.append(arm)
         return Decision(
             OK, f"accepted regional delta from {d.sender} for step {d.sync_step}"
         ), effects

@@ -217,20 +217,81 @@ def test_an_early_sum_of_any_prefix_gives_the_bits_of_one_sum(
 
 def test_an_early_sum_takes_members_only_in_order() -> None:
     codec = make_codec("int8")
-    blobs = _blobs("int8", 3, 1000, seed=4)
+    blobs = _blobs("int8", 4, 1000, seed=4)
+    step = ["eu-0", "eu-1", "eu-2", "eu-3"]
     early = agg.EarlySum.zeros(torch.empty(1000), (1000,))
-    assert (
-        agg.EarlySum.next_of(early.members, ["eu-0", "eu-1", "eu-2"], {"eu-1": blobs["eu-1"]}) == []
-    )
+    assert agg.EarlySum.next_of(early.members, step, {"eu-2": blobs["eu-2"]}) == []
     got = {"eu-0": blobs["eu-0"], "eu-1": blobs["eu-1"]}
-    assert agg.EarlySum.next_of(early.members, ["eu-0", "eu-1", "eu-2"], got) == ["eu-0", "eu-1"]
+    assert agg.EarlySum.next_of(early.members, step, got) == ["eu-0", "eu-1"]
+    # the first two commute: the second starts a sum while the first is on its way
+    got = {"eu-1": blobs["eu-1"], "eu-2": blobs["eu-2"]}
+    assert agg.EarlySum.next_of(early.members, step, got) == ["eu-1"]
     early.add("eu-1", blobs["eu-1"], codec)
-    with pytest.raises(HypertrainError, match="comes before"):
-        early.add("eu-0", blobs["eu-0"], codec)
+    assert agg.EarlySum.next_of(early.members, step, got) == []  # eu-2 waits for eu-0
+    got["eu-0"] = blobs["eu-0"]
+    assert agg.EarlySum.next_of(early.members, step, got) == ["eu-0", "eu-2"]
+    early.add("eu-0", blobs["eu-0"], codec)
+    with pytest.raises(HypertrainError, match="in the sum already"):
+        early.add("eu-1", blobs["eu-1"], codec)
+    early.add("eu-3", blobs["eu-3"], codec)
+    with pytest.raises(HypertrainError, match="comes before"):  # only the first two commute
+        early.add("eu-2", blobs["eu-2"], codec)
+    assert not early.begins(blobs)  # eu-2 is missing from it: the commit sums them all
     # eu-0 left before it delivered: eu-2 follows eu-1 at once
-    assert agg.EarlySum.next_of(
-        early.members, ["eu-1", "eu-2"], {**got, "eu-2": blobs["eu-2"]}
-    ) == ["eu-2"]
+    early = agg.EarlySum.zeros(torch.empty(1000), (1000,))
+    early.add("eu-1", blobs["eu-1"], codec)
+    assert agg.EarlySum.next_of(early.members, step[1:], {"eu-2": blobs["eu-2"]}) == ["eu-2"]
+    # a member before the sum's own joined the step: the sum no longer begins it
+    assert agg.EarlySum.next_of(["eu-2"], step, {**got, "eu-3": blobs["eu-3"]}) == []
+
+
+@pytest.mark.parametrize("codec_name", STREAM_CODECS)
+def test_the_first_two_inputs_of_an_early_sum_commute(
+    codec_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second member alone, or the first two swapped: the mean of the sum in order,
+    bit for bit, with huge values in both (and, for fp32, which keeps them, signed
+    zeros and subnormals; the lossy codecs round those to +0)."""
+    monkeypatch.setattr(agg, "MERGE_RANGE", 1 << 18)
+    numel = 2 * 262144 + 11
+    codec = make_codec(codec_name)
+    blobs = _blobs(codec_name, 3, numel, seed=12)
+    special = torch.tensor([0.0, -0.0, 1.6e38, -1.6e38, 1e-45, -1e-45, 1.0, -1.0])
+    for k, member in enumerate(("eu-0", "eu-1")):
+        x = codec.decode(blobs[member]).clone()
+        x[: 64 * len(special)] = special.repeat_interleave(8).roll(k).repeat(8)
+        x[::9] = -0.0 if k else 0.0
+        blobs[member] = codec.encode(x)
+    want = _whole_tensor_mean(blobs, codec_name, numel)
+    _, com = aggregate(blobs, codec, (numel,))
+    for added in (["eu-1"], ["eu-1", "eu-0"], ["eu-1", "eu-0", "eu-2"]):
+        early = agg.EarlySum.zeros(torch.empty(numel), (numel,))
+        for member in added:
+            early.add(member, blobs[member], codec)
+        assert early.begins(blobs)
+        assert streamed_mean(blobs, codec, (numel,), early=early) == com
+        assert torch.equal(early.acc.view(torch.int32), want.view(torch.int32)), added
+    # the second alone also begins a step that closed without the first
+    early = agg.EarlySum.zeros(torch.empty(numel), (numel,))
+    early.add("eu-1", blobs["eu-1"], codec)
+    rest = {m: b for m, b in blobs.items() if m != "eu-0"}
+    assert early.begins(rest)
+    _, com = aggregate(rest, codec, (numel,))
+    assert streamed_mean(rest, codec, (numel,), early=early) == com
+
+
+def test_zero_plus_two_fp32_values_is_the_same_bits_in_either_order() -> None:
+    """The arithmetic the commuting pair rests on, over every pair of a set of values
+    that covers signed zeros, subnormals, the largest finite values (sums that overflow)
+    and ordinary ones: fl(fl(0 + a) + b) == fl(fl(0 + b) + a)."""
+    base = [0.0, 1e-45, 1e-38, 1.0, 1.5, 3.0e38, 3.4028235e38, 1 / 3, 1e-7, 7.5e5]
+    vals = torch.tensor(base + [-v for v in base], dtype=torch.float32)
+    vals = torch.cat([vals, torch.randn(200, generator=torch.Generator().manual_seed(3))])
+    a = vals.repeat_interleave(vals.numel())
+    b = vals.repeat(vals.numel())
+    one = (torch.zeros_like(a) + a) + b
+    two = (torch.zeros_like(b) + b) + a
+    assert torch.equal(one.view(torch.int32), two.view(torch.int32))
 
 
 def test_an_early_sum_that_does_not_begin_the_inputs_is_refused() -> None:

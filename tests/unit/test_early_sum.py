@@ -1,6 +1,7 @@
-"""A relay sums deltas as they are accepted (``RegionCore.offer``): in any arrival order,
-with absences and leaves, its merges and forwards keep the bits of the sum taken at the
-commit (today's path, ``offer`` switched off)."""
+"""A relay sums deltas as they are accepted (``RegionCore.offer``), and the aggregator
+the forwards (``GlobalCore.offer``): in any arrival order, with absences and leaves, the
+merges, forwards and outer steps keep the bits of the sum taken at the commit (the path
+with ``offer`` switched off)."""
 
 import dataclasses
 import itertools
@@ -14,9 +15,11 @@ from hypertrain.common.aggregate import Commitment
 from hypertrain.common.codec import make_codec
 from hypertrain.common.config import RunConfig
 from hypertrain.common.digest import blob_digest
-from hypertrain.common.roles import RegionCore, initial_parameters
+from hypertrain.common.roles import GlobalCore, RegionCore, initial_parameters
 from hypertrain.common.rounds.machines import (
+    INVALID,
     LEAVE,
+    AggregatorMachine,
     Committed,
     Delta,
     Forward,
@@ -173,15 +176,17 @@ def test_new_global_parameters_drop_the_early_sum(theta0: torch.Tensor) -> None:
     assert relay.core._early is None
 
 
-def test_nothing_is_allocated_before_the_first_member_of_the_order_delivers(
+def test_nothing_is_allocated_before_one_of_the_first_two_members_delivers(
     theta0: torch.Tensor,
 ) -> None:
     cfg = _cfg("fp32")
     relay = RelayMachine(cfg, "eu", theta0.clone())
-    for sender in ("eu-3", "eu-1", "eu-2"):
+    for sender in ("eu-3", "eu-2"):
         relay.on_delta(_delta(cfg, theta0, sender, 5))
         assert relay.core._early is None and relay.core._base is None  # no model-sized buffer
-    relay.on_delta(_delta(cfg, theta0, "eu-0", 5))  # the last: the commit sums them all
+    relay.on_delta(_delta(cfg, theta0, "eu-1", 5))  # the first two commute: a sum of eu-1
+    assert relay.core._early is not None and relay.core._early.members == ["eu-1"]
+    relay.on_delta(_delta(cfg, theta0, "eu-0", 5))  # the last: the commit adds eu-0 and on
     assert relay.merge_for(5) is not None
 
 
@@ -288,3 +293,186 @@ def test_a_global_merge_downloaded_into_the_forwards_memory_keeps_every_bit(
         return out
 
     assert rounds(into_room=True) == rounds(into_room=False)
+
+
+# -- the aggregator: forwards summed as they come, in the memory of the step's new theta --
+REGIONS = ("ap", "eu", "us")
+
+
+def _global_cfg(
+    global_codec: str,
+    shards: int = 1,
+    regions: tuple[str, ...] = REGIONS,
+    membership: dict[str, float] | None = None,
+) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "steps": 20,
+            "batch_per_island": 8,
+            "regional_codec": "int8",
+            "global_codec": global_codec,
+            "topology": {
+                "regions": list(regions),
+                "islands_per_region": 1,
+                "h_r": 5,
+                "h_g": 10,
+                "relay_shards": shards,
+            },
+            **({"membership": membership} if membership else {}),
+        }
+    )
+
+
+def _forward(cfg: RunConfig, theta0: torch.Tensor, region: str, step: int) -> Delta:
+    seed = 1000 * step + sum(map(ord, region))
+    x = torch.randn(theta0.numel(), generator=torch.Generator().manual_seed(seed)) * 1e-3
+    if region == "eu":
+        x[::5] = -0.0
+    codec = make_codec(cfg.global_codec)
+    data = codec.encode(x)
+    return Delta(cfg.run_id, step // 10 - 1, step, region, blob_digest(data), str(codec.spec), data)
+
+
+class _StepSpy:
+    """``segmented_mean`` as ``GlobalCore.step`` calls it, recording the members of the
+    early sum each call was handed (None: none)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.early: list[list[str] | None] = []
+        real = roles.segmented_mean
+
+        def spy(*args, early=None, **kw):  # type: ignore[no-untyped-def]
+            self.early.append(None if early is None else list(early.members))
+            return real(*args, early=early, **kw)
+
+        monkeypatch.setattr(roles, "segmented_mean", spy)
+
+
+def _global_rounds(
+    cfg: RunConfig, theta0: torch.Tensor, order: tuple[str, ...], warm: bool
+) -> tuple[list[str], list[list[str]]]:
+    """Two global rounds with the forwards in ``order`` (then reversed): each round's
+    theta, outer state and record digests, and the early sum's members after each
+    forward that did not close the round."""
+    agg = AggregatorMachine(cfg, theta0.clone())
+    out: list[str] = []
+    sums: list[list[str]] = []
+    for n, step in enumerate((10, 20)):
+        spare = None
+        if warm:
+            spare = agg.core.warm()
+            assert spare is not None
+            pages.populate(spare)
+        arrivals = order if n == 0 else order[::-1]
+        for k, region in enumerate(arrivals):
+            decision, effects = agg.on_regional(_forward(cfg, theta0, region, step))
+            assert decision.accepted, decision.reason
+            if k < len(arrivals) - 1:
+                early = agg.core._early
+                sums.append([] if early is None else list(early.members))
+        committed = [e for e in effects if isinstance(e, Committed)]
+        assert committed, f"step {step} did not commit"
+        if spare is not None:
+            assert agg.core.theta.data_ptr() == spare.data_ptr()  # the step wrote it there
+        assert agg.core._early is None
+        out += [flat_digest(agg.core.theta), agg.state_digest(), repr(committed[0].record)]
+    return out, sums
+
+
+@pytest.mark.parametrize("global_codec", ["fp32", "int8"])
+def test_the_aggregator_sums_forwards_as_they_come_with_the_bits_of_the_step(
+    global_codec: str, theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _global_cfg(global_codec)
+    theta = initial_parameters(cfg)[1]
+    steps = _StepSpy(monkeypatch)
+    want, sums = _global_rounds(cfg, theta, REGIONS, warm=False)
+    assert sums == [[], []] * 2  # never warmed (the simulator's, the audit's core): no sum
+    assert steps.early == [None, None]
+    for order in itertools.permutations(REGIONS):
+        steps.early.clear()
+        got, sums = _global_rounds(cfg, theta, order, warm=True)
+        assert got == want, order
+        # each step went on from the sum that was open when the last forward came
+        assert steps.early == [sums[1], sums[3]], order
+        # as far as the order allows, the first two in either order
+        first = sums[:2]
+        if order[0] == "us":
+            assert first[0] == []
+        else:
+            assert first[0] == [order[0]]
+        if set(order[:2]) == {"ap", "eu"}:
+            assert first[1] == list(order[:2])
+    _, sums = _global_rounds(cfg, theta, ("eu", "ap", "us"), warm=True)
+    assert sums[:2] == [["eu"], ["eu", "ap"]]
+
+
+def test_a_round_closed_at_its_cutoff_goes_on_from_the_early_sum_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regions absent at the cutoff (a quorum of half): every arrival of one to three
+    of four regions, closed by the cutoff, has the bits of the unwarmed aggregator's
+    step; an early sum of the second region alone goes on when the first never came."""
+    regions = (*REGIONS, "zz")
+    cfg = _global_cfg(
+        "fp32", regions=regions, membership={"global_cutoff_s": 5.0, "global_quorum": 0.5}
+    )
+    theta = initial_parameters(cfg)[1]
+    steps = _StepSpy(monkeypatch)
+    used_second_alone = False
+    for k in (1, 2, 3):
+        for came in itertools.permutations(regions, k):
+            out = {}
+            for warm in (False, True):
+                agg = AggregatorMachine(cfg, theta.clone())
+                if warm:
+                    assert agg.core.warm() is not None
+                steps.early.clear()
+                for region in came:
+                    assert agg.on_regional(_forward(cfg, theta, region, 10))[0].accepted
+                _, effects = agg.on_cutoff(10)
+                committed = [e for e in effects if isinstance(e, Committed)]
+                out[warm] = (
+                    (flat_digest(agg.core.theta), repr(committed[0].record)) if committed else None
+                )
+                used_second_alone |= warm and steps.early == [["eu"]] and "ap" not in came
+            assert out[True] == out[False], came
+    assert used_second_alone
+
+
+def test_the_aggregator_sums_nothing_early_with_relay_shards() -> None:
+    """With relay shards the mean is a sum per shard range: no early sum, even of blobs
+    it could add (here of the whole tensor's size, which would sum without the rule)."""
+    cfg = _global_cfg("fp32", shards=2)
+    theta = initial_parameters(cfg)[1]
+    core = GlobalCore(cfg, theta)
+    assert core.warm() is not None
+    codec = make_codec("fp32")
+    blobs = {m: codec.encode(torch.zeros(theta.numel())) for m in core.members}
+    core.offer(blobs, core.members)
+    assert core._early is None
+
+
+def test_a_forward_whose_bytes_changed_leaves_no_early_sum_and_fails_the_step() -> None:
+    """A forward accepted whole whose bytes then change (as on a failing disk) and that
+    an early sum then reads: the sum is dropped, and the step refuses the round as it
+    always did (nothing moves; the warmed memory is kept for the next try)."""
+    regions = (*REGIONS, "zz")
+    cfg = _global_cfg("fp32", regions=regions)
+    theta = initial_parameters(cfg)[1]
+    agg = AggregatorMachine(cfg, theta.clone())
+    assert agg.core.warm() is not None
+    spare = agg.core._spare
+    late = _forward(cfg, theta, "us", 10)
+    changing = bytearray(late.data)
+    assert agg.on_regional(dataclasses.replace(late, data=changing))[0].accepted
+    assert agg.core._early is None  # us is third in the order: nothing to add yet
+    changing[len(changing) // 2] ^= 0xFF
+    assert agg.on_regional(_forward(cfg, theta, "ap", 10))[0].accepted
+    assert agg.core._early is not None and agg.core._early.members == ["ap"]
+    assert agg.on_regional(_forward(cfg, theta, "eu", 10))[0].accepted  # then eu, us: bad
+    assert agg.core._early is None
+    before = flat_digest(agg.core.theta)
+    decision, _ = agg.on_regional(_forward(cfg, theta, "zz", 10))
+    assert decision.code == INVALID, decision.reason
+    assert flat_digest(agg.core.theta) == before and agg.core._spare is spare

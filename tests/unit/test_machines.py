@@ -338,12 +338,16 @@ def test_a_round_step_or_time_beyond_the_tape_s_integers_is_refused_by_name(
 
 
 def test_a_step_whose_aggregate_fails_refuses_the_last_delta_and_changes_nothing(
-    theta0: torch.Tensor,
+    theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """eu-1's accepted bytes change afterwards (as a spool file's could on disk; eu-1 is
-    second in the sum's order, so it was not summed early); eu-0's delta completes the
-    step, and the aggregate cannot decode eu-1's: eu-0 is refused and the machine is
-    exactly as before it, then commits once the bytes are whole again."""
+    """eu-1's accepted bytes change afterwards (as a spool file's could on disk; no early
+    sum here, which would have summed them before they changed: ``RegionCore.offer``
+    off); eu-0's delta completes the step, and the aggregate cannot decode eu-1's: eu-0
+    is refused and the machine is exactly as before it, then commits once the bytes are
+    whole again."""
+    from hypertrain.common.roles import RegionCore
+
+    monkeypatch.setattr(RegionCore, "offer", lambda *a: None)
     relay = RelayMachine(CFG, "eu", theta0)
     second = _delta(theta0, "eu-1", 5, seed=1)
     second = dataclasses.replace(second, data=bytearray(second.data))
@@ -438,15 +442,21 @@ def test_the_aggregator_s_state_digest_is_its_theta_s_hashed_once_per_step(
     assert counting.calls == before  # the step's own record: no pass at all
 
 
-def test_an_outer_step_into_warmed_memory_keeps_every_bit(theta0: torch.Tensor) -> None:
+def test_an_outer_step_into_warmed_memory_keeps_every_bit(
+    theta0: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``GlobalCore.warm`` (the aggregator daemon faults in the next step's memory while
     it waits) changes no value: the same thetas and outer state, step after step, as
     without it; the step writes its theta there; a step whose aggregate fails keeps it
-    for the next; a pickled core (the simulator's checkpoints) carries no spare."""
+    for the next; a pickled core (the simulator's checkpoints) carries no spare.  (No
+    early sum here, ``GlobalCore.offer``: it would have summed the first forward before
+    its bytes changed; tests/unit/test_early_sum.py has the early sums in warmed memory.)"""
     import pickle
 
     from hypertrain.common import pages
+    from hypertrain.common.roles import GlobalCore
 
+    monkeypatch.setattr(GlobalCore, "offer", lambda *a: None)
     g = make_codec(CFG.global_codec)
 
     def run(warm: bool) -> list[str]:
