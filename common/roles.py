@@ -985,8 +985,10 @@ class GlobalCore:
         into a new tensor that becomes ``theta``: the previous ``theta`` is not written
         while anything holds it (the merge relays fetch, the checkpoint being written and
         the evaluation may all still read it; ``recycle`` reuses its memory only once
-        nothing does), and no whole mean is held.  Nothing changes unless every input
-        is valid."""
+        nothing does), and no whole mean is held.  Where ``offer`` summed the first
+        forwards already (in the spare this step writes into), the mean is finished there
+        and each range of the new theta is written over its range of the mean, once
+        hashed (same bits).  Nothing changes unless every input is valid."""
         if not inputs or set(self.members_of(self.regions_of(inputs))) != set(inputs):
             raise HypertrainError(
                 f"global step: inputs from {sorted(inputs)} are not every relay of some "
