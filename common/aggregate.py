@@ -275,6 +275,34 @@ class EarlySum:
             return True
         return sorted(summed[:2]) + list(summed[2:]) == list(order[:k])
 
+    @classmethod
+    def extended(
+        cls,
+        early: EarlySum | None,
+        memory: Callable[[], torch.Tensor],
+        shape: tuple[int, ...],
+        codec: Codec,
+        members: Iterable[str],
+        delivered: Mapping[str, Blob],
+    ) -> EarlySum | None:
+        """``early`` (None: no sum yet) with the delivered inputs added that continue it
+        (``next_of``; ``members``: the step's, delivered or not), a new sum kept in
+        ``memory()`` (contiguous 1-D fp32, asked for only once there is an input to add)
+        where there was none.  None where adding one failed (any exception: a sum is
+        optional work; the commit sums every input and decides as it always did).  What
+        a relay (``RegionCore.offer``) and the aggregator (``GlobalCore.offer``) call."""
+        wanted = cls.next_of([] if early is None else early.members, members, delivered)
+        if not wanted:  # nothing is allocated until an input can be added
+            return early
+        try:
+            if early is None:
+                early = cls.zeros(memory(), shape)
+            for member in wanted:
+                early.add(member, delivered[member], codec)
+        except Exception:
+            return None
+        return early
+
     @staticmethod
     def next_of(
         summed: Sequence[str], members: Iterable[str], delivered: Mapping[str, Blob]

@@ -225,7 +225,7 @@ class IslandState:
         if encode and in_base is not None and feedback.frames_in_place:
             self._sync_in_base(in_base, feedback)
             return [in_base]
-        if encode and getattr(self, "_delta_in_base", False) and not split:
+        if encode and getattr(self, "_delta_in_base", False) and not split:  # (as above)
             return self._sync_over_base(feedback)
         frame: memoryview | None = None
         if encode and self._frames_whole():
@@ -735,19 +735,14 @@ class RegionCore:
         (``RobustConfig``): it needs every delta before it adds any."""
         if not self._base_is_theta or not self.cfg.robust.plain:
             return
-        early = self._early
-        wanted = EarlySum.next_of([] if early is None else early.members, members, delivered)
-        if not wanted:  # nothing is allocated until a delta can be added
-            return
-        try:
-            if early is None:
-                early = self._early = EarlySum.zeros(
-                    self._buffer().view(-1), tuple(self.theta.shape)
-                )
-            for member in wanted:
-                early.add(member, delivered[member], self.codec)
-        except Exception:  # optional work: no sum, and the commit decides (raises) as before
-            self._early = None
+        self._early = EarlySum.extended(
+            self._early,
+            lambda: self._buffer().view(-1),
+            tuple(self.theta.shape),
+            self.codec,
+            members,
+            delivered,
+        )
 
     def merge(
         self,
@@ -947,17 +942,14 @@ class GlobalCore:
         spare = self._spare
         if spare is None or self.shards.sharded:
             return
-        early = self._early
-        wanted = EarlySum.next_of([] if early is None else early.members, members, delivered)
-        if not wanted:
-            return
-        try:
-            if early is None:
-                early = self._early = EarlySum.zeros(spare.view(-1), tuple(self.theta.shape))
-            for member in wanted:
-                early.add(member, delivered[member], self.codec)
-        except Exception:  # optional work: no sum, and the commit decides (raises) as before
-            self._early = None
+        self._early = EarlySum.extended(
+            self._early,
+            lambda: spare.view(-1),
+            tuple(self.theta.shape),
+            self.codec,
+            members,
+            delivered,
+        )
 
     def let_go_retired(self) -> None:
         """No outer step follows (the run's last is done): the theta the last one replaced
