@@ -936,8 +936,9 @@ class GlobalCore:
 
         Only in memory already held for the step (``warm``'s spare, which the step writes
         its new theta into, over the mean range by range): nothing is allocated here, so
-        a core that was never warmed (the simulator's, the audit's) sums at the step as
-        before.  Not with relay shards (a sum per shard range).  A forward that fails to
+        a core that was never warmed (the parity simulator's, the audit's replay) sums at
+        the step as before; the daemon and the in-process cluster (``rounds/local.py``,
+        which the fault simulation runs) warm theirs between rounds.  Not with relay shards (a sum per shard range).  A forward that fails to
         decode here leaves no sum (the step refuses it as it always did)."""
         spare = self._spare
         if spare is None or self.shards.sharded:

@@ -782,6 +782,15 @@ class AggregatorActor(Actor):
         self.endpoint = _Served(self, self.node)
         self.node.recover()
         self.endpoint.rearm()
+        self.warm()
+
+    def warm(self) -> None:
+        """Hold the next outer step's memory ready, as the daemon's warm-up does between
+        rounds (``GlobalCore.warm``), so that here too (the in-process cluster, the fault
+        simulation) the forwards are summed as they come (``GlobalCore.offer``)."""
+        m = self.node.machine
+        if not m.done:
+            m.core.warm()
 
     def _drop(self) -> None:
         if self.node.store is not None and self.node.store.tape is not None:
@@ -804,6 +813,8 @@ class _Served(LocalUpstream):
             self._effects(effects)
         if isinstance(self.actor, RelayActor):
             self.actor.kick()
+        else:
+            self.actor.warm()  # (after a step: its new theta took the spare)
         return decision
 
     def member(self, request: MemberRequest) -> Decision:

@@ -387,7 +387,7 @@ def test_the_aggregator_sums_forwards_as_they_come_with_the_bits_of_the_step(
     theta = initial_parameters(cfg)[1]
     steps = _StepSpy(monkeypatch)
     want, sums = _global_rounds(cfg, theta, REGIONS, warm=False)
-    assert sums == [[], []] * 2  # never warmed (the simulator's, the audit's core): no sum
+    assert sums == [[], []] * 2  # never warmed (the parity simulator's, the audit's core): no sum
     assert steps.early == [None, None]
     for order in itertools.permutations(REGIONS):
         steps.early.clear()
