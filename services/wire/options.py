@@ -13,6 +13,19 @@ One list, used on both ends, so that message limits and keepalive agree.
 - Throughput: HTTP/2 frames up to 16 MiB and TCP reads of up to 4 MiB, instead of
   16 KiB frames and small reads.  Measured on loopback with 1 MiB chunks, bare
   streaming goes from ~0.8 to ~1.0 GB/s (bench/bench_transport.py).
+- Flow control, servers only: each stream a server receives (a push) has a fixed
+  window of ``STREAM_WINDOW_BYTES`` (two chunks), not one that gRPC's bandwidth
+  estimator (BDP probing) grows.  On a busy host the estimator granted large windows
+  and the senders filled them faster than the handlers took the chunks: with 4 islands
+  pushing int8 deltas at once (bench/bench_sync_scale.py --part A, P = 1e8) the relay's
+  malloc'd bytes in use rose 55 and 137 MiB in the first 0.2 s of two rounds, and its
+  peak RSS less the interpreter floor was 2.28-2.60m in 5 runs, against 2.19m in 2 runs
+  with the window fixed (bound 2m + 64 MiB = 2.17m there); at m = 1 GiB with 2 islands
+  2.08m -> 2.05m (experiments/results/bench_sync_scale_window_ab.json).  What a handler
+  has not taken yet waits in the sender's and the kernel's buffers instead.  Push and
+  merge speeds stayed within their noise (bench/bench_transport.py, 3 pairs), and so
+  did part B's sync.  Clients (downloads of merges) keep gRPC's estimator: fixing
+  theirs too made the islands' download leg 0.1-0.2 s slower in 2 pairs of part B.
 - ``grpc.so_reuseport`` off: two daemons configured with the same port must fail to
   start, not share the port and split the traffic.
 - Allocator (``tune_allocator``, glibc only): every received chunk is a fresh 1 MiB
@@ -65,9 +78,15 @@ _COMMON: list[tuple[str, int]] = [
     ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
 ]
 
+#: The window of each stream a server receives (``grpc.http2.lookahead_bytes``), fixed:
+#: two chunk messages (see the module docstring).
+STREAM_WINDOW_BYTES = 2 * CHUNK_BYTES
+
 #: Arguments of every ``grpc.Server`` (see the module docstring).
 SERVER_OPTIONS: list[tuple[str, int]] = [
     *_COMMON,
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ("grpc.so_reuseport", 0),
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
