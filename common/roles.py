@@ -225,7 +225,7 @@ class IslandState:
         if encode and in_base is not None and feedback.frames_in_place:
             self._sync_in_base(in_base, feedback)
             return [in_base]
-        if encode and getattr(self, "_delta_in_base", False) and not split:  # (as above)
+        if encode and getattr(self, "_delta_in_base", False) and not split:  # getattr: as above
             return self._sync_over_base(feedback)
         frame: memoryview | None = None
         if encode and self._frames_whole():
@@ -938,8 +938,9 @@ class GlobalCore:
         its new theta into, over the mean range by range): nothing is allocated here, so
         a core that was never warmed (the parity simulator's, the audit's replay) sums at
         the step as before; the daemon and the in-process cluster (``rounds/local.py``,
-        which the fault simulation runs) warm theirs between rounds.  Not with relay shards (a sum per shard range).  A forward that fails to
-        decode here leaves no sum (the step refuses it as it always did)."""
+        which the fault simulation runs) warm theirs between rounds.  Not with relay
+        shards (a sum per shard range).  A forward that fails to decode here leaves no
+        sum (the step refuses it as it always did)."""
         spare = self._spare
         if spare is None or self.shards.sharded:
             return
