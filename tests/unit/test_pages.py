@@ -180,8 +180,11 @@ def test_populate_makes_a_tensor_s_memory_resident_and_keeps_its_bytes() -> None
     """``populate`` faults every page of a fresh tensor in (the resident set grows by its
     size) and writes no byte: what was written before is there after, and the memory
     torch did not write still reads as it did."""
-    n = 16 << 20  # 64 MiB of fp32: its own mapping, untouched
-    t = torch.empty(n, dtype=torch.float32)  # no fill: nothing faulted yet
+    n = 16 << 20  # 64 MiB of fp32 in a mapping of its own, untouched
+    # Not torch.empty: malloc may serve it from a free block of its heap that an earlier
+    # test left resident (the suite once measured 0 KiB grown that way).
+    private = mmap.mmap(-1, 4 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(private, dtype=torch.float32)  # nothing faulted yet
     t[:3] = torch.tensor([1.5, -2.0, 3.25])
     t[n // 8 : n // 8 + 2] = 7.0
     before = _anon_kib()
