@@ -23,6 +23,7 @@ import math
 import sys
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -136,9 +137,17 @@ class Codec(ABC):
         """An upper bound (exact where the payload says it) on ``|v|`` over every value
         ``v`` a validated ``numel``-value payload decodes to."""
 
+    def _survey_values(self, numel: int) -> Callable[[memoryview, int], float | None] | None:
+        """How a receiver checks this codec's unframed payload of ``numel`` values as it
+        arrives (survey.py), or None where it does not: a function of the payload's next
+        bytes in order and their payload offset that returns their part of ``top`` (a
+        maximum: the summary ``_prepare_known`` takes), or None where they fail
+        ``_prepare``'s checks or split a value (``open`` then reads the payload)."""
+        return None
+
     def _prepare_known(self, raw: Buffer, numel: int, top: float) -> Any:
-        """``_prepare`` of an unframed fp32 payload whose values were surveyed as it arrived
-        (``survey.Facts.top``: all finite, ``top`` the largest magnitude): what ``_prepare``
+        """``_prepare`` of an unframed payload whose values passed ``_survey_values`` as
+        they arrived, ``top`` their summary (``survey.Facts.top``): what ``_prepare``
         would return, without reading the values again where the codec can."""
         return self._prepare(raw, numel)
 

@@ -9,6 +9,7 @@ is always finite.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,9 @@ class Fp32Codec(Codec):
                 raise CodecError("fp32 payload holds NaN or inf")
             top = max(top, piece)
         return _Values(raw, top)
+
+    def _survey_values(self, numel: int) -> Callable[[memoryview, int], float | None] | None:
+        return survey.fp32_values
 
     def _prepare_known(self, raw: Buffer, numel: int, top: float) -> _Values:
         return _Values(raw, top)  # the pass above, made by the receiver (survey.py)

@@ -180,18 +180,19 @@ def seal(
     struct.pack_into("<I", header, _CHECKSUM_OFFSET, checksum(header, payload, crcs))
 
 
-def read_header(data: bytes | bytearray | memoryview) -> Header:
+def read_header(data: bytes | bytearray | memoryview, size: int | None = None) -> Header:
     """Parse and validate the header of an encoded blob (``CodecError`` naming the problem).
 
     Checks structure, ids, parameters, shape bounds, that ``raw_len`` is the
     layout's exact size and that the blob holds exactly ``payload_len`` bytes
     after the header.  The checksum is verified by the decoder, not here.
+    ``size``: the blob's length where ``data`` is only its first bytes (at least the
+    header: a receiver's survey of a blob still arriving); by default ``len(data)``.
     """
     view = memoryview(data).cast("B")
-    if len(view) < FIXED_HEADER_LEN:
-        raise CodecError(
-            f"encoded blob truncated: {len(view)} bytes, header needs {FIXED_HEADER_LEN}"
-        )
+    total = len(view) if size is None else size
+    if total < FIXED_HEADER_LEN or len(view) < FIXED_HEADER_LEN:
+        raise CodecError(f"encoded blob truncated: {total} bytes, header needs {FIXED_HEADER_LEN}")
     (
         magic,
         version,
@@ -225,8 +226,8 @@ def read_header(data: bytes | bytearray | memoryview) -> Header:
         raise CodecError(f"header parameter string of {params_len} bytes is too long")
     params_end = FIXED_HEADER_LEN + 8 * ndim + params_len
     header_len = params_end + (-params_end % 8)
-    if len(view) < header_len:
-        raise CodecError(f"encoded blob truncated: {len(view)} bytes, header needs {header_len}")
+    if total < header_len or len(view) < header_len:
+        raise CodecError(f"encoded blob truncated: {total} bytes, header needs {header_len}")
     shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_LEN)
     if any(d > MAX_NUMEL for d in shape) or math.prod(shape) > MAX_NUMEL:
         raise CodecError(f"header shape {shape} exceeds {MAX_NUMEL} elements")
@@ -243,7 +244,7 @@ def read_header(data: bytes | bytearray | memoryview) -> Header:
         )
     if not spec.zstd and payload_len != raw_len:
         raise CodecError(f"header payload length {payload_len} != raw length {raw_len} (unframed)")
-    actual = len(view) - header_len
+    actual = total - header_len
     if actual < payload_len:
         raise CodecError(f"encoded blob truncated: payload has {actual} of {payload_len} bytes")
     if actual > payload_len:

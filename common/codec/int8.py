@@ -22,8 +22,9 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +50,29 @@ _MIN_NORMAL = 2.0**-126
 #: than the larger slices lose by working in L3 instead of L2 (slice + work
 #: buffer + codes = 9 MiB of a 32 MiB L3), and a busy machine widens the gap.
 _SLICE = 1 << 20
+
+
+def scales_top(scales: torch.Tensor) -> float | None:
+    """The largest of ``scales`` (0.0 for none), or None unless every one is in
+    ``[0, MAX_SCALE]`` (NaN is not): the check of a payload's scales, made whole
+    (``_prepare``) or piece by piece as they arrive (``_survey_values``)."""
+    if scales.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(scales))
+    return hi if lo >= 0.0 and hi <= MAX_SCALE else None
+
+
+def codes_ok(codes: torch.Tensor) -> bool:
+    """Is every one of ``codes`` one the encoder writes (``[-127, 127]``: not -128)?"""
+    return codes.numel() == 0 or int(codes.min()) != -128
+
+
+class _Codes(NamedTuple):
+    """A validated payload: its bytes, and the largest of its scales."""
+
+    raw: Buffer
+    top: float
+
 
 _pool_lock = threading.Lock()
 _free: list[torch.Tensor] = []
@@ -149,31 +173,50 @@ class Int8Codec(Codec):
                 raise CodecError(f"{what} holds NaN or inf")
             raise CodecError(f"{what} holds a value of magnitude > 2**127 (would overflow)")
 
-    def _prepare(self, raw: Buffer, numel: int) -> Buffer:
+    def _prepare(self, raw: Buffer, numel: int) -> _Codes:
         nblocks = -(-numel // self.block)
         scales = tensor_view(raw, torch.float32, 0, nblocks)
-        self._check_scales(scales, "int8 payload: scale")
-        if nblocks and not bool((scales >= 0).all()):
+        top = scales_top(scales)
+        if top is None:
+            self._check_scales(scales, "int8 payload: scale")  # NaN, inf or too large
             raise CodecError("int8 payload: negative scale")
         first = 4 * nblocks
         for at in pieces(raw, first, numel):  # a mapped input is not kept resident
-            codes = tensor_view(raw, torch.int8, at, min(PIECE_BYTES, first + numel - at))
-            if int(codes.min()) == -128:
+            if not codes_ok(tensor_view(raw, torch.int8, at, min(PIECE_BYTES, first + numel - at))):
                 raise CodecError("int8 payload: code -128 (the encoder uses [-127, 127])")
-        return raw
+        return _Codes(raw, top)
 
-    def _magnitude(self, raw: Buffer, numel: int) -> float:
+    def _survey_values(self, numel: int) -> Callable[[memoryview, int], float | None] | None:
+        end = 4 * -(-numel // self.block)  # the scales, then the codes
+
+        def check(part: memoryview, at: int) -> float | None:
+            top: float | None = 0.0
+            if at < end:  # scales
+                n = min(len(part), end - at)
+                if at % 4 or n % 4:  # a scale split across chunks
+                    return None
+                top = scales_top(torch.frombuffer(part[:n], dtype=torch.float32))
+                part = part[n:]
+            if len(part) and not codes_ok(torch.frombuffer(part, dtype=torch.int8)):
+                return None
+            return top
+
+        return check
+
+    def _prepare_known(self, raw: Buffer, numel: int, top: float) -> _Codes:
+        return _Codes(raw, top)  # the passes above, made by the receiver (survey.py)
+
+    def _magnitude(self, prepared: _Codes, numel: int) -> float:
         # Every value is fl(q * scale) with |q| <= 127: at most 127 * scale, rounded up by
         # less than one part in 2^23.
-        nblocks = -(-numel // self.block)
-        if not nblocks:
+        if not numel:
             return 0.0
-        top = float(tensor_view(raw, torch.float32, 0, nblocks).max())
-        return 127.0 * top * (1.0 + 2.0**-23)
+        return 127.0 * prepared.top * (1.0 + 2.0**-23)
 
-    def _apply_range(self, raw: Buffer, numel: int, out: torch.Tensor, start: int) -> None:
+    def _apply_range(self, prepared: _Codes, numel: int, out: torch.Tensor, start: int) -> None:
         # Blocks never straddle the range (start is a block boundary), so the slice's
         # blocks and their scales are exactly the whole tensor's.
+        raw = prepared.raw
         nblocks = -(-numel // self.block)
         n = out.numel()
         first = start // self.block
@@ -196,8 +239,8 @@ class Int8Codec(Codec):
                 else:
                     dst.sub_(w)
 
-    def _apply(self, raw: Buffer, out: torch.Tensor, mode: Mode) -> None:
-        numel = out.numel()
+    def _apply(self, prepared: _Codes, out: torch.Tensor, mode: Mode) -> None:
+        raw, numel = prepared.raw, out.numel()
         nblocks = -(-numel // self.block)
         scales = tensor_view(raw, torch.float32, 0, nblocks)
         codes = tensor_view(raw, torch.int8, 4 * nblocks, numel)

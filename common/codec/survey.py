@@ -1,8 +1,9 @@
 """What a receiver learns of an encoded blob while its bytes arrive, kept for its checks.
 
 A relay or the aggregator validates each received delta in full (``Codec.open``: the
-header, the checksum over the whole payload, and for fp32 the values: every one finite,
-and the largest magnitude), once when the delta is accepted and again when it is summed.
+header, the checksum over the whole payload, and the values: for fp32 every one finite,
+and the largest magnitude; for int8 the scales and codes), once when the delta is
+accepted and again when it is summed.
 Each of those passes reads the whole input from memory; the spooled input is a map of
 its file's page cache, long out of the CPU's caches by then.  The receiver already holds
 every chunk in cache once, as it arrives (it hashes each, ``spool.Sink``): a ``Survey``
@@ -10,15 +11,22 @@ fed there computes, in the same pass, the two things ``open`` reads the payload 
 
 - the CRC-32 of each ``CHECKSUM_SEGMENT`` of the payload, which ``checksum`` combines
   with the header's (the segments are fixed, so chunking changes nothing);
-- for an unframed fp32 payload, whether every value is finite and, if so, the largest
-  magnitude (``Fp32Codec._prepare``'s ``top``: a maximum, the same value in any order).
+- for an unframed payload of a codec that checks its values piece by piece
+  (``Codec._survey_values``), whether they pass ``_prepare``'s checks and the summary
+  it keeps of them (``top``: a maximum, the same value in any order): for fp32 whether
+  every value is finite and the largest magnitude; for int8 whether every scale is in
+  range and every code is one the encoder writes, and the largest scale.  The int8
+  check matters for memory as much as for time: a relay opening four deltas that
+  arrived together read a 4 MiB piece of each, and its scales, into its resident set
+  at the very moment its pushes' buffers peaked (bench/bench_sync_scale.py --part A).
 
 ``register`` ties the result (``Facts``) to the buffer the receiver hands on, a private
 map of the spooled file made read-only; ``facts_of`` finds it again for that whole buffer
 only.  ``Codec.open`` then checks the header as always and takes the payload's
 checksum and values from the facts instead of reading them: the same decisions, the same
 numbers, without the passes.  Where the survey could not follow (the header or a value
-split oddly across chunks, any other buffer, a restarted node reading its spool), there
+split oddly across chunks, a codec with no piecewise check, any other buffer, a
+restarted node reading its spool), there
 are no facts, or none for the values, and ``open`` reads the payload as before.
 
 The facts are about the bytes this process received and hashed; the content digest that
@@ -34,6 +42,7 @@ from __future__ import annotations
 import math
 import struct
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +52,13 @@ from zlib_ng.zlib_ng import crc32
 
 from hypertrain.common.codec.header import (
     CHECKSUM_SEGMENT,
-    CODEC_IDS,
-    DTYPE_IDS,
     FIXED_HEADER_LEN,
     MAGIC,
     MAX_NDIM,
     MAX_PARAMS_LEN,
+    read_header,
 )
+from hypertrain.common.errors import CodecError
 
 _FIXED = struct.Struct("<4sBBBBBBH")  # magic .. params_len: what the header's length needs
 
@@ -69,11 +78,20 @@ def finite_top(t: torch.Tensor) -> float | None:
     return max(-lo, hi)
 
 
+def fp32_values(piece: memoryview, at: int) -> float | None:
+    """The survey's check of a piece of unframed fp32 values at payload offset ``at``:
+    its largest magnitude, or None if a value is not finite or the piece splits one."""
+    if at % 4 or len(piece) % 4:
+        return None
+    return finite_top(torch.frombuffer(piece, dtype=torch.float32)) if len(piece) else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Facts:
     """A surveyed blob: ``size`` bytes, a header of ``header_len`` bytes, the CRC-32s of
-    its payload's segments (``checksum``'s), and ``top``: for an unframed fp32 payload
-    whose values are all finite, the largest of their magnitudes (else None)."""
+    its payload's segments (``checksum``'s), and ``top``: for an unframed payload whose
+    values passed its codec's checks (``Codec._survey_values``), the summary the codec
+    keeps of them (fp32: the largest magnitude; int8: the largest scale), else None."""
 
     size: int
     header_len: int
@@ -91,9 +109,11 @@ class Survey:
     def __init__(self, size: int) -> None:
         self.size = size
         self._pos = 0
-        self._head = bytearray()  # the first bytes, until the header's length is known
+        self._head = bytearray()  # the header's bytes, until it is whole
         self._header_len = -1
-        self._values = False  # an unframed fp32 payload: its values are checked
+        self._parsed = False
+        # The payload's value check (Codec._survey_values), while it holds.
+        self._values: Callable[[memoryview, int], float | None] | None = None
         self._crcs: list[int] = []
         self._crc = 0
         self._in_segment = 0
@@ -106,7 +126,8 @@ class Survey:
         byte ``header_len`` on, in order), its header not written yet: a sender framing
         values in place (``ErrorFeedback.encode_framed``)."""
         s = cls(size)
-        s._header_len, s._values, s._pos = header_len, True, header_len
+        s._header_len, s._parsed, s._pos = header_len, True, header_len
+        s._values = fp32_values
         return s
 
     def feed(self, data: Any) -> None:
@@ -116,11 +137,18 @@ class Survey:
         view = memoryview(data).cast("B")
         pos, n = self._pos, len(view)
         self._pos += n
-        if self._header_len < 0:
-            self._head += view[: FIXED_HEADER_LEN - len(self._head)]
-            if len(self._head) < FIXED_HEADER_LEN:
+        if not self._parsed:  # view is the blob's [pos, pos + n); _head its [0, pos)
+            if self._header_len < 0:
+                self._head += view[: FIXED_HEADER_LEN - pos]
+                if len(self._head) < FIXED_HEADER_LEN:
+                    return
+                self._read_fixed()
+                if self._lost:
+                    return
+            self._head += view[len(self._head) - pos : self._header_len - pos]
+            if len(self._head) < self._header_len:
                 return
-            self._read_fixed()
+            self._read_header()
             if self._lost:
                 return
         skip = max(0, self._header_len - pos)
@@ -128,16 +156,26 @@ class Survey:
             self._payload(view[skip:], pos + skip - self._header_len)
 
     def _read_fixed(self) -> None:
-        magic, _, codec_id, flags, dtype_id, ndim, _, params_len = _FIXED.unpack_from(self._head)
+        magic, _, _, _, _, ndim, _, params_len = _FIXED.unpack_from(self._head)
         if magic != MAGIC or ndim > MAX_NDIM or params_len > MAX_PARAMS_LEN:
             self._lost = True  # open refuses it anyway: nothing to save
             return
         head = FIXED_HEADER_LEN + 8 * ndim + params_len
         self._header_len = head + (-head % 8)
-        self._values = (
-            codec_id == CODEC_IDS["fp32"] and flags == 0 and dtype_id == DTYPE_IDS["float32"]
-        )
-        self._head = bytearray()
+
+    def _read_header(self) -> None:
+        """The whole header is in: parse it as ``open`` will, and pick the value check."""
+        try:
+            header = read_header(self._head, self.size)
+        except CodecError:
+            self._lost = True  # open refuses it, naming the problem
+            return
+        self._parsed, self._head = True, bytearray()
+        if not header.zstd:
+            # Here, not at the top: the codecs' module imports this one.
+            from hypertrain.common.codec.registry import make_codec
+
+            self._values = make_codec(header.spec)._survey_values(header.numel)
 
     def _payload(self, part: memoryview, at: int) -> None:
         """``part``: payload bytes from payload offset ``at`` on."""
@@ -145,7 +183,7 @@ class Survey:
             take = min(len(part), CHECKSUM_SEGMENT - self._in_segment)
             piece = part[:take]
             self._crc = crc32(piece, self._crc)
-            if self._values:
+            if self._values is not None:
                 self._check(piece, at)
             self._in_segment += take
             at += take
@@ -155,12 +193,10 @@ class Survey:
             part = part[take:]
 
     def _check(self, piece: memoryview, at: int) -> None:
-        if at % 4 or len(piece) % 4:  # a value split across chunks: the values go unsurveyed
-            self._values = False
-            return
-        top = finite_top(torch.frombuffer(piece, dtype=torch.float32))
-        if top is None:
-            self._values = False  # open reads it and refuses it, naming the problem
+        assert self._values is not None
+        top = self._values(piece, at)
+        if top is None:  # a value split across chunks, or one open refuses: it reads them
+            self._values = None
             return
         self._top = max(self._top, top)
 
@@ -171,7 +207,8 @@ class Survey:
         crcs = list(self._crcs)
         if self._in_segment or not crcs:  # the last, short segment (or the empty payload's)
             crcs.append(self._crc)
-        return Facts(self.size, self._header_len, tuple(crcs), self._top if self._values else None)
+        top = self._top if self._values is not None else None
+        return Facts(self.size, self._header_len, tuple(crcs), top)
 
 
 #: id(array) -> (a weak reference to it, its facts).  No lock: one dict operation each,

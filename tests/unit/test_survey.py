@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from hypertrain.common.codec import header as header_mod
 from hypertrain.common.codec import make_codec, read_header, survey
-from hypertrain.common.codec.fp32 import Fp32Codec
 from hypertrain.common.codec.header import CHECKSUM_SEGMENT, seal
 from hypertrain.common.digest import blob_digest
 from hypertrain.common.errors import CodecError
@@ -73,7 +72,8 @@ def reseal(blob: bytearray) -> bytes:
     cuts=st.lists(st.integers(0, 1 << 16), max_size=6),
     aligned=st.booleans(),
     flips=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 255)), max_size=2),
-    forged=st.sampled_from([None, 0.0, float("nan"), float("inf"), -3e38]),
+    forged=st.sampled_from([None, 0.0, float("nan"), float("inf"), -3e38, -1.0, 1e38]),
+    minus128=st.integers(0, 1 << 16) | st.none(),
 )
 def test_open_of_a_surveyed_blob_has_the_outcome_of_open_of_its_bytes(
     spec: str,
@@ -82,15 +82,22 @@ def test_open_of_a_surveyed_blob_has_the_outcome_of_open_of_its_bytes(
     aligned: bool,
     flips: list[tuple[int, int]],
     forged: float | None,
+    minus128: int | None,
 ) -> None:
     """Any chunking (``aligned``: between values, where the values are surveyed too), a
-    value forged under a good checksum, bytes flipped anywhere."""
+    value forged under a good checksum (an fp32 value or an int8 scale, ``forged``; an
+    int8 code of -128 at ``minus128``), bytes flipped anywhere."""
     blob = bytearray(encoded(spec, n, seed=len(cuts)))
     head = read_header(blob).header_len
     if aligned:
         cuts = [head + 4 * (c % (n + 1)) for c in cuts]
-    if forged is not None and spec == "fp32" and n:  # a value the checksum vouches for
-        struct.pack_into("<f", blob, head + 4 * (cuts[0] % n if cuts else 0), forged)
+    int8 = spec.startswith("int8")
+    floats = n if spec == "fp32" else -(-n // 16) if int8 else 0  # values / scales
+    if forged is not None and floats:  # a value the checksum vouches for
+        struct.pack_into("<f", blob, head + 4 * (cuts[0] % floats if cuts else 0), forged)
+        blob = bytearray(reseal(blob))
+    if minus128 is not None and int8 and n:
+        blob[head + 4 * floats + minus128 % n] = 0x80
         blob = bytearray(reseal(blob))
     for at, x in flips:  # bytes the checksum does not vouch for (header or payload)
         blob[at % len(blob)] ^= x
@@ -101,8 +108,8 @@ def test_open_of_a_surveyed_blob_has_the_outcome_of_open_of_its_bytes(
 @pytest.mark.parametrize("spec", ["fp32", "int8:block=16"])
 def test_segments_and_values_are_surveyed_across_chunks_of_every_size(spec: str) -> None:
     """Several checksum segments, chunks that straddle them and the header; the facts are
-    those ``open`` computes (the same checksum, fp32's largest magnitude), and a value
-    split between two chunks leaves the values to ``open``."""
+    those ``open`` computes (the same checksum, fp32's largest magnitude, int8's largest
+    scale), and a value split between two chunks leaves the values to ``open``."""
     blob = encoded(spec, (2 * CHECKSUM_SEGMENT + 12345 * 8) // (4 if spec == "fp32" else 1), seed=3)
     h = read_header(blob)
     for cuts in ([], [1 << 20, 2 << 20, 7 << 20], [5, 17, h.header_len + 8, 7 << 20], [6, 4099]):
@@ -113,12 +120,12 @@ def test_segments_and_values_are_surveyed_across_chunks_of_every_size(spec: str)
         whole = header_mod.checksum(zeroed, memoryview(blob)[h.header_len :])
         assert header_mod.checksum(zeroed, b"", facts.crcs) == whole == h.checksum
         assert len(facts.crcs) == -(-h.payload_len // CHECKSUM_SEGMENT)
-        odd = any((c - h.header_len) % 4 for c in cuts if c > h.header_len)
-        if spec == "fp32" and not odd:
-            payload = torch.frombuffer(bytearray(blob[h.header_len :]), dtype=torch.float32)
-            assert facts.top == float(payload.abs().max())
-        else:
-            assert facts.top is None
+        # fp32: every payload byte is a value's; int8: the scales' (the first 4 bytes a
+        # block), where the codes that follow are single bytes
+        end = h.payload_len if spec == "fp32" else 4 * -(-h.numel // 16)
+        split = any((c - h.header_len) % 4 for c in cuts if h.header_len < c < h.header_len + end)
+        values = torch.frombuffer(bytearray(blob[h.header_len :][:end]), dtype=torch.float32)
+        assert facts.top == (None if split else float(values.abs().max()))
 
 
 def test_only_a_whole_registered_buffer_has_facts() -> None:
@@ -149,20 +156,23 @@ def test_facts_go_with_their_buffer() -> None:
     assert key not in survey._SURVEYED
 
 
+@pytest.mark.parametrize("spec", ["fp32", "int8:block=16"])
 def test_a_spooled_delta_is_checked_without_reading_its_payload_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str
 ) -> None:
-    """Received through the spool (``receive_delta``), an fp32 delta opens from its facts:
-    neither the checksum's segments nor the values are read (both spied on), with the
-    header, magnitude and decoded sum of the same bytes opened whole."""
-    blob = encoded("fp32", 3 * (1 << 20) // 4 + 77, seed=5)
+    """Received through the spool (``receive_delta``), an fp32 or int8 delta opens from its
+    facts: neither the checksum's segments nor the values are read (both spied on), with
+    the header, magnitude and decoded sum of the same bytes opened whole."""
+    blob = encoded(spec, 3 * (1 << 20) // 4 + 77, seed=5)
     header = pb.TransferHeader(digest=blob_digest(blob), size=len(blob))
     got = receive_delta(delta_chunks(header, blob), max_size=len(blob), spool_dir=tmp_path)
-    assert survey.facts_of(got.data) is not None
-    codec = make_codec("fp32")
-    expected = outcome("fp32", blob)
+    facts = survey.facts_of(got.data)
+    assert facts is not None and facts.top is not None
+    codec = make_codec(spec)
+    expected = outcome(spec, blob)
     read: list[str] = []
-    real_checksum, real_prepare = header_mod.checksum, Fp32Codec._prepare
+    kind = type(codec)
+    real_checksum, real_prepare = header_mod.checksum, kind._prepare
 
     def checksum(head: Any, payload: Any, crcs: Any = None) -> int:
         if crcs is None:
@@ -174,8 +184,8 @@ def test_a_spooled_delta_is_checked_without_reading_its_payload_again(
         return real_prepare(self, raw, numel)
 
     monkeypatch.setattr(header_mod, "checksum", checksum)
-    monkeypatch.setattr(Fp32Codec, "_prepare", prepare)
-    assert outcome("fp32", got.data) == expected and read == []
+    monkeypatch.setattr(kind, "_prepare", prepare)
+    assert outcome(spec, got.data) == expected and read == []
     out, ref = torch.zeros(read_header(blob).numel), torch.zeros(read_header(blob).numel)
     codec.decode_accumulate(got.data, out)
     assert read == []
@@ -257,3 +267,39 @@ def test_a_forged_value_at_a_segment_edge_is_refused_through_the_spool(
         assert survey.facts_of(got.data) is not None
         assert outcome("fp32", got.data) == outcome("fp32", data)
         assert outcome("fp32", got.data)[0] == "refused"
+
+
+@pytest.mark.parametrize(
+    "forge", ["nan first scale", "negative last scale", "-128 first code", "-128 last code"]
+)
+def test_a_forged_int8_scale_or_code_is_refused_through_the_spool(
+    tmp_path: Path, forge: str
+) -> None:
+    """An int8 payload whose scales end inside a chunk (the survey checks the chunk's
+    scales and codes apart): a bad scale or code under a good checksum, at either side
+    of where the scales meet the codes, in chunks cut there, just after, or anywhere,
+    is refused as the same bytes are, unsurveyed; the good payload opens from its facts."""
+    n = (1 << 20) + 5 * 16 + 3
+    good = encoded("int8:block=16", n, seed=11)
+    head = read_header(good).header_len
+    codes = head + 4 * -(-n // 16)
+    what, where = forge.rsplit(" ", 1)[0], forge.split(" ")[1]
+    blob = bytearray(good)
+    if what.endswith("scale"):
+        value = float("nan") if what.startswith("nan") else -1.0
+        struct.pack_into("<f", blob, head if where == "first" else codes - 4, value)
+    else:
+        blob[codes if where == "first" else len(blob) - 1] = 0x80
+    data = reseal(blob)
+    for chunk in (1 << 20, codes, codes + 2, 4096 + 1):
+        for payload in (good, data):
+            header = pb.TransferHeader(digest=blob_digest(payload), size=len(payload))
+            parts = delta_chunks(header, payload, chunk_bytes=chunk)
+            got = receive_delta(parts, max_size=len(payload), spool_dir=tmp_path)
+            facts = survey.facts_of(got.data)
+            assert facts is not None
+            assert outcome("int8:block=16", got.data) == outcome("int8:block=16", payload)
+            if payload is good and (chunk - head) % 4 == 0:  # no scale split: surveyed
+                assert facts.top is not None
+        assert facts.top is None  # the forged one's values: left to open
+        assert outcome("int8:block=16", got.data)[0] == "refused"
