@@ -328,8 +328,12 @@ class Sink:
 
 #: At most this many warm files per spool folder (``prepare``).
 WARM_MAX = 16
-#: Bytes of a warm file mapped at once while its page cache is populated.
-WARM_WINDOW = 4 << 20
+#: Bytes of a warm file mapped at once while its page cache is populated: what warming
+#: adds to the process's resident set.  A relay warms its next round's files as its
+#: previous round ends, which may be while the islands' next pushes arrive (at once, in
+#: bench_sync_scale.py's part A): at 4 MiB its largest resident set there was a warm window
+#: on top of its pushes' buffers.
+WARM_WINDOW = 1 << 20
 #: madvise(2)'s MADV_POPULATE_READ (Linux 5.14).
 _MADV_POPULATE_READ = 22
 _warm: dict[Path, list[tuple[int, str, int]]] = {}  # folder -> [(fd, path, capacity)]
