@@ -58,7 +58,7 @@ from hypertrain.common.codec.header import (
     MAX_PARAMS_LEN,
     read_header,
 )
-from hypertrain.common.errors import CodecError
+from hypertrain.common.errors import CodecError, ConfigError
 
 _FIXED = struct.Struct("<4sBBBBBBH")  # magic .. params_len: what the header's length needs
 
@@ -165,17 +165,18 @@ class Survey:
 
     def _read_header(self) -> None:
         """The whole header is in: parse it as ``open`` will, and pick the value check."""
+        # Here, not at the top: the codecs' module imports this one.
+        from hypertrain.common.codec.registry import make_codec
+
         try:
             header = read_header(self._head, self.size)
-        except CodecError:
+            codec = None if header.zstd else make_codec(header.spec)
+        except (CodecError, ConfigError):
             self._lost = True  # open refuses it, naming the problem
             return
         self._parsed, self._head = True, bytearray()
-        if not header.zstd:
-            # Here, not at the top: the codecs' module imports this one.
-            from hypertrain.common.codec.registry import make_codec
-
-            self._values = make_codec(header.spec)._survey_values(header.numel)
+        if codec is not None:
+            self._values = codec._survey_values(header.numel)
 
     def _payload(self, part: memoryview, at: int) -> None:
         """``part``: payload bytes from payload offset ``at`` on."""
