@@ -125,7 +125,8 @@ class Codec(ABC):
     @abstractmethod
     def _prepare(self, raw: Buffer, numel: int) -> Any:
         """Validate ``raw`` (``CodecError`` unless this codec could have written it) and
-        return whatever ``_apply`` needs (the buffer itself, or decoded indices)."""
+        return whatever ``_apply`` needs (the buffer with what the checks found: fp32's
+        largest magnitude, int8's largest scale; or SparseLoCo's decoded indices)."""
 
     @abstractmethod
     def _apply(self, prepared: Any, out: torch.Tensor, mode: Mode) -> None:
@@ -267,7 +268,8 @@ class Codec(ABC):
         if shape is not None and tuple(shape) != header.shape:
             raise CodecError(f"blob has shape {header.shape}, expected {tuple(shape)}")
         # What the receiver computed of these very bytes as they arrived, if it did
-        # (survey.py): the payload's checksum segments and fp32 values are not read again.
+        # (survey.py): the payload's checksum segments, and its values where the codec
+        # checks them piecewise (fp32, int8), are not read again.
         facts = survey.facts_of(data)
         view = memoryview(data).cast("B")
         if facts is not None and not facts.fits(len(view), header.header_len):

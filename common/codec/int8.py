@@ -59,7 +59,9 @@ def scales_top(scales: torch.Tensor) -> float | None:
     if scales.numel() == 0:
         return 0.0
     lo, hi = (float(v) for v in torch.aminmax(scales))
-    return hi if lo >= 0.0 and hi <= MAX_SCALE else None
+    # + 0.0: scales of -0.0 only (accepted: they are >= 0) give +0.0, as a maximum taken
+    # piece by piece from 0.0 does (the survey's), so both paths give the same magnitude.
+    return hi + 0.0 if lo >= 0.0 and hi <= MAX_SCALE else None
 
 
 def codes_ok(codes: torch.Tensor) -> bool:

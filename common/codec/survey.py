@@ -24,8 +24,8 @@ fed there computes, in the same pass, the two things ``open`` reads the payload 
 map of the spooled file made read-only; ``facts_of`` finds it again for that whole buffer
 only.  ``Codec.open`` then checks the header as always and takes the payload's
 checksum and values from the facts instead of reading them: the same decisions, the same
-numbers, without the passes.  Where the survey could not follow (the header or a value
-split oddly across chunks, a codec with no piecewise check, any other buffer, a
+numbers, without the passes.  Where the survey could not follow (a value split across
+chunks, a header ``open`` refuses, a codec with no piecewise check, any other buffer, a
 restarted node reading its spool), there
 are no facts, or none for the values, and ``open`` reads the payload as before.
 

@@ -191,7 +191,7 @@ class Sink:
         self._syncer: threading.Thread | None = None
         self._sync_error: OSError | None = None
         self._capacity = 0  # bytes of a warm file taken (its tail is cut at commit)
-        # A spooled delta's checksum segments and fp32 values, computed beside its hash
+        # A spooled delta's checksum segments and value checks, computed beside its hash
         # while each chunk is in cache (codec/survey.py): the node's checks of the mapped
         # file take them instead of reading it again.
         self._survey = survey.Survey(size) if spool_dir is not None else None

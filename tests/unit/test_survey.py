@@ -303,3 +303,22 @@ def test_a_forged_int8_scale_or_code_is_refused_through_the_spool(
                 assert facts.top is not None
         assert facts.top is None  # the forged one's values: left to open
         assert outcome("int8:block=16", got.data)[0] == "refused"
+
+
+def test_int8_scales_of_negative_zero_give_one_magnitude_surveyed_or_not() -> None:
+    """Scales of -0.0 only (accepted: ``>= 0``): the magnitude is +0.0 either way, not
+    -0.0 read whole and +0.0 from the survey's running maximum (``==`` cannot tell)."""
+    n = 64
+    blob = bytearray(encoded("int8:block=16", n))
+    head = read_header(blob).header_len
+    for i in range(n // 16):
+        struct.pack_into("<f", blob, head + 4 * i, -0.0)
+    data = reseal(blob)
+    want = outcome("int8:block=16", data)
+    assert want[0] == "ok" and struct.pack("<d", want[2]) == struct.pack("<d", 0.0)
+    for cuts in ([], [head + 4], [head + 4 * (n // 16) + 1]):
+        view = surveyed(data, cuts)
+        facts = survey.facts_of(view)
+        assert facts is not None and facts.top is not None
+        got = outcome("int8:block=16", view)
+        assert got == want and struct.pack("<d", got[2]) == struct.pack("<d", want[2])
