@@ -185,21 +185,18 @@ class Survey:
             piece = part[:take]
             self._crc = crc32(piece, self._crc)
             if self._values is not None:
-                self._check(piece, at)
+                top = self._values(piece, at)
+                # None: a value split across chunks, or one open refuses: open reads them
+                if top is None:
+                    self._values = None
+                else:
+                    self._top = max(self._top, top)
             self._in_segment += take
             at += take
             if self._in_segment == CHECKSUM_SEGMENT:
                 self._crcs.append(self._crc)
                 self._crc = self._in_segment = 0
             part = part[take:]
-
-    def _check(self, piece: memoryview, at: int) -> None:
-        assert self._values is not None
-        top = self._values(piece, at)
-        if top is None:  # a value split across chunks, or one open refuses: it reads them
-            self._values = None
-            return
-        self._top = max(self._top, top)
 
     def facts(self) -> Facts | None:
         """What the survey found, once every byte was fed; None if it could not follow."""
