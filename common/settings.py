@@ -121,6 +121,11 @@ class DaemonSettings:
     call_min_kib_s: int = 256
     """A streaming call must average at least this many KiB/s after its first
     ``call_idle_s`` seconds, or it is ended DEADLINE_EXCEEDED."""
+    pushes_reading: int = 2
+    """Pushes this server reads the data of at once (0: no limit); one past it waits
+    after its header, first come first served, for one of them to end (a slow one stops
+    counting): what a relay holds for its pushes then grows with its islands only by
+    what gRPC holds of each one waiting."""
 
     def __post_init__(self) -> None:
         role = self.TABLE
@@ -142,6 +147,8 @@ class DaemonSettings:
         for name in ("calls_per_peer", "call_idle_s", "call_min_kib_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{role}: {name} must be >= 1, got {getattr(self, name)}")
+        if self.pushes_reading < 0:
+            raise ConfigError(f"{role}: pushes_reading must be >= 0, got {self.pushes_reading}")
         if self.insecure and self.tls_cert is not None:
             raise ConfigError(f"{role}: give tls_cert (--tls-cert) or insecure, not both")
         if not self.metrics_host or any(c.isspace() or c == "/" for c in self.metrics_host):

@@ -19,11 +19,26 @@ nothing (or trickle) hold every thread and the honest islands get no round throu
   status, which also wakes the handler blocked waiting for the next chunk.  The
   handler then sees a ``WireError`` with the same status (``Watch.requests``).
 
+- **Pushes reading at once** (``CallLimits.reading``): a streaming request (a push) takes
+  one of ``reading`` slots once its first part (the header) has been read, before it reads
+  its data, and gives it back when it has read its last part; a push that finds no slot
+  free waits, first come first served, neither reading nor counted by the watchdog (its
+  bounds start again when it is let in).  What a server holds for the pushes it receives
+  is then that of ``reading`` transfers plus what gRPC holds of each waiting one (about
+  4 MiB each, measured), not that of every push at once (bench/bench_sync_scale.py --part A --islands 8, P = 1e8:
+  the relay's peak less the interpreter 2.22-2.23m with every push reading, 2.16m with
+  two, against a bound of 2m + 64 MiB = 2.17m; experiments/results/
+  bench_sync_scale_reading_ab.json).
+  A slot holder that moves less than ``FAST_BYTES_S`` over ``FAST_S`` (a slow link, a
+  trickle) stops counting against the slots until it speeds up again, so it never holds
+  the others back: they are then let in beside it.
+
 Nothing here is taped: these are transport limits, not decisions about deltas.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -44,6 +59,12 @@ log = logging.getLogger("hypertrain.wire")
 HEADROOM = 8
 #: How often the watchdog looks at the calls in flight.
 POLL_S = 0.5
+#: A push holding a reading slot counts against the slots only while it moves at least
+#: ``FAST_BYTES_S`` bytes a second, measured over windows of ``FAST_S`` seconds.
+FAST_S = 0.5
+FAST_BYTES_S = 8 << 20
+#: How often a push waiting for a slot looks again (a slot given back wakes it at once).
+ADMIT_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,8 @@ class CallLimits:
     per_peer: int = 4
     idle_s: float = 30.0
     min_bytes_s: float = 256 * 1024
+    reading: int = 2
+    """Pushes that read their data at once (0: no limit)."""
 
     def pool_size(self, members: int) -> int:
         """Threads for a server with ``members`` callers at their caps, plus headroom."""
@@ -67,22 +90,40 @@ class Watch:
         self.start = self.last = now
         self.bytes = 0
         self.ended: str | None = None  # why the watchdog ended it
+        self.waiting = False  # for a reading slot: not watched meanwhile
+        self.reading = False  # holds a reading slot
+        self.fast = True  # counts against the slots (``CallGuard._counts``)
+        self.mark = (now, 0)  # (time, bytes) at the start of its current rate window
 
     def moved(self, n: int, now: float) -> None:
         self.bytes += n
         self.last = now
 
-    def requests(self, parts: Iterator[Any], clock: Callable[[], float]) -> Iterator[Any]:
+    def requests(
+        self,
+        parts: Iterator[Any],
+        clock: Callable[[], float],
+        guard: CallGuard | None = None,
+    ) -> Iterator[Any]:
         """``parts`` (a request stream), counted; a call the watchdog ended raises
-        WireError(DEADLINE_EXCEEDED) with its reason instead of gRPC's bare error."""
+        WireError(DEADLINE_EXCEEDED) with its reason instead of gRPC's bare error.
+        ``guard``: its reading slot is taken after the first part and given back after
+        the last (``CallGuard.admit``)."""
         try:
+            first = True
             for part in parts:
                 self.moved(part_size(part), clock())
                 yield part
+                if first and guard is not None:
+                    guard.admit(self)
+                first = False
         except grpc.RpcError:
             if self.ended is not None:
                 raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, self.ended) from None
             raise
+        finally:
+            if guard is not None:
+                guard.done_reading(self)
 
 
 def part_size(part: object) -> int:
@@ -98,15 +139,21 @@ class CallGuard:
         limits: CallLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_refused: Callable[[str], None] = lambda reason: None,
+        on_waiting: Callable[[int], None] = lambda n: None,
     ) -> None:
         """``on_refused(reason)``: told of each call refused ("per_peer") or ended
-        ("idle", "slow"): the daemon counts them in a metric."""
+        ("idle", "slow"); ``on_waiting(n)``: the pushes waiting for a reading slot, each
+        time that changes: the daemon exports both as metrics."""
         self.limits = limits or CallLimits()
         self.clock = clock
         self.on_refused = on_refused
+        self.on_waiting = on_waiting
         self._lock = threading.Lock()
+        self._slots = threading.Condition(self._lock)  # a reading slot given back
         self._held: dict[str, int] = {}
         self._watched: set[Watch] = set()
+        self._queue: collections.deque[Watch] = collections.deque()  # waiting for a slot
+        self._readers: set[Watch] = set()
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -132,6 +179,8 @@ class CallGuard:
         try:
             yield watch
         finally:
+            if watch is not None:
+                self.done_reading(watch)
             with self._lock:
                 self._watched.discard(watch)
                 left = self._held[key] - 1
@@ -139,6 +188,64 @@ class CallGuard:
                     self._held[key] = left
                 else:
                     del self._held[key]
+
+    def admit(self, watch: Watch) -> None:
+        """Wait for a reading slot for ``watch``'s push (module docstring): first come
+        first served, while the call is active; the watchdog's bounds restart once it is
+        let in.  A call cancelled meanwhile goes on without one, and its next read fails."""
+        limit = self.limits.reading
+        if limit <= 0:
+            return
+        context = watch.context
+        with self._slots:
+            t0 = self.clock()
+            if not self._queue and self._counts(t0) < limit:
+                self._let_in(watch, t0)
+                return
+            watch.waiting = True
+            self._queue.append(watch)
+            self.on_waiting(len(self._queue))
+            try:
+                while not (self._queue[0] is watch and self._counts(self.clock()) < limit):
+                    if not context.is_active():
+                        return
+                    self._slots.wait(ADMIT_POLL_S)
+                self._let_in(watch, self.clock())
+            finally:
+                self._queue.remove(watch)
+                self.on_waiting(len(self._queue))
+                watch.waiting = False
+                now = self.clock()
+                watch.start += now - t0  # the wait is neither idle nor slow
+                watch.last = now
+                self._slots.notify_all()  # the next in line may fit too
+
+    def _let_in(self, watch: Watch, now: float) -> None:
+        """``watch`` takes a slot, counted from ``now`` (under the lock)."""
+        watch.reading = True
+        watch.mark = (now, watch.bytes)
+        watch.fast = True
+        self._readers.add(watch)
+
+    def done_reading(self, watch: Watch) -> None:
+        """Give back ``watch``'s reading slot, if it holds one (idempotent)."""
+        with self._slots:
+            if watch.reading:
+                watch.reading = False
+                self._readers.discard(watch)
+                self._slots.notify_all()
+
+    def _counts(self, now: float) -> int:
+        """Slot holders that count against the slots: those moving at least
+        ``FAST_BYTES_S`` over their last whole window of ``FAST_S`` (under the lock)."""
+        n = 0
+        for w in self._readers:
+            t, b = w.mark
+            if now - t >= FAST_S:
+                w.fast = w.bytes - b >= FAST_BYTES_S * (now - t)
+                w.mark = (now, w.bytes)
+            n += w.fast
+        return n
 
     def held(self) -> dict[str, int]:
         """Calls in flight per caller (a copy)."""
@@ -163,7 +270,7 @@ class CallGuard:
         with self._lock:
             watched = list(self._watched)
         for w in watched:
-            if w.ended is not None:
+            if w.ended is not None or w.waiting:
                 continue
             quiet, age = now - w.last, now - w.start
             if quiet > lim.idle_s:

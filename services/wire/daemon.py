@@ -167,6 +167,12 @@ def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
         type=int,
         help="end a streaming call slower than this on average (default 256 KiB/s)",
     )
+    tls.add_argument(
+        "--pushes-reading",
+        type=int,
+        help="pushes whose data this server reads at once; more wait their turn after "
+        "their header (default 2; 0: no limit)",
+    )
     return p
 
 
@@ -290,11 +296,17 @@ def call_guard(settings: DaemonSettings, metrics: Metrics, parts: int = 1) -> Ca
         per_peer=settings.calls_per_peer * parts,
         idle_s=float(settings.call_idle_s),
         min_bytes_s=settings.call_min_kib_s * 1024.0,
+        reading=settings.pushes_reading,
     )
     refused = metrics.calls_refused
     for reason in ("per_peer", "idle", "slow"):  # exported at 0 from the start
         refused.labels(metrics.role, reason)
-    return CallGuard(limits, on_refused=lambda reason: refused.labels(metrics.role, reason).inc())
+    waiting = metrics.pushes_waiting.labels(metrics.role)
+    return CallGuard(
+        limits,
+        on_refused=lambda reason: refused.labels(metrics.role, reason).inc(),
+        on_waiting=waiting.set,
+    )
 
 
 def start_metrics(settings: DaemonSettings, metrics: Metrics) -> None:

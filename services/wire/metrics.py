@@ -171,6 +171,12 @@ class Metrics:
             ["role", "reason"],
             registry=r,
         )
+        self.pushes_waiting = Gauge(
+            "hypertrain_pushes_waiting",
+            "Pushes waiting after their header for a reading slot (pushes_reading)",
+            ["role"],
+            registry=r,
+        )
         self.stale_deltas = Counter(
             "hypertrain_stale_deltas_total",
             "Deltas this island sent after their sync step closed without it (not aggregated)",

@@ -139,7 +139,7 @@ def _guarded(
                 with guard.call(context, streaming) as watch:
                     assert watch is not None
                     if client_streaming:
-                        request = watch.requests(request, clock)
+                        request = watch.requests(request, clock, guard)
                     for part in method(request, context):
                         yield part
                         watch.moved(part_size(part), clock())
@@ -153,8 +153,8 @@ def _guarded(
         try:
             _check_format(context)
             with guard.call(context, streaming) as watch:
-                if watch is not None:
-                    request = watch.requests(request, clock)
+                if watch is not None:  # a streaming request (a push)
+                    request = watch.requests(request, clock, guard)
                 return method(request, context)
         except WireError as exc:
             _reject(method, context, exc)

@@ -369,6 +369,7 @@ def test_dashboard_has_a_panel_per_operator_question() -> None:
         "hypertrain_rejected_inputs_total",
         "hypertrain_round_absent_members",
         "hypertrain_quorum_waiting",
+        "hypertrain_pushes_waiting",
         "hypertrain_tape_entries_total",
         "hypertrain_tape_last_checkpoint_size",
         "process_resident_memory_bytes",

@@ -6,6 +6,7 @@ An in-process server on port 0 runs a small Relay servicer built from the wire h
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,7 +32,8 @@ from hypertrain.common.digest import blob_digest, tensor_digest
 from hypertrain.common.errors import CodecError
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
-from hypertrain.wire import frames, spool, wireformat
+from hypertrain.wire import calls, frames, spool, wireformat
+from hypertrain.wire.calls import CallGuard, CallLimits
 from hypertrain.wire.chunks import (
     CHUNK_BYTES,
     delta_chunks,
@@ -112,6 +115,118 @@ def relay(tmp_path: Path) -> Iterator[tuple[WireRelay, Any, str]]:
     finally:
         channel.close()
         server.stop(None)
+
+
+@dataclass
+class ReadingRelay(WireRelay):
+    """WireRelay that counts the pushes reading their data at the same time: from their
+    first data part to their last (the slot is given back only after the last)."""
+
+    reading: int = 0
+    most: int = 0
+    done: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @maps_errors
+    def PushDelta(self, parts: Iterator[Any], context: grpc.ServicerContext) -> pb.PushAck:
+        def counted() -> Iterator[Any]:
+            left = size = -1
+            for part in parts:
+                if isinstance(part, memoryview):
+                    if left < 0:
+                        raise AssertionError("data before the header")
+                    with self.lock:
+                        if left == size:
+                            self.reading += 1
+                            self.most = max(self.most, self.reading)
+                        left -= len(part)
+                        if left == 0:
+                            self.reading -= 1
+                else:
+                    left = size = part.header.size
+                yield part
+
+        got = receive_delta(counted(), max_size=MAX_SIZE, spool_dir=self.spool)
+        publish(got, self.published)
+        self.done.append(got.header.sender)
+        return pb.PushAck(digest=got.digest)
+
+
+@contextlib.contextmanager
+def _reading_relay(tmp_path: Path, reading: int) -> Iterator[tuple[ReadingRelay, Any]]:
+    servicer = ReadingRelay(tmp_path / "spool", tmp_path / "published")
+    servicer.spool.mkdir()
+    server = make_server(max_workers=8)
+    add_servicer(servicer, server, "Relay", CallGuard(CallLimits(reading=reading)))
+    address = bind(server, "127.0.0.1:0")
+    server.start()
+    channel = connect(address, timeout=10)
+    try:
+        yield servicer, relay_stub(channel)
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def _delta(sender: str, size: int) -> tuple[pb.TransferHeader, bytes]:
+    data = os.urandom(size)
+    return pb.TransferHeader(
+        run_id="r", sender=sender, digest=_sha(data), size=size, codec="fp32"
+    ), data
+
+
+def test_pushes_past_the_reading_slots_wait_their_turn_and_all_land(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calls, "FAST_BYTES_S", 0)  # every holder counts, however slow
+    with _reading_relay(tmp_path, reading=1) as (servicer, stub):
+        deltas = [_delta(f"eu-{i}", 12 << 20) for i in range(3)]
+        acks: dict[str, str] = {}
+
+        def push(header: pb.TransferHeader, data: bytes) -> None:
+            acks[header.sender] = push_delta(stub.PushDelta, header, data, timeout=60).digest
+
+        threads = [threading.Thread(target=push, args=d) for d in deltas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert acks == {h.sender: h.digest for h, _ in deltas}
+        assert servicer.most == 1  # one push read its data at a time
+        for h, data in deltas:
+            assert (servicer.published / h.digest).read_bytes() == data
+        assert _files(servicer.spool) == []
+
+
+def test_a_trickling_push_holding_the_slot_does_not_hold_back_the_next(tmp_path: Path) -> None:
+    with _reading_relay(tmp_path, reading=1) as (servicer, stub):
+        slow_header, slow_data = _delta("eu-0", 2 * CHUNK_BYTES)
+        fast_header, fast_data = _delta("eu-1", 8 * CHUNK_BYTES)
+        resume = threading.Event()
+
+        def trickle() -> Iterator[Any]:
+            parts = delta_chunks(slow_header, slow_data)
+            yield next(parts)  # the header
+            yield next(parts)  # one chunk: it holds the slot from here
+            resume.wait(30)
+            yield from parts
+
+        slow = threading.Thread(target=lambda: stub.PushDelta(trickle(), timeout=60))
+        slow.start()
+        _until(lambda: servicer.reading == 1)
+        ack = push_delta(stub.PushDelta, fast_header, fast_data, timeout=30)
+        assert ack.digest == fast_header.digest and servicer.done == ["eu-1"]
+        resume.set()
+        slow.join(30)
+        assert servicer.done == ["eu-1", "eu-0"]
+        assert (servicer.published / slow_header.digest).read_bytes() == slow_data
+
+
+def _until(cond: Any, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
 
 
 def _files(folder: Path) -> list[str]:

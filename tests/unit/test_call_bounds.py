@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+
 import grpc
 import pytest
 
-from hypertrain.wire.calls import HEADROOM, CallGuard, CallLimits
+from hypertrain.wire import calls
+from hypertrain.wire.calls import HEADROOM, CallGuard, CallLimits, Watch
 from hypertrain.wire.errors import WireError
 
 
@@ -15,6 +20,10 @@ class Context:
     def __init__(self, peer: str = "ipv4:10.0.0.1:5000", name: str | None = None) -> None:
         self._peer, self._name = peer, name
         self.cancelled = 0
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
 
     def auth_context(self) -> dict[str, list[bytes]]:
         return {"x509_common_name": [self._name.encode()]} if self._name else {}
@@ -115,3 +124,124 @@ def test_ended_requests_raise_the_reason_not_grpcs_bare_error() -> None:
 def test_the_pool_has_room_for_every_member_at_its_cap() -> None:
     assert CallLimits(per_peer=4).pool_size(8) == 8 * 4 + HEADROOM
     assert CallLimits(per_peer=1).pool_size(1) == 16
+
+
+# -- pushes reading at once ------------------------------------------------------------
+def _push(watch: Watch, guard: CallGuard, data: int = 3) -> Iterator[object]:
+    """A push's request stream under ``guard``: a header, then ``data`` parts of 1 KiB."""
+    parts = iter([object(), *[b"x" * 1024] * data])
+    return watch.requests(parts, guard.clock, guard)
+
+
+def _start(it: Iterator[object]) -> threading.Thread:
+    """Read ``it`` to its end on a thread of its own (the handler)."""
+    t = threading.Thread(target=lambda: list(it), daemon=True)
+    t.start()
+    return t
+
+
+def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def _hold_and_queue(
+    guard: CallGuard, holder: Watch, waiter: Watch
+) -> tuple[Iterator[object], threading.Thread]:
+    """``holder``'s push takes the one slot (while its stream, returned, is alive: a
+    stream dropped gives its slot back); ``waiter``'s, on its own thread, waits for it."""
+    it = _push(holder, guard)
+    next(it), next(it)
+    assert holder.reading
+    waiting = _push(waiter, guard)
+    next(waiting)
+    t = _start(waiting)
+    _until(lambda: waiter.waiting)
+    return it, t
+
+
+def test_a_push_past_the_reading_slots_waits_after_its_header_first_come_first_served() -> None:
+    clock, waiting = Clock(), []
+    limits = CallLimits(per_peer=2, idle_s=10.0, min_bytes_s=1000.0, reading=1)
+    guard = CallGuard(limits, clock, on_waiting=waiting.append)
+    a, b, c = Context(peer="a"), Context(peer="b"), Context(peer="c")
+    with guard.call(a, True) as wa, guard.call(b, True) as wb, guard.call(c, True) as wc:
+        assert wa is not None and wb is not None and wc is not None
+        ia = _push(wa, guard)
+        next(ia), next(ia)  # the header, then a's first data part: a holds the slot
+        assert wa.reading
+        ib, ic = _push(wb, guard), _push(wc, guard)
+        next(ib)  # b's header is read; its data waits for the slot
+        tb = _start(ib)
+        _until(lambda: wb.waiting)
+        next(ic)
+        tc = _start(ic)
+        _until(lambda: wc.waiting)
+        clock.t += 60.0  # far past the idle bound: waiting calls are not ended
+        assert guard.check() == [wa] and not b.cancelled and not c.cancelled
+        assert list(ia) == [b"x" * 1024] * 2  # a reads to its end: the slot is b's
+        tb.join(5)
+        assert not tb.is_alive() and wb.bytes == 3 * 1024 and not wb.reading
+        tc.join(5)  # then c's, in the order they came
+        assert not tc.is_alive() and wc.bytes == 3 * 1024
+        # the bounds of a call let in restart: its wait counts neither as idle nor slow
+        assert wc.start == clock.t and wc.last == clock.t
+    assert guard._readers == set() and not guard._queue
+    assert waiting == [1, 2, 1, 0]  # the gauge of pushes waiting: b, then c; b in; c in
+
+
+def test_a_slow_slot_holder_stops_counting_and_lets_the_next_push_in() -> None:
+    clock = Clock()
+    guard = CallGuard(CallLimits(reading=1), clock)
+    slow, next_ = Context(peer="slow"), Context(peer="next")
+    with guard.call(slow, True) as ws, guard.call(next_, True) as wn:
+        assert ws is not None and wn is not None
+        _held, t = _hold_and_queue(guard, ws, wn)
+        clock.t += calls.FAST_S / 2  # within its first window: still counted
+        time.sleep(3 * calls.ADMIT_POLL_S)
+        assert wn.waiting
+        ws.moved(1024, clock.t)  # 1 KiB in a whole window: far below FAST_BYTES_S
+        clock.t += calls.FAST_S
+        t.join(5)
+        assert not t.is_alive() and wn.bytes == 3 * 1024  # let in beside the slow one
+        assert ws.reading and not ws.fast
+    assert guard._readers == set()
+
+
+def test_a_cancelled_waiting_push_leaves_the_line_without_a_slot() -> None:
+    clock = Clock()
+    guard = CallGuard(CallLimits(reading=1), clock)
+    a, b = Context(peer="a"), Context(peer="b")
+    with guard.call(a, True) as wa, guard.call(b, True) as wb:
+        assert wa is not None and wb is not None
+        _held, t = _hold_and_queue(guard, wa, wb)
+        b.active = False  # the client went away (or the server stops)
+        t.join(5)
+        assert not t.is_alive() and not wb.reading and not guard._queue
+        assert guard._readers == {wa}
+    assert guard._readers == set()  # the call's end gives a's slot back too
+
+
+def test_a_handler_that_fails_mid_push_gives_its_slot_back() -> None:
+    guard = CallGuard(CallLimits(reading=1), Clock())
+    ctx = Context()
+    with pytest.raises(RuntimeError), guard.call(ctx, True) as watch:
+        assert watch is not None
+        it = _push(watch, guard)
+        next(it), next(it)
+        assert guard._readers == {watch}
+        raise RuntimeError("the handler refused the data")
+    assert guard._readers == set() and not watch.reading
+
+
+def test_no_reading_limit_lets_every_push_read() -> None:
+    guard = CallGuard(CallLimits(reading=0), Clock())
+    ctxs = [Context(peer=str(i)) for i in range(4)]
+    with guard.call(ctxs[0], True) as w0, guard.call(ctxs[1], True) as w1:
+        assert w0 is not None and w1 is not None
+        its = [_push(w, guard) for w in (w0, w1)]
+        for it in its:
+            next(it), next(it)
+        assert not w0.waiting and not w1.waiting and guard._readers == set()

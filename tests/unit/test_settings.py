@@ -31,7 +31,8 @@ from hypertrain.common.settings import (
 )
 from hypertrain.island.__main__ import main as island_main
 from hypertrain.relay.__main__ import main as relay_main
-from hypertrain.wire.daemon import daemon_parser, load_settings
+from hypertrain.wire.daemon import call_guard, daemon_parser, load_settings
+from hypertrain.wire.metrics import Metrics
 
 CLASSES: list[type[DaemonSettings]] = [IslandSettings, RelaySettings, AggregatorSettings]
 SHARED = {"listen", "state_dir", "metrics_port", "metrics_host", "signing_key", "trusted_keys"} | {
@@ -42,6 +43,7 @@ SHARED = {"listen", "state_dir", "metrics_port", "metrics_host", "signing_key", 
     "calls_per_peer",
     "call_idle_s",
     "call_min_kib_s",
+    "pushes_reading",
 }
 
 
@@ -170,6 +172,10 @@ def test_flags_override_the_config_file_through_the_parser(tmp_path: Path) -> No
         p.parse_args(["--config", str(cfg), "--listen", "0.0.0.0:1"]), AggregatorSettings
     )
     assert (s.listen, s.metrics_port) == ("0.0.0.0:1", 9100)
+    s = load_settings(p.parse_args(["--pushes-reading", "3"]), AggregatorSettings)
+    assert s.pushes_reading == 3
+    guard = call_guard(s, Metrics("aggregator"))
+    assert guard.limits.reading == 3 and guard.limits.per_peer == s.calls_per_peer
 
 
 def test_defaults_are_unchanged() -> None:
@@ -365,6 +371,9 @@ def test_transport_settings_are_checked() -> None:
         AggregatorSettings.resolve({"insecure": True, "tls_cert": "a.crt"})
     with pytest.raises(ConfigError, match=r"calls_per_peer must be >= 1, got 0"):
         RelaySettings.resolve({"calls_per_peer": 0})
+    assert RelaySettings.resolve({"pushes_reading": 0}).pushes_reading == 0  # no limit
+    with pytest.raises(ConfigError, match=r"relay: pushes_reading must be >= 0, got -1"):
+        RelaySettings.resolve({"pushes_reading": -1})
 
 
 # -- a preset's held-out evaluation size on the command line ---------------------------------
