@@ -122,10 +122,11 @@ class DaemonSettings:
     """A streaming call must average at least this many KiB/s after its first
     ``call_idle_s`` seconds, or it is ended DEADLINE_EXCEEDED."""
     pushes_reading: int = 2
-    """Pushes this server reads the data of at once (0: no limit); one past it waits
-    after its header, first come first served, for one of them to end (a slow one stops
-    counting): what a relay holds for its pushes then grows with its islands only by
-    what gRPC holds of each one waiting."""
+    """Callers whose pushes this server reads the data of at once (0: no limit); a push
+    past it waits after its header, first come first served, until a push has read its
+    last chunk or its call ends (one found slower than 8 MiB/s stops counting): what a
+    relay holds for its pushes then grows with its islands only by what gRPC holds of
+    each one waiting."""
 
     def __post_init__(self) -> None:
         role = self.TABLE

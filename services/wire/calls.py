@@ -29,9 +29,12 @@ nothing (or trickle) hold every thread and the honest islands get no round throu
   the relay's peak less the interpreter 2.22-2.23m with every push reading, 2.16m with
   two, against a bound of 2m + 64 MiB = 2.17m; experiments/results/
   bench_sync_scale_reading_ab.json).
-  A slot holder that moves less than ``FAST_BYTES_S`` over ``FAST_S`` (a slow link, a
-  trickle) stops counting against the slots until it speeds up again, so it never holds
-  the others back: they are then let in beside it.
+  A slot holder that moves less than ``FAST_BYTES_S`` over a window of ``FAST_S`` (a
+  slow link, a stall, a trickle) stops counting against the slots for good, so it never
+  holds the others back: they are then let in beside it; and the slots count callers,
+  not calls, so one caller's pushes take at most one.  What a member can still do: keep
+  one fast push in a slot for as long as a push of the largest size takes at
+  ``FAST_BYTES_S``, delaying the pushes in line by that much.
 
 Nothing here is taped: these are transport limits, not decisions about deltas.
 """
@@ -85,14 +88,15 @@ class CallLimits:
 class Watch:
     """One streaming call under watch: bytes moved and when it last moved."""
 
-    def __init__(self, context: grpc.ServicerContext, now: float) -> None:
+    def __init__(self, context: grpc.ServicerContext, now: float, caller: str = "") -> None:
         self.context = context
+        self.caller = caller  # ``caller_key``: a caller's pushes count once at most
         self.start = self.last = now
         self.bytes = 0
         self.ended: str | None = None  # why the watchdog ended it
         self.waiting = False  # for a reading slot: not watched meanwhile
         self.reading = False  # holds a reading slot
-        self.fast = True  # counts against the slots (``CallGuard._counts``)
+        self.fast = True  # counts against the slots until found slow (``CallGuard._counts``)
         self.mark = (now, 0)  # (time, bytes) at the start of its current rate window
 
     def moved(self, n: int, now: float) -> None:
@@ -122,7 +126,10 @@ class Watch:
                 raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED, self.ended) from None
             raise
         finally:
-            if guard is not None:
+            # (not taking the guard's lock when there is nothing to give back: an
+            # abandoned stream is closed wherever the garbage collector runs, which may be
+            # a thread holding that lock; its call's end gave the slot back already)
+            if guard is not None and self.reading:
                 guard.done_reading(self)
 
 
@@ -172,7 +179,7 @@ class CallGuard:
                     "wait for one to end",
                 )
             self._held[key] = held + 1
-            watch = Watch(context, self.clock()) if streaming else None
+            watch = Watch(context, self.clock(), key) if streaming else None
             if watch is not None:
                 self._watched.add(watch)
                 self._start()
@@ -214,10 +221,10 @@ class CallGuard:
             finally:
                 self._queue.remove(watch)
                 self.on_waiting(len(self._queue))
-                watch.waiting = False
                 now = self.clock()
                 watch.start += now - t0  # the wait is neither idle nor slow
                 watch.last = now
+                watch.waiting = False  # last: the watchdog reads these without the lock
                 self._slots.notify_all()  # the next in line may fit too
 
     def _let_in(self, watch: Watch, now: float) -> None:
@@ -236,16 +243,21 @@ class CallGuard:
                 self._slots.notify_all()
 
     def _counts(self, now: float) -> int:
-        """Slot holders that count against the slots: those moving at least
-        ``FAST_BYTES_S`` over their last whole window of ``FAST_S`` (under the lock)."""
-        n = 0
+        """What counts against the slots (under the lock): the callers with a slot holder
+        that has moved at least ``FAST_BYTES_S`` over each whole window of ``FAST_S``
+        since it was let in.  One found slower never counts again (it cannot take a
+        slot while the line is empty, trickle, then speed up to keep the line waiting),
+        and a caller counts once however many of its pushes hold slots (so one member
+        cannot fill them)."""
+        callers = set()
         for w in self._readers:
             t, b = w.mark
-            if now - t >= FAST_S:
+            if w.fast and now - t >= FAST_S:
                 w.fast = w.bytes - b >= FAST_BYTES_S * (now - t)
                 w.mark = (now, w.bytes)
-            n += w.fast
-        return n
+            if w.fast:
+                callers.add(w.caller)
+        return len(callers)
 
     def held(self) -> dict[str, int]:
         """Calls in flight per caller (a copy)."""

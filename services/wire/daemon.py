@@ -170,7 +170,7 @@ def daemon_parser(role: str, doc: str) -> argparse.ArgumentParser:
     tls.add_argument(
         "--pushes-reading",
         type=int,
-        help="pushes whose data this server reads at once; more wait their turn after "
+        help="callers whose pushes this server reads at once; others wait their turn after "
         "their header (default 2; 0: no limit)",
     )
     return p

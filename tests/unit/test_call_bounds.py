@@ -162,10 +162,16 @@ def _hold_and_queue(
     return it, t
 
 
-def test_a_push_past_the_reading_slots_waits_after_its_header_first_come_first_served() -> None:
-    clock, waiting = Clock(), []
+def test_a_push_past_the_reading_slots_waits_after_its_header_first_come_first_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock, waiting, order = Clock(), [], []
     limits = CallLimits(per_peer=2, idle_s=10.0, min_bytes_s=1000.0, reading=1)
     guard = CallGuard(limits, clock, on_waiting=waiting.append)
+    let_in = guard._let_in
+    monkeypatch.setattr(
+        guard, "_let_in", lambda w, now: (order.append(w.context._peer), let_in(w, now))
+    )
     a, b, c = Context(peer="a"), Context(peer="b"), Context(peer="c")
     with guard.call(a, True) as wa, guard.call(b, True) as wb, guard.call(c, True) as wc:
         assert wa is not None and wb is not None and wc is not None
@@ -190,6 +196,7 @@ def test_a_push_past_the_reading_slots_waits_after_its_header_first_come_first_s
         assert wc.start == clock.t and wc.last == clock.t
     assert guard._readers == set() and not guard._queue
     assert waiting == [1, 2, 1, 0]  # the gauge of pushes waiting: b, then c; b in; c in
+    assert order == ["a", "b", "c"]
 
 
 def test_a_slow_slot_holder_stops_counting_and_lets_the_next_push_in() -> None:
@@ -245,3 +252,50 @@ def test_no_reading_limit_lets_every_push_read() -> None:
         for it in its:
             next(it), next(it)
         assert not w0.waiting and not w1.waiting and guard._readers == set()
+
+
+def test_a_holder_found_slow_never_counts_again_even_if_it_speeds_up() -> None:
+    clock = Clock()
+    guard = CallGuard(CallLimits(reading=1), clock)
+    slow, first, second = Context(peer="slow"), Context(peer="1"), Context(peer="2")
+    with guard.call(slow, True) as ws, guard.call(first, True) as w1:
+        assert ws is not None and w1 is not None
+        _held, t = _hold_and_queue(guard, ws, w1)
+        clock.t += calls.FAST_S  # a window with nothing moved: slow
+        t.join(5)
+        assert not t.is_alive() and not ws.fast and not w1.reading  # 1 read to its end
+        ws.moved(64 * calls.FAST_BYTES_S, clock.t)  # now it bursts
+        clock.t += calls.FAST_S
+        with guard.call(second, True) as w2:
+            assert w2 is not None
+            t2 = _start(_push(w2, guard))
+            t2.join(5)  # let in at once: the burst does not count
+            assert not t2.is_alive() and w2.bytes == 3 * 1024 and not ws.fast
+
+
+def test_a_callers_pushes_take_one_slot_between_them() -> None:
+    guard = CallGuard(CallLimits(reading=2), Clock())
+    eve, other = Context(name="island-eu-1"), Context(name="island-eu-0")
+    late = Context(name="island-eu-2")
+    with guard.call(eve, True) as e1, guard.call(eve, True) as e2:
+        assert e1 is not None and e2 is not None
+        ie1, ie2 = _push(e1, guard), _push(e2, guard)
+        next(ie1), next(ie1), next(ie2), next(ie2)  # both of eve's in: they count once
+        with guard.call(other, True) as o, guard.call(late, True) as w:
+            assert o is not None and w is not None
+            io = _push(o, guard)
+            next(io)
+            took = threading.Thread(target=lambda: next(io), daemon=True)
+            took.start()  # another caller: the second slot
+            took.join(5)
+            assert not took.is_alive() and e1.reading and e2.reading and o.reading
+            iw = _push(w, guard)
+            next(iw)
+            t = _start(iw)
+            _until(lambda: w.waiting)  # two callers count: the third waits
+            time.sleep(3 * calls.ADMIT_POLL_S)
+            assert w.waiting
+            assert list(ie1) == [b"x" * 1024] * 2 and w.waiting  # eve still counts once
+            assert list(ie2) == [b"x" * 1024] * 2  # eve's last gives the slot
+            t.join(5)
+            assert not t.is_alive() and w.bytes == 3 * 1024
