@@ -124,7 +124,7 @@ class DaemonSettings:
     pushes_reading: int = 2
     """Callers whose pushes this server reads the data of at once (0: no limit); a push
     past it waits after its header, first come first served, until a push has read its
-    last chunk or its call ends (one found slower than 8 MiB/s stops counting): what a
+    last chunk or its call ends (one slower than 8 MiB/s does not count): what a
     relay holds for its pushes then grows with its islands only by what gRPC holds of
     each one waiting."""
 

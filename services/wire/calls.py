@@ -26,15 +26,18 @@ nothing (or trickle) hold every thread and the honest islands get no round throu
   bounds start again when it is let in).  What a server holds for the pushes it receives
   is then that of ``reading`` transfers plus what gRPC holds of each waiting one (about
   4 MiB each, measured), not that of every push at once (bench/bench_sync_scale.py --part A --islands 8, P = 1e8:
-  the relay's peak less the interpreter 2.22-2.23m with every push reading, 2.16m with
-  two, against a bound of 2m + 64 MiB = 2.17m; experiments/results/
+  the relay's peak less the interpreter 2.22-2.23m with every push reading, 2.16-2.20m
+  with two in five runs, against a bound of 2m + 64 MiB = 2.17m; experiments/results/
   bench_sync_scale_reading_ab.json).
   A slot holder that moves less than ``FAST_BYTES_S`` over a window of ``FAST_S`` (a
-  slow link, a stall, a trickle) stops counting against the slots for good, so it never
-  holds the others back: they are then let in beside it; and the slots count callers,
-  not calls, so one caller's pushes take at most one.  What a member can still do: keep
-  one fast push in a slot for as long as a push of the largest size takes at
-  ``FAST_BYTES_S``, delaying the pushes in line by that much.
+  slow link, a stall, a trickle) does not count against the slots until a window in
+  which it moves faster, so it never holds the others back: they are let in beside it;
+  and the slots count callers, not calls, so one caller's pushes take at most one.  What
+  a member can still do: count in one slot for as long as a push of the largest size
+  takes at ``FAST_BYTES_S`` (its counted windows each moved that much), delaying the
+  pushes in line by about that much.  (A holder found slow once and never counted again
+  was tried: an honest push with one slow half second then stopped counting, and with 8
+  islands every push read at once again, bench_sync_scale.py: 2m + 88 MiB.)
 
 Nothing here is taped: these are transport limits, not decisions about deltas.
 """
@@ -96,7 +99,7 @@ class Watch:
         self.ended: str | None = None  # why the watchdog ended it
         self.waiting = False  # for a reading slot: not watched meanwhile
         self.reading = False  # holds a reading slot
-        self.fast = True  # counts against the slots until found slow (``CallGuard._counts``)
+        self.fast = True  # counts against the slots: not slow in its last window (``_counts``)
         self.mark = (now, 0)  # (time, bytes) at the start of its current rate window
 
     def moved(self, n: int, now: float) -> None:
@@ -244,15 +247,13 @@ class CallGuard:
 
     def _counts(self, now: float) -> int:
         """What counts against the slots (under the lock): the callers with a slot holder
-        that has moved at least ``FAST_BYTES_S`` over each whole window of ``FAST_S``
-        since it was let in.  One found slower never counts again (it cannot take a
-        slot while the line is empty, trickle, then speed up to keep the line waiting),
-        and a caller counts once however many of its pushes hold slots (so one member
-        cannot fill them)."""
+        that moved at least ``FAST_BYTES_S`` over its last whole window of ``FAST_S``
+        since it was let in (or is in its first); a caller counts once however many of
+        its pushes hold slots, so one member cannot fill them."""
         callers = set()
         for w in self._readers:
             t, b = w.mark
-            if w.fast and now - t >= FAST_S:
+            if now - t >= FAST_S:
                 w.fast = w.bytes - b >= FAST_BYTES_S * (now - t)
                 w.mark = (now, w.bytes)
             if w.fast:

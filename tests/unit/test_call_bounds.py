@@ -254,7 +254,7 @@ def test_no_reading_limit_lets_every_push_read() -> None:
         assert not w0.waiting and not w1.waiting and guard._readers == set()
 
 
-def test_a_holder_found_slow_never_counts_again_even_if_it_speeds_up() -> None:
+def test_a_slow_holder_counts_again_once_it_moves_fast() -> None:
     clock = Clock()
     guard = CallGuard(CallLimits(reading=1), clock)
     slow, first, second = Context(peer="slow"), Context(peer="1"), Context(peer="2")
@@ -264,12 +264,17 @@ def test_a_holder_found_slow_never_counts_again_even_if_it_speeds_up() -> None:
         clock.t += calls.FAST_S  # a window with nothing moved: slow
         t.join(5)
         assert not t.is_alive() and not ws.fast and not w1.reading  # 1 read to its end
-        ws.moved(64 * calls.FAST_BYTES_S, clock.t)  # now it bursts
+        ws.moved(calls.FAST_BYTES_S, clock.t)  # a whole window at full speed
         clock.t += calls.FAST_S
         with guard.call(second, True) as w2:
             assert w2 is not None
-            t2 = _start(_push(w2, guard))
-            t2.join(5)  # let in at once: the burst does not count
+            it = _push(w2, guard)
+            next(it)
+            t2 = _start(it)
+            _until(lambda: w2.waiting)  # it counts again: 2 waits
+            assert ws.fast
+            clock.t += calls.FAST_S  # and a slow window again: 2 is let in
+            t2.join(5)
             assert not t2.is_alive() and w2.bytes == 3 * 1024 and not ws.fast
 
 
