@@ -81,7 +81,7 @@ class CallLimits:
     idle_s: float = 30.0
     min_bytes_s: float = 256 * 1024
     reading: int = 2
-    """Pushes that read their data at once (0: no limit)."""
+    """Callers whose pushes read their data at once (0: no limit)."""
 
     def pool_size(self, members: int) -> int:
         """Threads for a server with ``members`` callers at their caps, plus headroom."""
