@@ -16,7 +16,8 @@ Invariants:
   those of whole-tensor sums, and no whole-model accumulator is needed where the mean
   is only folded into other state.
 - Inputs that map spooled files have their pages dropped from the resident set after
-  they are read (``common/pages.py``): n inputs cost a range each, not their size.
+  they are read (``common/pages.py``), each input's range as soon as it is added: n
+  inputs cost a range of one of them per range in flight, not their size.
 - The first inputs of the order may be added before the others arrive (``EarlySum``, a
   relay adding each delta as it is accepted): per value the operations are the same, in
   the same order, so the mean has the same bits whichever way it was computed.  The
@@ -137,8 +138,8 @@ _WORKERS = max(1, min(4, _usable_cores()))
 """Ranges a parallel mean works on at once: one per core this process may use, at most 4.
 Each range in flight beyond the first costs memory at a commit: a scratch range where the
 mean is not kept (4 MiB), the int8 codec's work buffer (4 MiB) and the pages the range
-read of each spooled input (dropped after each wave): at 4, at most 3 x (8 MiB + one range
-of every input) more than a mean that works on one range at a time."""
+reads of the spooled input it is adding (dropped once added): at 4, at most 3 x (8 MiB +
+one input's range) more than a mean that works on one range at a time."""
 _helpers: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -153,10 +154,10 @@ def _helper_pool() -> ThreadPoolExecutor | None:
     return _helpers[1]
 
 
-def _in_waves(count: int, job: Callable[[int, int], None], after_wave: Callable[[], None]) -> None:
+def _in_waves(count: int, job: Callable[[int, int], None]) -> None:
     """``job(k, slot)`` for k in ``range(count)``, ``_WORKERS`` at a time: each wave's
     first job on the calling thread, the others on the helpers (``slot``: its place in
-    the wave, for a scratch buffer of its own), then ``after_wave``.  Torch's kernels
+    the wave, for a scratch buffer of its own).  Torch's kernels
     and the hashes (BLAKE3) release the GIL, so a wave's jobs run on that many cores.
     A job's exception is raised once its whole wave has ended (no job of this call runs
     after it is raised)."""
@@ -184,7 +185,6 @@ def _in_waves(count: int, job: Callable[[int, int], None], after_wave: Callable[
                         break
         if error is not None:
             raise error
-        after_wave()
 
 
 def _range_length(codec: Codec) -> int:
@@ -400,6 +400,7 @@ def segmented_mean(
             )
         done = set(early.members)
     opened: list[list[tuple[Any, Any]]] = []
+    read_by: list[list[Blob]] = []  # the blob of each of ``opened``'s inputs
     position = 0
     whole = len(segments) == 1  # one segment may also carry the tensor's own shape
     for seg in segments:  # validate every input before anything is written
@@ -409,10 +410,11 @@ def segmented_mean(
                 f"{len(seg.inputs)} inputs does not continue at {position}"
             )
         position += seg.numel
-        ops = []
+        ops, blobs = [], []
         for member in sorted(seg.inputs):
             if member in done:  # validated when it was added
                 continue
+            blobs.append(seg.inputs[member])
             header = read_header(seg.inputs[member])
             if (seg.numel,) != header.shape and not (whole and header.shape == tuple(shape)):
                 raise CodecError(
@@ -422,6 +424,7 @@ def segmented_mean(
             ops.append(codec.open(seg.inputs[member]))
             drop_pages(seg.inputs[member])  # read whole by the checksum; read again by range
         opened.append(ops)
+        read_by.append(blobs)
     if position != numel:
         raise HypertrainError(f"aggregate: segments cover {position} of {numel} values")
     flat = early.acc if early is not None else None if out is None else out.view(-1)
@@ -460,8 +463,8 @@ def segmented_mean(
             robust=rule.record(),
         )
     ranges = [
-        (seg, ops, start, min(step, seg.numel - start))
-        for seg, ops in zip(segments, opened, strict=True)
+        (seg, ops, blobs, start, min(step, seg.numel - start))
+        for seg, ops, blobs in zip(segments, opened, read_by, strict=True)
         for start in range(0, seg.numel, step)
     ]
     # In parallel only where every range starts on a digest chunk (segments that start
@@ -479,29 +482,29 @@ def segmented_mean(
         prepare()
 
     def one_range(k: int, slot: int) -> None:
-        seg, ops, start, n = ranges[k]
+        seg, ops, blobs, start, n = ranges[k]
         at = seg.start + start
         acc = flat[at : at + n] if flat is not None else scratches[slot][:n]
         if early is None:
             acc.zero_()
-        for header, prepared in ops:
+        for (header, prepared), blob in zip(ops, blobs, strict=True):
             codec.accumulate_range(header, prepared, acc, start)
+            # What the range read of a spooled input goes as soon as it is added, not
+            # after the wave: the inputs cost a range of one of them per worker, not a
+            # range of each (a relay's final commit adds every input that arrived out
+            # of member order).  A worker on another range of the same input may fault
+            # a page back from the page cache; the bytes are the same.
+            drop_pages(blob)
         acc.div_(len(seg.inputs))
         hasher.put(4 * at, acc)
         if visit is not None:
             visit(at, acc)
 
-    def read(segs: Sequence[Segment]) -> None:  # what the ranges read of spooled inputs
-        for seg in segs:
-            for blob in seg.inputs.values():
-                drop_pages(blob)
-
     if waves:
-        _in_waves(len(ranges), one_range, lambda: read(segments))
+        _in_waves(len(ranges), one_range)
     else:
-        for k, (seg, *_) in enumerate(ranges):
+        for k in range(len(ranges)):
             one_range(k, 0)
-            read([seg])
     members: list[str] = []
     input_digests: list[str] = []
     for seg in segments:

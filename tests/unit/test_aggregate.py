@@ -522,7 +522,7 @@ def test_a_wave_whose_submit_fails_waits_for_the_jobs_already_started(
 
     monkeypatch.setattr(agg, "_helper_pool", lambda: Failing())
     with pytest.raises(RuntimeError, match="cannot schedule"):
-        agg._in_waves(6, job, lambda: None)
+        agg._in_waves(6, job)
     assert ended == [1]  # the first helper's job ended; the caller's own never started
 
 
