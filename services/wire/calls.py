@@ -23,9 +23,11 @@ nothing (or trickle) hold every thread and the honest islands get no round throu
   one of ``reading`` slots once its first part (the header) has been read, before it reads
   its data, and gives it back when it has read its last part; a push that finds no slot
   free waits, first come first served, neither reading nor counted by the watchdog (its
-  bounds start again when it is let in).  What a server holds for the pushes it receives
-  is then that of ``reading`` transfers plus what gRPC holds of each waiting one (about
-  4 MiB each, measured), not that of every push at once (bench/bench_sync_scale.py --part A --islands 8, P = 1e8:
+  bounds start again when it is let in), and is told to send its data only once let in
+  (``Watch.go``, wire format 3: until then the client sends nothing past its header).
+  What a server holds for the pushes it receives is then that of ``reading`` transfers
+  plus a header and a waiting thread for each other one (bench/bench_waiting_push.py),
+  not that of every push at once (bench/bench_sync_scale.py --part A --islands 8, P = 1e8:
   the relay's peak less the interpreter 2.22-2.23m with every push reading, 2.16-2.20m
   with two in five runs, against a bound of 2m + 64 MiB = 2.17m; experiments/results/
   bench_sync_scale_reading_ab.json).
@@ -57,6 +59,7 @@ import grpc
 
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.tls import caller_key
+from hypertrain.wire.wireformat import GO_METADATA
 
 log = logging.getLogger("hypertrain.wire")
 
@@ -115,14 +118,17 @@ class Watch:
         """``parts`` (a request stream), counted; a call the watchdog ended raises
         WireError(DEADLINE_EXCEEDED) with its reason instead of gRPC's bare error.
         ``guard``: its reading slot is taken after the first part and given back after
-        the last (``CallGuard.admit``)."""
+        the last (``CallGuard.admit``).  After the first part (and the slot), the caller
+        is told to send the rest (``go``)."""
         try:
             first = True
             for part in parts:
                 self.moved(part_size(part), clock())
                 yield part
-                if first and guard is not None:
-                    guard.admit(self)
+                if first:
+                    if guard is not None:
+                        guard.admit(self)
+                    self.go()
                 first = False
         except grpc.RpcError:
             if self.ended is not None:
@@ -134,6 +140,13 @@ class Watch:
             # a thread holding that lock; its call's end gave the slot back already)
             if guard is not None and self.reading:
                 guard.done_reading(self)
+
+    def go(self) -> None:
+        """Tell the caller to send its data (wire format 3: ``wireformat.GO_KEY``, the
+        call's initial metadata), unless the call ended meanwhile: a push that waited for
+        its reading slot sent nothing past its header until now."""
+        if self.context.is_active():
+            self.context.send_initial_metadata(GO_METADATA)
 
 
 def part_size(part: object) -> int:

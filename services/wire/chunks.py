@@ -169,7 +169,10 @@ def receive_delta(
     _check_delta_header(header, max_size)
     admit(header)
     size = header.size
-    sink = spool.Sink(size, spool_dir)
+    # The sink (its worker threads, a warm spool file) is made once the first data part
+    # is in, not at the header: a push waiting for a reading slot (wire/calls.py) holds
+    # none of it.
+    sink: spool.Sink | None = None
     try:
         offset = 0
         for part in parts:
@@ -181,12 +184,16 @@ def receive_delta(
                 raise WireError(
                     _INVALID, f"too long: more than the {size} bytes the header announced"
                 )
+            if sink is None:
+                sink = spool.Sink(size, spool_dir)
             sink.put(offset, data)
             offset += n
         if offset != size:
             raise WireError(
                 _INVALID, f"short stream: {offset} of the {size} bytes the header announced"
             )
+        if sink is None:  # an empty delta
+            sink = spool.Sink(size, spool_dir)
         digest = sink.finish()
         if digest != header.digest:
             raise WireError(
@@ -195,7 +202,8 @@ def receive_delta(
             )
         sink.commit(wait=wait)
     except BaseException:
-        sink.abort()
+        if sink is not None:
+            sink.abort()
         raise
     return ReceivedDelta(
         header=header,

@@ -21,9 +21,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -36,7 +37,7 @@ from hypertrain.wire import frames
 from hypertrain.wire.chunks import MergeTap, delta_chunks, receive_merge
 from hypertrain.wire.errors import WireError
 from hypertrain.wire.tls import PLAINTEXT, Security
-from hypertrain.wire.wireformat import Stating
+from hypertrain.wire.wireformat import GO_KEY, Stating
 
 log = logging.getLogger("hypertrain.wire")
 T = TypeVar("T")
@@ -117,14 +118,56 @@ def transfer_header(delta: Delta) -> pb.TransferHeader:
 
 
 def push_delta(
-    push: Callable[..., pb.PushAck],
+    push: Any,
     header: pb.TransferHeader,
     data: frames.Data,
     *,
     timeout: float | None = None,
 ) -> pb.PushAck:
-    """Stream one delta through ``push`` (``stub.PushDelta`` / ``stub.PushRegional``)."""
-    return push(delta_chunks(header, data), timeout=timeout)
+    """Stream one delta through ``push`` (``stub.PushDelta`` / ``stub.PushRegional``, a
+    stream-unary multicallable):
+    its header, then, once the server says go (``wireformat.GO_KEY``: it may be letting
+    other pushes read first), its data.  A call that ends before the go (a refused header)
+    sends no data, and raises as the call does."""
+    return _GoPush(push, header, data).run(timeout)
+
+
+class _GoPush:
+    """One push that sends its data only after the server's go (``push_delta``)."""
+
+    def __init__(self, push: Any, header: pb.TransferHeader, data: frames.Data) -> None:
+        self.push = push
+        self.header, self.data = header, data
+        self.call: Any = None
+        self.placed = threading.Event()  # ``call`` is set
+
+    def parts(self) -> Iterator[Any]:
+        """The request stream (read on gRPC's own thread)."""
+        chunks = delta_chunks(self.header, self.data)
+        yield next(chunks)  # the header
+        self.placed.wait()
+        call = self.call
+        if call is None:  # the call could not start
+            return
+        # Until the server's go or the call's end, whichever comes first.
+        if not any(key == GO_KEY for key, _ in call.initial_metadata() or ()):
+            return
+        yield from chunks
+
+    def run(self, timeout: float | None) -> pb.PushAck:
+        try:
+            self.call = self.push.future(self.parts(), timeout=timeout)
+        finally:
+            self.placed.set()
+        try:
+            return self.call.result()
+        except BaseException:
+            self.call.cancel()  # an interrupt here does not leave the push running
+            raise
+        finally:
+            # The call refers to the stream's generator, which refers to this object: no
+            # cycle may keep the delta's bytes for the garbage collector.
+            self.call = None
 
 
 def fetch_merge(

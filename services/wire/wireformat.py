@@ -22,6 +22,14 @@ format 2 on, whichever side is newer names the mismatch.
 Bump ``WIRE_FORMAT`` with any change a peer of the previous build would misread, the
 digest format's first (``DIGEST_FORMATS`` says which digest format each wire format uses;
 a unit test ties the two).
+
+Format 3: a push sends its header, then waits for the server's go (its initial metadata,
+``GO_KEY``) before it sends data.  A server sends it once the push may read its data
+(``calls.Watch.requests``: after its reading slot, ``CallLimits.reading``), so a push
+waiting in line holds no data at the server, where before it held what gRPC's stream
+window let in (about 3 MiB each, measured: bench/bench_waiting_push.py).  A client of
+format 3 would wait for ever on a server of format 2, which sends no go; the format check
+refuses it at once instead.
 """
 
 from __future__ import annotations
@@ -30,13 +38,16 @@ from typing import Any
 
 import grpc
 
-WIRE_FORMAT = 2
+WIRE_FORMAT = 3
 """This build's wire format."""
-DIGEST_FORMATS = {2: 2}
+DIGEST_FORMATS = {2: 2, 3: 2}
 """Wire format -> the digest format (``common/digest.DIGEST_FORMAT``) of its digests."""
 FORMAT_KEY = "hypertrain-wire-format"
 """The metadata key of the caller's wire format (gRPC metadata keys are lowercase)."""
 FORMAT_METADATA = ((FORMAT_KEY, str(WIRE_FORMAT)),)
+GO_KEY = "hypertrain-go"
+"""The metadata key of a server's go to a push: send your data now (format 3)."""
+GO_METADATA = ((GO_KEY, "1"),)
 
 
 def format_refusal(context: grpc.ServicerContext) -> str | None:

@@ -33,6 +33,7 @@ from hypertrain.common.errors import CodecError
 from hypertrain.v1 import hypertrain_pb2 as pb
 from hypertrain.v1 import hypertrain_pb2_grpc as pb_grpc
 from hypertrain.wire import calls, frames, spool, wireformat
+from hypertrain.wire import client as client_mod
 from hypertrain.wire.calls import CallGuard, CallLimits
 from hypertrain.wire.chunks import (
     CHUNK_BYTES,
@@ -153,11 +154,14 @@ class ReadingRelay(WireRelay):
 
 
 @contextlib.contextmanager
-def _reading_relay(tmp_path: Path, reading: int) -> Iterator[tuple[ReadingRelay, Any]]:
+def _reading_relay(
+    tmp_path: Path, reading: int, on_waiting: Any = lambda n: None
+) -> Iterator[tuple[ReadingRelay, Any]]:
     servicer = ReadingRelay(tmp_path / "spool", tmp_path / "published")
     servicer.spool.mkdir()
     server = make_server(max_workers=8)
-    add_servicer(servicer, server, "Relay", CallGuard(CallLimits(reading=reading)))
+    guard = CallGuard(CallLimits(reading=reading), on_waiting=on_waiting)
+    add_servicer(servicer, server, "Relay", guard)
     address = bind(server, "127.0.0.1:0")
     server.start()
     channel = connect(address, timeout=10)
@@ -220,6 +224,54 @@ def test_a_trickling_push_holding_the_slot_does_not_hold_back_the_next(tmp_path:
         slow.join(30)
         assert servicer.done == ["eu-1", "eu-0"]
         assert (servicer.published / slow_header.digest).read_bytes() == slow_data
+
+
+def test_a_push_in_line_sends_nothing_past_its_header_until_let_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wire format 3: ``push_delta`` sends its data only after the server's go, so a push
+    waiting for a reading slot holds no data at the server (gRPC's window would have let
+    a few MiB of it in).  Once let in, it lands whole."""
+    monkeypatch.setattr(calls, "FAST_BYTES_S", 0)  # the stalled holder keeps counting
+    pulled: list[int] = []
+    real = client_mod.delta_chunks
+
+    def counted(header: pb.TransferHeader, data: Any) -> Iterator[Any]:
+        for part in real(header, data):
+            pulled.append(len(part) if isinstance(part, memoryview | bytes) else 0)
+            yield part
+
+    monkeypatch.setattr(client_mod, "delta_chunks", counted)
+    waiting: list[int] = []
+    with _reading_relay(tmp_path, reading=1, on_waiting=waiting.append) as (servicer, stub):
+        hold_header, hold_data = _delta("eu-0", 2 * CHUNK_BYTES)
+        header, data = _delta("eu-1", 8 * CHUNK_BYTES)
+        resume = threading.Event()
+
+        def holder() -> Iterator[Any]:
+            parts = delta_chunks(hold_header, hold_data)
+            yield next(parts)
+            yield next(parts)  # it holds the slot from here
+            resume.wait(30)
+            yield from parts
+
+        held = threading.Thread(target=lambda: stub.PushDelta(holder(), timeout=60))
+        held.start()
+        _until(lambda: servicer.reading == 1)
+        acks: list[str] = []
+        line = threading.Thread(
+            target=lambda: acks.append(push_delta(stub.PushDelta, header, data, timeout=60).digest)
+        )
+        line.start()
+        _until(lambda: waiting[-1:] == [1])
+        time.sleep(0.5)
+        assert pulled == [0]  # its header alone: no data part taken from the delta
+        resume.set()
+        held.join(30)
+        line.join(30)
+        assert acks == [header.digest] and servicer.done == ["eu-0", "eu-1"]
+        assert pulled == [0] + [CHUNK_BYTES] * 8
+        assert (servicer.published / header.digest).read_bytes() == data
 
 
 def _until(cond: Any, timeout: float = 10.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from hypertrain.wire import calls
 from hypertrain.wire.calls import HEADROOM, CallGuard, CallLimits, Watch
 from hypertrain.wire.errors import WireError
+from hypertrain.wire.wireformat import GO_METADATA
 
 
 class Context:
@@ -21,6 +23,7 @@ class Context:
         self._peer, self._name = peer, name
         self.cancelled = 0
         self.active = True
+        self.sent: tuple[tuple[str, str], ...] | None = None  # initial metadata
 
     def is_active(self) -> bool:
         return self.active
@@ -33,6 +36,11 @@ class Context:
 
     def cancel(self) -> None:
         self.cancelled += 1
+
+    def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        if self.sent is not None:
+            raise ValueError("Initial metadata no longer allowed!")  # as gRPC's context
+        self.sent = metadata
 
 
 class Clock:
@@ -199,6 +207,35 @@ def test_a_push_past_the_reading_slots_waits_after_its_header_first_come_first_s
     assert order == ["a", "b", "c"]
 
 
+def test_a_push_is_told_to_send_its_data_once_it_holds_a_slot_not_before() -> None:
+    """The go (wire format 3: the call's initial metadata) goes after the header, and
+    for a push in line only once it is let in; never to a call that ended meanwhile."""
+    guard = CallGuard(CallLimits(reading=1), Clock())
+    a, b, c = Context(peer="a"), Context(peer="b"), Context(peer="c")
+    with guard.call(a, True) as wa, guard.call(b, True) as wb, guard.call(c, True) as wc:
+        assert wa is not None and wb is not None and wc is not None
+        ia = _push(wa, guard)
+        next(ia)
+        assert a.sent is None  # the header is read: not told yet (it may be refused)
+        next(ia)
+        assert a.sent == GO_METADATA and wa.reading
+        ib = _push(wb, guard)
+        next(ib)
+        tb = _start(ib)
+        _until(lambda: wb.waiting)
+        ic = _push(wc, guard)
+        next(ic)
+        tc = _start(ic)
+        _until(lambda: wc.waiting)
+        c.active = False  # c's caller gave up while in line
+        time.sleep(3 * calls.ADMIT_POLL_S)
+        assert b.sent is None and c.sent is None  # in line: no data asked for
+        assert list(ia) == [b"x" * 1024] * 2  # a ends: b is let in
+        tb.join(5)
+        tc.join(5)
+        assert b.sent == GO_METADATA and c.sent is None
+
+
 def test_a_slow_slot_holder_stops_counting_and_lets_the_next_push_in() -> None:
     clock = Clock()
     guard = CallGuard(CallLimits(reading=1), clock)
@@ -280,9 +317,9 @@ def test_a_slow_holder_counts_again_once_it_moves_fast() -> None:
 
 def test_a_callers_pushes_take_one_slot_between_them() -> None:
     guard = CallGuard(CallLimits(reading=2), Clock())
-    eve, other = Context(name="island-eu-1"), Context(name="island-eu-0")
-    late = Context(name="island-eu-2")
-    with guard.call(eve, True) as e1, guard.call(eve, True) as e2:
+    eve1, eve2 = Context(name="island-eu-1"), Context(name="island-eu-1")  # one caller
+    other, late = Context(name="island-eu-0"), Context(name="island-eu-2")
+    with guard.call(eve1, True) as e1, guard.call(eve2, True) as e2:
         assert e1 is not None and e2 is not None
         ie1, ie2 = _push(e1, guard), _push(e2, guard)
         next(ie1), next(ie1), next(ie2), next(ie2)  # both of eve's in: they count once
@@ -304,3 +341,33 @@ def test_a_callers_pushes_take_one_slot_between_them() -> None:
             assert list(ie2) == [b"x" * 1024] * 2  # eve's last gives the slot
             t.join(5)
             assert not t.is_alive() and w.bytes == 3 * 1024
+
+
+@pytest.mark.parametrize("spooled", [True, False])
+def test_a_push_holds_no_sink_until_its_first_data_part(tmp_path: Path, spooled: bool) -> None:
+    """``receive_delta`` makes its sink (worker threads, a spool file) once the first data
+    part is in, not at the header: a push waiting for a reading slot between the two
+    (``Watch.requests``) holds neither.  The delta still lands whole."""
+    from hypertrain.common.digest import blob_digest
+    from hypertrain.v1 import hypertrain_pb2 as pb
+    from hypertrain.wire.chunks import delta_chunks, receive_delta
+
+    blob = bytes(range(256)) * 4096 * 3  # 3 MiB: three chunks
+    header = pb.TransferHeader(digest=blob_digest(blob), size=len(blob))
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    seen: dict[str, object] = {}
+
+    def parts() -> Iterator[object]:
+        stream = iter(delta_chunks(header, blob))
+        yield next(stream)  # the header
+        # Here a push would wait for its reading slot.
+        seen["threads"] = sorted(
+            t.name for t in threading.enumerate() if t.name.startswith("wire-")
+        )
+        seen["files"] = sorted(p.name for p in spool.iterdir())
+        yield from stream
+
+    got = receive_delta(parts(), max_size=len(blob), spool_dir=spool if spooled else None)
+    assert seen == {"threads": [], "files": []}
+    assert got.digest == header.digest and bytes(got.data) == blob
