@@ -161,8 +161,12 @@ class _GoPush:
             self.placed.set()
         try:
             return self.call.result()
-        except BaseException:
+        except BaseException as exc:
             self.call.cancel()  # an interrupt here does not leave the push running
+            # ``result()`` raises the call itself, whose traceback's frames hold it (and
+            # this object, and the delta's bytes up the stack): a cycle that would keep
+            # a refused push's delta until the garbage collector ran (as fetch_merge).
+            traceback.clear_frames(exc.__traceback__)
             raise
         finally:
             # The call refers to the stream's generator, which refers to this object: no

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -272,6 +273,26 @@ def test_a_push_in_line_sends_nothing_past_its_header_until_let_in(
         assert acks == [header.digest] and servicer.done == ["eu-0", "eu-1"]
         assert pulled == [0] + [CHUNK_BYTES] * 8
         assert (servicer.published / header.digest).read_bytes() == data
+
+
+def test_a_refused_push_lets_its_delta_go_without_the_garbage_collector(tmp_path: Path) -> None:
+    """A push refused on its header raises the call itself (``future().result()``); its
+    traceback must not keep the delta's bytes alive until a collection runs."""
+    with _reading_relay(tmp_path, reading=2) as (_, stub):
+        data = np.zeros(4 << 20, dtype=np.uint8)
+        alive = weakref.ref(data)
+        header = pb.TransferHeader(run_id="r", sender="eu-0", digest="x", size=data.size)
+        code = None
+        gc.disable()
+        try:
+            try:
+                push_delta(stub.PushDelta, header, memoryview(data), timeout=30)
+            except grpc.RpcError as e:  # (not pytest.raises: its record keeps the frames)
+                code = e.code()  # type: ignore[attr-defined]
+            del data
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and alive() is None
+        finally:
+            gc.enable()
 
 
 def _until(cond: Any, timeout: float = 10.0) -> None:
